@@ -1,0 +1,18 @@
+# The two commands of the README: `make demo` (SNIP training of the demo model) and `make test`.
+# Both set up .venv on first use (scripts/setup.sh).
+VENV := .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: setup test demo
+
+$(VENV)/.installed: pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+
+setup: $(VENV)/.installed
+
+test: setup
+	$(PY) -m pytest -q tests
+
+demo: setup
+	$(PY) -m lightning_snip.train $(ARGS)

@@ -1,0 +1,119 @@
+"""Swap nn.Linear modules for SNIPLinear in place, and apply a plan (fqn -> Format) to them."""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Callable, Mapping, Sequence
+
+from torch import nn
+
+from lightning_snip.formats import Format, QuantRecipe
+from lightning_snip.linear import SNIPLinear
+
+logger = logging.getLogger(__name__)
+
+LinearFilter = Callable[[str, nn.Linear], bool]
+
+
+def glob_filter(include: Sequence[str] = ("*",), exclude: Sequence[str] = ()) -> LinearFilter:
+    """A filter keeping layers whose fqn matches an ``include`` glob and no ``exclude`` glob."""
+
+    def keep(fqn: str, _module: nn.Linear) -> bool:
+        return any(fnmatch.fnmatchcase(fqn, p) for p in include) and not any(
+            fnmatch.fnmatchcase(fqn, p) for p in exclude
+        )
+
+    return keep
+
+
+def convert_linears(
+    model: nn.Module,
+    *,
+    filter: LinearFilter | None = None,
+    pins: Mapping[str, Format | str] | None = None,
+    initial_format: Format | str = Format.BF16,
+    recipe: QuantRecipe = QuantRecipe(),
+) -> dict[str, SNIPLinear]:
+    """Replace every selected ``nn.Linear`` in ``model`` by a SNIPLinear sharing its Parameters.
+
+    Args:
+        model: converted in place.
+        filter: ``(fqn, module) -> bool``; None selects every nn.Linear.
+        pins: fqn glob -> format; a matching layer is fixed to that format (``layer.pinned``) and no
+            plan may change it. Every pin must match a selected layer.
+        initial_format: the format of unpinned layers until the first plan. Where a layer's shape
+            does not support it (block formats need dimensions divisible by the block), the layer
+            stays in bf16 and a warning names it.
+        recipe: rounding and scaling choices shared by all layers.
+
+    Returns:
+        fqn -> SNIPLinear, in module order. Already converted layers are returned too.
+
+    Raises:
+        ValueError: the filter selects no layer, a pin matches none, or a pinned format does not
+            fit the layer's shape.
+    """
+    initial = Format.parse(initial_format, field_name="initial_format")
+    pin_formats = {pattern: Format.parse(f, field_name=f"pins[{pattern}]") for pattern, f in (pins or {}).items()}
+    targets = [
+        (fqn, m)
+        for fqn, m in model.named_modules()
+        if isinstance(m, nn.Linear) and fqn and (filter is None or filter(fqn, m))
+    ]
+    if not targets:
+        raise ValueError("filter: selects no nn.Linear layer of the model; check the include/exclude patterns")
+    unused = [p for p in pin_formats if not any(fnmatch.fnmatchcase(fqn, p) for fqn, _ in targets)]
+    if unused:
+        raise ValueError(f"pins: pattern(s) {unused} match no converted layer")
+
+    converted: dict[str, SNIPLinear] = {}
+    for fqn, linear in targets:
+        layer = linear if isinstance(linear, SNIPLinear) else SNIPLinear.from_linear(linear, recipe=recipe)
+        pinned = next((f for p, f in pin_formats.items() if fnmatch.fnmatchcase(fqn, p)), None)
+        if pinned is not None and pinned not in layer.allowed_formats:
+            raise ValueError(f"pins: layer {fqn} ({layer.in_features}->{layer.out_features}) cannot run in {pinned.value}")
+        layer.pinned = pinned
+        start = pinned or initial
+        if start not in layer.allowed_formats:
+            logger.warning(
+                "layer %s (%d->%d): dimensions not divisible by the %s block size %s; it stays in bf16 and "
+                "plans will only give it %s",
+                fqn, layer.in_features, layer.out_features, start.value, start.block_size,
+                sorted(f.value for f in layer.allowed_formats),
+            )
+            start = Format.BF16
+        layer.format = start
+        if layer is not linear:
+            parent_name, _, child = fqn.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, layer)
+        converted[fqn] = layer
+    return converted
+
+
+def switchable_layers(model: nn.Module) -> dict[str, SNIPLinear]:
+    """fqn -> SNIPLinear for every converted layer of ``model``."""
+    return {fqn: m for fqn, m in model.named_modules() if isinstance(m, SNIPLinear)}
+
+
+def apply_plan(model: nn.Module, plan: Mapping[str, Format | str]) -> None:
+    """Set each listed layer's format. Validates the whole plan before changing anything.
+
+    Raises:
+        ValueError: an fqn is not a SNIPLinear of the model, a format is unknown or not allowed for
+            that layer, or the plan changes a pinned layer.
+    """
+    layers = switchable_layers(model)
+    resolved: dict[str, Format] = {}
+    for fqn, value in plan.items():
+        if fqn not in layers:
+            raise ValueError(f"plan: {fqn!r} is not a converted layer of the model")
+        fmt = Format.parse(value, field_name=f"plan[{fqn}]")
+        layer = layers[fqn]
+        if layer.pinned is not None and fmt is not layer.pinned:
+            raise ValueError(f"plan[{fqn}]: layer is pinned to {layer.pinned.value}, the plan says {fmt.value}")
+        if fmt not in layer.allowed_formats:
+            raise ValueError(f"plan[{fqn}]: {fmt.value} not allowed; allowed: {sorted(f.value for f in layer.allowed_formats)}")
+        resolved[fqn] = fmt
+    for fqn, fmt in resolved.items():
+        layers[fqn].format = fmt

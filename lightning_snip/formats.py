@@ -1,0 +1,284 @@
+"""Number formats a switchable linear layer can run in, their quantizers and their cost model.
+
+Quantization itself is torchao's: FP8 scales and casts from ``torchao.float8``, MX block scaling from
+``torchao.prototype.mx_formats.MXTensor`` and NVFP4 two-level scaling from ``NVFP4Tensor`` /
+``nvfp4_quantize``. What torchao lacks and is written here by hand:
+
+- quantizing along an arbitrary axis (torchao blocks the last dimension; we move the contraction axis
+  there and back, and zero-pad it to a whole number of blocks, which leaves every dot product exact);
+- stochastic rounding onto the FP4 (E2M1) grid, which torchao only has as a GPU kernel. It reuses
+  torchao's block scales and replaces only the final rounding step.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class Format(enum.Enum):
+    """A GEMM operand format. The value is the name used in configs and plans."""
+
+    BF16 = "bf16"
+    FP8 = "fp8"
+    MXFP8 = "mxfp8"
+    MXFP4 = "mxfp4"
+    NVFP4 = "nvfp4"
+
+    @classmethod
+    def parse(cls, value: "Format | str", *, field_name: str = "format") -> "Format":
+        """Turn a name (case-insensitive) or a Format into a Format; raise ValueError naming the field."""
+        if isinstance(value, Format):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.strip().lower())
+            except ValueError:
+                pass
+        valid = ", ".join(f.value for f in cls)
+        raise ValueError(f"{field_name}: unknown format {value!r}; valid formats are: {valid}")
+
+    @property
+    def is_fp4(self) -> bool:
+        return self in (Format.MXFP4, Format.NVFP4)
+
+    @property
+    def block_size(self) -> int | None:
+        """Elements per shared scale along the contraction axis, or None for per-row/tensor scaling."""
+        return _BLOCK_SIZES.get(self)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_BLOCK_SIZES = {Format.MXFP8: 32, Format.MXFP4: 32, Format.NVFP4: 16}
+
+FP4_FORMATS = frozenset(f for f in Format if f.is_fp4)
+
+DEFAULT_RELATIVE_COST: Mapping[Format, float] = MappingProxyType(
+    {Format.BF16: 1.0, Format.FP8: 0.5, Format.MXFP8: 0.5, Format.MXFP4: 0.25, Format.NVFP4: 0.25}
+)
+
+
+class Rounding(enum.Enum):
+    NEAREST = "nearest"
+    STOCHASTIC = "stochastic"
+
+
+class Fp8Scaling(enum.Enum):
+    """torchao.float8 scaling granularity for the FP8 format."""
+
+    ROWWISE = "rowwise"  # one scale per row of the contraction axis (torchao's AXISWISE)
+    TENSORWISE = "tensorwise"
+
+
+class Fp8Dtype(enum.Enum):
+    E4M3 = "e4m3"
+    E5M2 = "e5m2"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self is Fp8Dtype.E4M3 else torch.float8_e5m2
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantRecipe:
+    """How each format quantizes: the knobs that are not the format itself.
+
+    Args:
+        fp8_scaling: rowwise (default) or tensorwise scales for Format.FP8.
+        fp8_grad_dtype: element type of gradient operands under FP8 / MXFP8.
+        fp4_grad_rounding: rounding of gradient operands in FP4 GEMMs (stochastic is unbiased).
+    """
+
+    fp8_scaling: Fp8Scaling = Fp8Scaling.ROWWISE
+    fp8_grad_dtype: Fp8Dtype = Fp8Dtype.E4M3
+    fp4_grad_rounding: Rounding = Rounding.STOCHASTIC
+
+    def __post_init__(self) -> None:
+        for name, enum_type in (
+            ("fp8_scaling", Fp8Scaling),
+            ("fp8_grad_dtype", Fp8Dtype),
+            ("fp4_grad_rounding", Rounding),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, enum_type):
+                try:
+                    object.__setattr__(self, name, enum_type(value))
+                except ValueError:
+                    valid = ", ".join(e.value for e in enum_type)
+                    raise ValueError(f"{name}: invalid value {value!r}; valid: {valid}") from None
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Relative GEMM cost of each format (bf16 = 1.0), a hardware throughput model."""
+
+    relative_cost: Mapping[Format, float] = field(default_factory=lambda: dict(DEFAULT_RELATIVE_COST))
+
+    def __post_init__(self) -> None:
+        costs = {Format.parse(k, field_name="relative_cost"): float(v) for k, v in self.relative_cost.items()}
+        missing = [f.value for f in Format if f not in costs]
+        if missing:
+            costs = {**DEFAULT_RELATIVE_COST, **costs}
+        for fmt, cost in costs.items():
+            if not cost > 0 or cost != cost:
+                raise ValueError(f"relative_cost[{fmt.value}]: must be a positive number, got {cost!r}")
+        object.__setattr__(self, "relative_cost", MappingProxyType(costs))
+
+    def cost(self, fmt: Format) -> float:
+        return self.relative_cost[fmt]
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantize-dequantize along an axis (emulation; same numerics as the hardware kernels).
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    fmt: Format,
+    *,
+    axis: int,
+    rounding: Rounding = Rounding.NEAREST,
+    recipe: QuantRecipe = QuantRecipe(),
+    is_grad: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Quantize a 2-D tensor to ``fmt`` with scales shared along ``axis`` and return it dequantized.
+
+    ``axis`` is the GEMM's contraction (reduction) axis: scale blocks run along it. Non-finite inputs
+    stay non-finite in the output (they are never silently replaced). Returns a tensor of x's dtype.
+
+    Args:
+        x: a 2-D tensor.
+        fmt: the target format; BF16 returns x unchanged (the run's own precision).
+        axis: 0 or 1, the contraction axis.
+        rounding: NEAREST, or STOCHASTIC (FP4 formats only; unbiased).
+        recipe: FP8 scaling granularity and gradient dtype.
+        is_grad: the operand is a gradient (selects recipe.fp8_grad_dtype for FP8/MXFP8).
+        generator: random source for stochastic rounding.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-D tensor, got shape {tuple(x.shape)}")
+    if axis not in (0, 1):
+        raise ValueError(f"axis: must be 0 or 1, got {axis!r}")
+    if fmt is Format.BF16:
+        return x
+    if rounding is Rounding.STOCHASTIC and not fmt.is_fp4:
+        raise ValueError(f"rounding: stochastic rounding is implemented for FP4 formats only, not {fmt.value}")
+    orig_dtype = x.dtype
+    rows = x.float() if axis == 1 else x.float().t()  # contraction axis last
+    if fmt is Format.FP8:
+        out = _fp8_fake_quantize(rows, recipe, is_grad)
+    else:
+        out = _block_fake_quantize(rows, fmt, rounding, recipe, is_grad, generator)
+    out = out if axis == 1 else out.t()
+    return out.to(orig_dtype)
+
+
+def _fp8_fake_quantize(rows: torch.Tensor, recipe: QuantRecipe, is_grad: bool) -> torch.Tensor:
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+
+    dtype = recipe.fp8_grad_dtype.torch_dtype if is_grad else torch.float8_e4m3fn
+    if recipe.fp8_scaling is Fp8Scaling.ROWWISE:
+        scale = tensor_to_scale(rows, dtype, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1)
+    else:
+        scale = tensor_to_scale(rows, dtype)
+    return to_fp8_saturated(rows * scale, dtype).float() / scale
+
+
+def _pad_to_blocks(rows: torch.Tensor, block: int) -> torch.Tensor:
+    pad = (-rows.shape[1]) % block
+    if pad:
+        # Zero padding along the contraction axis adds zero terms to every dot product: exact.
+        rows = torch.nn.functional.pad(rows, (0, pad))
+    return rows.contiguous()
+
+
+def _block_fake_quantize(
+    rows: torch.Tensor,
+    fmt: Format,
+    rounding: Rounding,
+    recipe: QuantRecipe,
+    is_grad: bool,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    num_cols = rows.shape[1]
+    block = fmt.block_size
+    padded = _pad_to_blocks(rows, block)
+    if fmt is Format.NVFP4:
+        out = _nvfp4_fake_quantize(padded, rounding, generator)
+    else:
+        out = _mx_fake_quantize(padded, fmt, rounding, recipe, is_grad, generator)
+    return out[:, :num_cols]
+
+
+def _mx_fake_quantize(rows, fmt, rounding, recipe, is_grad, generator) -> torch.Tensor:
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor, get_fp_scale, to_mx
+
+    if fmt is Format.MXFP8:
+        elem = recipe.fp8_grad_dtype.torch_dtype if is_grad else torch.float8_e4m3fn
+    else:
+        elem = torch.float4_e2m1fn_x2
+    block = fmt.block_size
+    # RCEIL (cuBLAS's MX scale rule) never saturates a block's largest element, which keeps
+    # stochastic rounding unbiased; FLOOR would clip up to 25% of it for E2M1.
+    mode = ScaleCalculationMode.RCEIL
+    if rounding is Rounding.NEAREST:
+        return MXTensor.to_mx(rows, elem, block, scaling_mode=mode).dequantize(torch.float32)
+    scale_e8m0, _ = to_mx(rows, elem, block, mode)
+    scale = get_fp_scale(scale_e8m0).reshape(rows.shape[0], -1, 1)
+    blocks = rows.reshape(rows.shape[0], -1, block)
+    q = _stochastic_round_e2m1(blocks / scale, generator)
+    return (q * scale).reshape(rows.shape)
+
+
+def _nvfp4_fake_quantize(rows, rounding, generator) -> torch.Tensor:
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, nvfp4_quantize, per_tensor_amax_to_scale
+
+    per_tensor_scale = per_tensor_amax_to_scale(rows.abs().amax())
+    if rounding is Rounding.NEAREST:
+        t = NVFP4Tensor.to_nvfp4(rows, per_tensor_scale=per_tensor_scale)
+        return t.dequantize(torch.float32)
+    block_scales_fp8, _ = nvfp4_quantize(rows, 16, per_tensor_scale)
+    blocks = rows.reshape(rows.shape[0], -1, 16)
+    scale = (block_scales_fp8.float() * per_tensor_scale).reshape(rows.shape[0], -1, 1)
+    # torchao rounds the E4M3 block scale to nearest; where that went down, the block's largest
+    # element would saturate at 6 and bias stochastic rounding. Step such scales one E4M3 value up.
+    too_small = blocks.abs().amax(-1, keepdim=True) > 6.0 * scale
+    bumped = (block_scales_fp8.float().reshape(scale.shape) * 1.125).to(torch.float8_e4m3fn).float() * per_tensor_scale
+    scale = torch.where(too_small, bumped, scale)
+    q = _stochastic_round_e2m1(blocks / scale, generator)
+    return (q * scale).reshape(rows.shape)
+
+
+# The non-negative E2M1 values; the grid is symmetric.
+_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _stochastic_round_e2m1(v: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Round scaled values onto the E2M1 grid, up with probability equal to the distance from below.
+
+    Written by hand: torchao has stochastic rounding only inside its GPU cast kernels. E[q] = v for
+    |v| <= 6; larger magnitudes (only possible where an E4M3 block scale rounded down) saturate at 6.
+    NaN stays NaN.
+    """
+    grid = torch.tensor(_E2M1_GRID, dtype=v.dtype, device=v.device)
+    mag = v.abs().clamp(max=6.0)
+    upper_idx = torch.bucketize(mag, grid).clamp(min=1, max=len(_E2M1_GRID) - 1)
+    lo = grid[upper_idx - 1]
+    hi = grid[upper_idx]
+    prob_up = (mag - lo) / (hi - lo)
+    u = torch.rand(v.shape, generator=generator, device=v.device, dtype=v.dtype)
+    q = torch.where(u < prob_up, hi, lo)
+    q = torch.copysign(q, v)
+    return torch.where(torch.isfinite(v), q, v)

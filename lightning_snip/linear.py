@@ -1,0 +1,183 @@
+"""SNIPLinear: an nn.Linear whose forward, dgrad and wgrad GEMMs follow a switchable format.
+
+For X (N x k), W (m x k), G = dL/dY (N x m), each GEMM quantizes both operands along its own
+contraction axis (../SNIP_METHOD.md section 1):
+
+    fwd    Y  = Q(X) Q(W)^T      contraction over k
+    dgrad  dX = Q(G) Q(W)        contraction over m
+    wgrad  dW = Q(G)^T Q(X)      contraction over N (tokens)
+
+Forward operands round to nearest; gradient operands of FP4 GEMMs round stochastically (recipe).
+Every GEMM is ``quantized_matmul(a, b)`` = a @ b^T with the contraction along dim 1 of both.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_snip.formats import Format, QuantRecipe, Rounding, fake_quantize
+
+logger = logging.getLogger(__name__)
+
+
+def has_native_kernel(fmt: Format, device: torch.device) -> bool:
+    """Whether a real low-precision GEMM exists for ``fmt`` on ``device``.
+
+    FP8 uses ``torch._scaled_mm`` (the kernel torchao.float8 runs) from SM89 on. MX and NVFP4
+    GEMMs need SM100; lightning_snip emulates them everywhere for now (same numerics, no speed-up).
+    """
+    if fmt is not Format.FP8 or device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def quantized_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    fmt: Format,
+    *,
+    recipe: QuantRecipe,
+    a_is_grad: bool = False,
+    b_is_grad: bool = False,
+) -> torch.Tensor:
+    """Return Q(a) @ Q(b)^T, both operands quantized along dim 1 (the contraction axis)."""
+    if fmt is Format.BF16:
+        return a @ b.t()
+    if has_native_kernel(fmt, a.device) and a.shape[1] % 16 == 0 and a.shape[0] % 16 == 0 and b.shape[0] % 16 == 0:
+        return _fp8_scaled_mm(a, b, recipe, a_is_grad, b_is_grad)
+    qa = fake_quantize(a, fmt, axis=1, rounding=_rounding(fmt, recipe, a_is_grad), recipe=recipe, is_grad=a_is_grad)
+    qb = fake_quantize(b, fmt, axis=1, rounding=_rounding(fmt, recipe, b_is_grad), recipe=recipe, is_grad=b_is_grad)
+    return qa @ qb.t()
+
+
+def _rounding(fmt: Format, recipe: QuantRecipe, is_grad: bool) -> Rounding:
+    return recipe.fp4_grad_rounding if (is_grad and fmt.is_fp4) else Rounding.NEAREST
+
+
+def _fp8_scaled_mm(a, b, recipe: QuantRecipe, a_is_grad: bool, b_is_grad: bool) -> torch.Tensor:
+    """FP8 GEMM on the tensor cores, with torchao.float8's scales and saturated casts."""
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+
+    from lightning_snip.formats import Fp8Scaling
+
+    def cast(t, is_grad):
+        dtype = recipe.fp8_grad_dtype.torch_dtype if is_grad else torch.float8_e4m3fn
+        if recipe.fp8_scaling is Fp8Scaling.ROWWISE:
+            scale = tensor_to_scale(t, dtype, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1)
+        else:
+            scale = tensor_to_scale(t, dtype)
+        return to_fp8_saturated(t.float() * scale, dtype), scale.float().reciprocal()
+
+    qa, inv_a = cast(a.contiguous(), a_is_grad)
+    qb, inv_b = cast(b.contiguous(), b_is_grad)
+    if recipe.fp8_scaling is Fp8Scaling.ROWWISE:
+        inv_b = inv_b.reshape(1, -1)
+    out_dtype = a.dtype if a.dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
+    return torch._scaled_mm(qa, qb.t(), scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
+
+
+class _SNIPLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, fmt: Format, recipe: QuantRecipe):
+        x2d = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(x2d, weight)
+        ctx.fmt, ctx.recipe, ctx.x_shape, ctx.has_bias = fmt, recipe, x.shape, bias is not None
+        y = quantized_matmul(x2d, weight, fmt, recipe=recipe)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2d, weight = ctx.saved_tensors
+        fmt, recipe = ctx.fmt, ctx.recipe
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            # dX (N x k) = G (N x m) @ W (m x k): contraction over m.
+            grad_x = quantized_matmul(g, weight.t(), fmt, recipe=recipe, a_is_grad=True).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            # dW (m x k) = G^T (m x N) @ X (N x k): contraction over tokens.
+            grad_w = quantized_matmul(g.t(), x2d.t(), fmt, recipe=recipe, a_is_grad=True).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0)
+        return grad_x, grad_w, grad_b, None, None
+
+
+class SNIPLinear(nn.Linear):
+    """An ``nn.Linear`` whose three GEMMs run in ``self.format``; switchable between steps.
+
+    The Parameters, their names and the state_dict are exactly those of ``nn.Linear``, so a
+    checkpoint loads strictly into the unconverted model. ``allowed_formats`` lists what this
+    layer's shape supports (block formats need in/out features divisible by their block size).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        format: Format | str = Format.BF16,
+        recipe: QuantRecipe = QuantRecipe(),
+        allowed_formats: Iterable[Format] | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe = recipe
+        self.allowed_formats = frozenset(allowed_formats) if allowed_formats is not None else supported_formats(
+            in_features, out_features
+        )
+        self.pinned: Format | None = None  # set by convert_linears; plans may not change it
+        self._format = Format.BF16
+        self.format = format
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, format: Format | str = Format.BF16, recipe: QuantRecipe = QuantRecipe()):
+        """Build a SNIPLinear that shares ``linear``'s Parameter objects (optimizer state stays valid)."""
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, bias=False, recipe=recipe)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.format = format
+        return new
+
+    @property
+    def format(self) -> Format:
+        return self._format
+
+    @format.setter
+    def format(self, value: Format | str) -> None:
+        fmt = Format.parse(value)
+        if fmt not in self.allowed_formats:
+            allowed = ", ".join(sorted(f.value for f in self.allowed_formats))
+            raise ValueError(
+                f"format: {fmt.value} is not supported by a {self.in_features}->{self.out_features} layer; "
+                f"allowed: {allowed}"
+            )
+        self._format = fmt
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._format is Format.BF16:
+            return F.linear(x, self.weight, self.bias)
+        return _SNIPLinearFunction.apply(x, self.weight, self.bias, self._format, self.recipe)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, format={self._format.value}"
+
+
+def supported_formats(in_features: int, out_features: int) -> frozenset[Format]:
+    """Formats whose scale blocks divide both contraction axes that a weight takes part in (k and m).
+
+    The token axis of wgrad is zero-padded instead, since batch shapes vary from step to step.
+    """
+    return frozenset(
+        f for f in Format if f.block_size is None or (in_features % f.block_size == 0 and out_features % f.block_size == 0)
+    )

@@ -1,0 +1,99 @@
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_snip.convert import apply_plan, convert_linears, glob_filter, switchable_layers
+from lightning_snip.formats import Format
+from lightning_snip.linear import SNIPLinear
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"up": nn.Linear(64, 128), "down": nn.Linear(128, 64)}) for _ in range(2)
+        )
+        self.head = nn.Linear(64, 64)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b["down"](torch.relu(b["up"](x)))
+        return self.head(x)
+
+
+def test_convert_keeps_parameters_and_state_dict(tmp_path):
+    model = Tiny()
+    params = {n: p for n, p in model.named_parameters()}
+    keys = list(model.state_dict())
+    layers = convert_linears(model, pins={"head": "bf16"}, initial_format="fp8")
+    assert set(layers) == {"blocks.0.up", "blocks.0.down", "blocks.1.up", "blocks.1.down", "head"}
+    assert all(p is params[n] for n, p in model.named_parameters())
+    assert list(model.state_dict()) == keys
+    assert layers["head"].format is Format.BF16 and layers["head"].pinned is Format.BF16
+    assert layers["blocks.0.up"].format is Format.FP8
+    path = tmp_path / "ckpt.pt"
+    torch.save(model.state_dict(), path)
+    plain = Tiny()
+    plain.load_state_dict(torch.load(path, weights_only=True), strict=True)
+    x = torch.randn(3, 64)
+    apply_plan(model, {fqn: "bf16" for fqn in layers})
+    assert torch.allclose(plain(x), model(x))
+
+
+def test_filter_and_bad_filter():
+    model = Tiny()
+    layers = convert_linears(model, filter=glob_filter(include=("blocks.*",), exclude=("*.down",)))
+    assert set(layers) == {"blocks.0.up", "blocks.1.up"}
+    assert isinstance(model.head, nn.Linear) and not isinstance(model.head, SNIPLinear)
+    with pytest.raises(ValueError, match="filter: selects no"):
+        convert_linears(Tiny(), filter=glob_filter(include=("nothing*",)))
+    with pytest.raises(ValueError, match="pins: pattern"):
+        convert_linears(Tiny(), pins={"lm_head": "bf16"})
+
+
+def test_incompatible_dimensions_stay_high_with_warning(caplog):
+    model = nn.Sequential(nn.Linear(64, 40), nn.Linear(40, 64))
+    with caplog.at_level(logging.WARNING):
+        layers = convert_linears(model, initial_format="mxfp4")
+    assert layers["0"].format is Format.BF16 and "layer 0 (64->40)" in caplog.text
+    assert layers["0"].allowed_formats == {Format.BF16, Format.FP8}
+
+
+def test_apply_plan_validates_before_changing():
+    model = Tiny()
+    convert_linears(model, pins={"head": "bf16"})
+    with pytest.raises(ValueError, match="pinned"):
+        apply_plan(model, {"blocks.0.up": "mxfp4", "head": "nvfp4"})
+    assert model.blocks[0]["up"].format is Format.BF16  # nothing applied
+    with pytest.raises(ValueError, match="not a converted layer"):
+        apply_plan(model, {"blocks.9.up": "mxfp4"})
+    apply_plan(model, {"blocks.0.up": "mxfp4", "blocks.1.down": Format.NVFP4})
+    assert {f: m.format.value for f, m in switchable_layers(model).items()}["blocks.1.down"] == "nvfp4"
+
+
+def test_switching_mid_training_keeps_optimizer_state_and_learns():
+    torch.manual_seed(0)
+    model = Tiny()
+    layers = convert_linears(model, pins={"head": "bf16"})
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x = torch.randn(256, 64)
+    target = torch.sin(x @ torch.randn(64, 64) / 8)
+    losses = []
+    for step in range(90):
+        if step == 30:
+            state_before = {id(p): opt.state[p]["exp_avg"].clone() for p in model.parameters()}
+            apply_plan(model, {f: "mxfp4" for f in layers if f != "head"})
+            assert all(id(p) in state_before for p in model.parameters())
+            assert all(torch.equal(opt.state[p]["exp_avg"], state_before[id(p)]) for p in model.parameters())
+        if step == 60:
+            apply_plan(model, {f: "fp8" for f in layers if f != "head"})
+        loss = nn.functional.mse_loss(model(x), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert opt.state[model.blocks[0]["up"].weight]["step"] == 90
+    assert losses[59] < losses[30] < losses[0]
+    assert losses[89] < losses[60]
