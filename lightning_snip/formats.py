@@ -18,7 +18,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported inside the quantizers: the planner and Plan use this module
+    import torch  # without torch (plans can be solved offline from saved metrics)
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +87,9 @@ class Fp8Dtype(enum.Enum):
     E5M2 = "e5m2"
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
+
         return torch.float8_e4m3fn if self is Fp8Dtype.E4M3 else torch.float8_e5m2
 
 
@@ -165,6 +170,8 @@ def fake_quantize(
         is_grad: the operand is a gradient (selects recipe.fp8_grad_dtype for FP8/MXFP8).
         generator: random source for stochastic rounding.
     """
+    import torch
+
     if x.dim() != 2:
         raise ValueError(f"x: expected a 2-D tensor, got shape {tuple(x.shape)}")
     if axis not in (0, 1):
@@ -184,6 +191,8 @@ def fake_quantize(
 
 
 def _fp8_fake_quantize(rows: torch.Tensor, recipe: QuantRecipe, is_grad: bool) -> torch.Tensor:
+    import torch
+
     from torchao.float8.config import ScalingGranularity
     from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
 
@@ -196,6 +205,8 @@ def _fp8_fake_quantize(rows: torch.Tensor, recipe: QuantRecipe, is_grad: bool) -
 
 
 def _pad_to_blocks(rows: torch.Tensor, block: int) -> torch.Tensor:
+    import torch
+
     pad = (-rows.shape[1]) % block
     if pad:
         # Zero padding along the contraction axis adds zero terms to every dot product: exact.
@@ -222,6 +233,8 @@ def _block_fake_quantize(
 
 
 def _mx_fake_quantize(rows, fmt, rounding, recipe, is_grad, generator) -> torch.Tensor:
+    import torch
+
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.prototype.mx_formats.mx_tensor import MXTensor, get_fp_scale, to_mx
 
@@ -243,6 +256,8 @@ def _mx_fake_quantize(rows, fmt, rounding, recipe, is_grad, generator) -> torch.
 
 
 def _nvfp4_fake_quantize(rows, rounding, generator) -> torch.Tensor:
+    import torch
+
     from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, nvfp4_quantize, per_tensor_amax_to_scale
 
     per_tensor_scale = per_tensor_amax_to_scale(rows.abs().amax())
@@ -272,6 +287,8 @@ def _stochastic_round_e2m1(v: torch.Tensor, generator: torch.Generator | None) -
     |v| <= 6; larger magnitudes (only possible where an E4M3 block scale rounded down) saturate at 6.
     NaN stays NaN.
     """
+    import torch
+
     grid = torch.tensor(_E2M1_GRID, dtype=v.dtype, device=v.device)
     mag = v.abs().clamp(max=6.0)
     upper_idx = torch.bucketize(mag, grid).clamp(min=1, max=len(_E2M1_GRID) - 1)

@@ -1,0 +1,130 @@
+"""Plan: an immutable fqn -> Format mapping with its FLOPs accounting. Pure Python (no torch)."""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from lightning_snip.formats import DEFAULT_RELATIVE_COST, Format
+
+
+class SolveStatus(enum.Enum):
+    OPTIMAL = "optimal"  # proven optimal by the solver
+    FEASIBLE = "feasible"  # meets every constraint; the solver ran out of time before proving optimality
+    HEURISTIC = "heuristic"  # a baseline policy or a hand-made plan: meets the target, no optimality claim
+
+
+@dataclass(frozen=True, eq=False)
+class Plan(Mapping[str, Format]):
+    """A format per layer, with each layer's FLOPs per step and the cost model it was made under.
+
+    Args:
+        formats: fqn -> Format.
+        flops: fqn -> FLOPs of the layer's three GEMMs per step (6 * tokens * m * k); sets the weight
+            of each layer in ``fp4_fraction`` and ``relative_cost``.
+        relative_cost: Format -> GEMM cost relative to bf16.
+        policy: who made it ("snip", "random", ...).
+        status, objective, solve_seconds: what the solver reported.
+    """
+
+    formats: Mapping[str, Format]
+    flops: Mapping[str, float]
+    relative_cost: Mapping[Format, float] = field(default_factory=lambda: dict(DEFAULT_RELATIVE_COST))
+    policy: str = "snip"
+    status: SolveStatus = SolveStatus.HEURISTIC
+    objective: float | None = None
+    solve_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        formats = {fqn: Format.parse(f, field_name=f"formats[{fqn}]") for fqn, f in self.formats.items()}
+        flops = {fqn: float(v) for fqn, v in self.flops.items()}
+        if set(formats) != set(flops):
+            raise ValueError(f"flops: must list exactly the planned layers; differs on {sorted(set(formats) ^ set(flops))}")
+        costs = {Format.parse(k, field_name="relative_cost"): float(v) for k, v in self.relative_cost.items()}
+        object.__setattr__(self, "formats", MappingProxyType(formats))
+        object.__setattr__(self, "flops", MappingProxyType(flops))
+        object.__setattr__(self, "relative_cost", MappingProxyType(costs))
+
+    def __getitem__(self, fqn: str) -> Format:
+        return self.formats[fqn]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.formats)
+
+    def __len__(self) -> int:
+        return len(self.formats)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Plan):
+            return dict(self.formats) == dict(other.formats)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def total_flops(self) -> float:
+        return sum(self.flops.values())
+
+    @property
+    def fp4_fraction(self) -> float:
+        """Share of the planned layers' linear FLOPs that run in an FP4 format."""
+        total = self.total_flops
+        return sum(self.flops[f] for f, fmt in self.formats.items() if fmt.is_fp4) / total if total else 0.0
+
+    @property
+    def relative_gemm_cost(self) -> float:
+        """GEMM cost of the plan relative to running every planned layer in bf16."""
+        total = self.total_flops
+        return sum(self.flops[f] * self.relative_cost[fmt] for f, fmt in self.formats.items()) / total if total else 0.0
+
+    def count(self, fmt: Format) -> int:
+        return sum(1 for f in self.formats.values() if f is fmt)
+
+    def changes_from(self, other: "Plan | None") -> list[str]:
+        """fqns whose format differs from ``other`` (all of them when other is None)."""
+        if other is None:
+            return list(self.formats)
+        return [f for f, fmt in self.formats.items() if other.formats.get(f) is not fmt]
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "formats": {f: fmt.value for f, fmt in self.formats.items()},
+                "flops": dict(self.flops),
+                "relative_cost": {fmt.value: c for fmt, c in self.relative_cost.items()},
+                "policy": self.policy,
+                "status": self.status.value,
+                "objective": self.objective,
+                "solve_seconds": self.solve_seconds,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        data = json.loads(text)
+        return cls(
+            formats=data["formats"],
+            flops=data["flops"],
+            relative_cost=data["relative_cost"],
+            policy=data["policy"],
+            status=SolveStatus(data["status"]),
+            objective=data["objective"],
+            solve_seconds=data["solve_seconds"],
+        )
+
+    def table(self) -> str:
+        """A fixed-width text table: one row per layer, then the totals."""
+        width = max([len("layer")] + [len(f) for f in self.formats])
+        total = self.total_flops or 1.0
+        lines = [f"{'layer':<{width}}  format  flops share", f"{'-' * width}  ------  -----------"]
+        for fqn, fmt in self.formats.items():
+            lines.append(f"{fqn:<{width}}  {fmt.value:<6}  {100 * self.flops[fqn] / total:10.2f}%")
+        counts = ", ".join(f"{fmt.value} {self.count(fmt)}" for fmt in Format if self.count(fmt))
+        lines.append(
+            f"policy {self.policy} ({self.status.value}); layers: {counts}; FP4 FLOPs fraction "
+            f"{self.fp4_fraction:.3f}; relative GEMM cost {self.relative_gemm_cost:.3f}"
+        )
+        return "\n".join(lines)

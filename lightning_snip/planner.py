@@ -1,0 +1,360 @@
+"""The SNIP plan as an integer linear program on python-mip, and the baseline policies.
+
+Pure Python: imports no torch, so a plan can be solved offline from saved metrics.
+
+    minimize    sum_{l,p} (LD(l,p) + lambda * WD(l,p)) x(l,p)
+    subject to  sum_p x(l,p) = 1                                         for every layer l
+                sum_{l in s} F_l x(l, fp4) >= r * sum_{l in s} F_l       (FP4 FLOPs fraction), or
+                sum_{l in s,p} F_l cost_p x(l,p) <= b * sum_{l in s} F_l  (relative cost budget)
+                for the whole model, or for each pipeline stage s
+                x(l, pin_l) = 1                                          for pinned layers
+
+A format whose divergence is +inf (e.g. non-finite statistics) is not a candidate for that layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import re
+import time
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from lightning_snip.formats import DEFAULT_RELATIVE_COST, Format
+from lightning_snip.plan import Plan, SolveStatus
+
+logger = logging.getLogger(__name__)
+
+
+class PlanInfeasibleError(ValueError):
+    """No assignment of formats meets the target under the pins and candidate formats."""
+
+
+class SolverTimeoutError(RuntimeError):
+    """The solver hit its time limit before finding any feasible plan."""
+
+
+@dataclass(frozen=True)
+class LayerCandidates:
+    """One layer's choices: its FLOPs per step and its divergence for each candidate format."""
+
+    fqn: str
+    flops: float
+    loss_divergence: Mapping[Format, float]
+    weight_divergence: Mapping[Format, float]
+    pinned: Format | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.flops, (int, float)) or not math.isfinite(self.flops) or self.flops < 0:
+            raise ValueError(f"flops of {self.fqn}: must be a finite number >= 0, got {self.flops!r}")
+        ld = _parse_metric(self.loss_divergence, f"loss_divergence of {self.fqn}")
+        wd = _parse_metric(self.weight_divergence, f"weight_divergence of {self.fqn}")
+        if set(ld) != set(wd):
+            raise ValueError(
+                f"weight_divergence of {self.fqn}: formats {sorted(f.value for f in wd)} differ from "
+                f"loss_divergence's {sorted(f.value for f in ld)}"
+            )
+        if not ld:
+            raise ValueError(f"loss_divergence of {self.fqn}: needs at least one candidate format")
+        object.__setattr__(self, "loss_divergence", MappingProxyType(ld))
+        object.__setattr__(self, "weight_divergence", MappingProxyType(wd))
+        if self.pinned is not None:
+            object.__setattr__(self, "pinned", Format.parse(self.pinned, field_name=f"pinned of {self.fqn}"))
+
+    def choices(self) -> list[Format]:
+        """Formats this layer may take: its pin, or every candidate with finite divergence."""
+        if self.pinned is not None:
+            return [self.pinned]
+        return [
+            f for f in self.loss_divergence if math.isfinite(self.loss_divergence[f]) and math.isfinite(self.weight_divergence[f])
+        ]
+
+    def score(self, fmt: Format, weight_divergence_weight: float) -> float:
+        if self.pinned is not None and fmt not in self.loss_divergence:
+            return 0.0  # a pinned format without metrics contributes a constant
+        return self.loss_divergence[fmt] + weight_divergence_weight * self.weight_divergence[fmt]
+
+
+def _parse_metric(metric: Mapping[Format, float], name: str) -> dict[Format, float]:
+    out = {}
+    for key, value in metric.items():
+        fmt = Format.parse(key, field_name=name)
+        value = float(value)
+        if math.isnan(value) or value == -math.inf:
+            raise ValueError(f"{name}[{fmt.value}]: must be a number or +inf (format excluded), got {value!r}")
+        out[fmt] = value
+    return out
+
+
+@dataclass(frozen=True)
+class _Target:
+    fp4_fraction: float | None
+    cost_budget: float | None
+    relative_cost: Mapping[Format, float] = field(default_factory=lambda: dict(DEFAULT_RELATIVE_COST))
+
+    def describe(self) -> str:
+        if self.fp4_fraction is not None:
+            return f"FP4 FLOPs fraction >= {self.fp4_fraction}"
+        return f"relative GEMM cost <= {self.cost_budget}"
+
+
+def _validate(layers, fp4_fraction, cost_budget, stages, relative_cost) -> tuple[_Target, dict[Hashable, list[LayerCandidates]]]:
+    if not layers:
+        raise ValueError("layers: at least one layer is needed")
+    fqns = [layer.fqn for layer in layers]
+    if len(set(fqns)) != len(fqns):
+        raise ValueError(f"layers: duplicate fqn(s) {sorted({f for f in fqns if fqns.count(f) > 1})}")
+    if (fp4_fraction is None) == (cost_budget is None):
+        raise ValueError(
+            f"fp4_fraction / cost_budget: give exactly one of them, got fp4_fraction={fp4_fraction!r}, cost_budget={cost_budget!r}"
+        )
+    if fp4_fraction is not None and not (isinstance(fp4_fraction, (int, float)) and 0.0 <= fp4_fraction <= 1.0):
+        raise ValueError(f"fp4_fraction: must be in [0, 1], got {fp4_fraction!r}")
+    if cost_budget is not None and not (isinstance(cost_budget, (int, float)) and cost_budget > 0 and math.isfinite(cost_budget)):
+        raise ValueError(f"cost_budget: must be a positive number (relative to all-bf16 = 1.0), got {cost_budget!r}")
+    costs = {Format.parse(k, field_name="relative_cost"): float(v) for k, v in relative_cost.items()}
+    groups: dict[Hashable, list[LayerCandidates]] = {}
+    if stages is None:
+        groups[None] = list(layers)
+    else:
+        missing = [f for f in fqns if f not in stages]
+        unknown = [f for f in stages if f not in set(fqns)]
+        if missing or unknown:
+            raise ValueError(f"stages: every layer needs a stage; missing {missing[:5]}, unknown fqns {unknown[:5]}")
+        for layer in layers:
+            groups.setdefault(stages[layer.fqn], []).append(layer)
+    for layer in layers:
+        if not layer.choices():
+            raise PlanInfeasibleError(f"layer {layer.fqn}: every candidate format has infinite divergence")
+        unknown_cost = [f.value for f in layer.choices() if f not in costs]
+        if unknown_cost:
+            raise ValueError(f"relative_cost: no cost for {unknown_cost} (layer {layer.fqn})")
+    target = _Target(fp4_fraction, cost_budget, costs)
+    for stage, group in groups.items():
+        _check_reachable(stage, group, target)
+    return target, groups
+
+
+def _check_reachable(stage, group: Sequence[LayerCandidates], target: _Target) -> None:
+    """Each layer is chosen independently, so the best reachable value of one linear constraint is
+    the sum of the per-layer extremes: an exact feasibility test that names the failing stage."""
+    total = sum(layer.flops for layer in group)
+    where = "the model" if stage is None else f"pipeline stage {stage!r}"
+    if total == 0:
+        return
+    if target.fp4_fraction is not None:
+        best = sum(layer.flops for layer in group if any(f.is_fp4 for f in layer.choices())) / total
+        if best < target.fp4_fraction - 1e-12:
+            blocked = [layer.fqn for layer in group if not any(f.is_fp4 for f in layer.choices())]
+            raise PlanInfeasibleError(
+                f"{where}: FP4 FLOPs fraction {target.fp4_fraction} is unreachable; at most {best:.4f} of its FLOPs "
+                f"can run in FP4 because {len(blocked)} layer(s) are pinned or have no finite FP4 candidate "
+                f"(e.g. {blocked[:3]})"
+            )
+    else:
+        best = sum(layer.flops * min(target.relative_cost[f] for f in layer.choices()) for layer in group) / total
+        if best > target.cost_budget + 1e-12:
+            raise PlanInfeasibleError(
+                f"{where}: relative cost budget {target.cost_budget} is unreachable; the cheapest choice the pins "
+                f"and candidates allow costs {best:.4f}"
+            )
+
+
+def solve_plan(
+    layers: Sequence[LayerCandidates],
+    *,
+    fp4_fraction: float | None = None,
+    cost_budget: float | None = None,
+    stages: Mapping[str, Hashable] | None = None,
+    weight_divergence_weight: float = 1.0,
+    time_limit_seconds: float = 10.0,
+    relative_cost: Mapping[Format, float] = DEFAULT_RELATIVE_COST,
+) -> Plan:
+    """Solve the SNIP ILP (module docstring) with CBC and return the plan.
+
+    Raises:
+        ValueError: bad arguments (named).
+        PlanInfeasibleError: no plan meets the target (names the constraint and stage).
+        SolverTimeoutError: the time limit passed with no feasible plan found.
+    """
+    import mip
+
+    if not (isinstance(weight_divergence_weight, (int, float)) and weight_divergence_weight >= 0 and math.isfinite(weight_divergence_weight)):
+        raise ValueError(f"weight_divergence_weight: must be a finite number >= 0, got {weight_divergence_weight!r}")
+    if not (isinstance(time_limit_seconds, (int, float)) and time_limit_seconds > 0):
+        raise ValueError(f"time_limit_seconds: must be > 0, got {time_limit_seconds!r}")
+    target, groups = _validate(layers, fp4_fraction, cost_budget, stages, relative_cost)
+    start = time.perf_counter()
+
+    choices = {layer.fqn: _undominated(layer, target, weight_divergence_weight) for layer in layers}
+    scores = {(layer.fqn, f): layer.score(f, weight_divergence_weight) for layer in layers for f in choices[layer.fqn]}
+    # Scale the objective to O(1) so CBC's absolute tolerances do not round small divergences to zero.
+    scale = max((abs(s) for s in scores.values()), default=0.0) or 1.0
+
+    model = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
+    model.verbose = 0
+    model.threads = 1
+    x = {key: model.add_var(var_type=mip.BINARY, name=f"x{i}") for i, key in enumerate(scores)}
+    for layer in layers:
+        model += mip.xsum(x[layer.fqn, f] for f in choices[layer.fqn]) == 1
+    for group in groups.values():
+        total = sum(layer.flops for layer in group)
+        if total == 0:
+            continue
+        # FLOPs as shares of the stage's total keep coefficients O(1) at 405B scale too.
+        share = {layer.fqn: layer.flops / total for layer in group}
+        if target.fp4_fraction is not None:
+            model += (
+                mip.xsum(share[layer.fqn] * x[layer.fqn, f] for layer in group for f in choices[layer.fqn] if f.is_fp4)
+                >= target.fp4_fraction - 1e-9
+            )
+        else:
+            model += (
+                mip.xsum(share[layer.fqn] * target.relative_cost[f] * x[layer.fqn, f] for layer in group for f in choices[layer.fqn])
+                <= target.cost_budget + 1e-9
+            )
+    model.objective = mip.xsum((scores[key] / scale) * var for key, var in x.items())
+    status = model.optimize(max_seconds=time_limit_seconds)
+    seconds = time.perf_counter() - start
+
+    if status == mip.OptimizationStatus.INFEASIBLE:
+        raise PlanInfeasibleError(f"the solver proved {target.describe()} infeasible under the pins and candidates")
+    if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+        raise SolverTimeoutError(
+            f"no feasible plan within time_limit_seconds={time_limit_seconds} (solver status {status.name})"
+        )
+    formats = {layer.fqn: next(f for f in choices[layer.fqn] if x[layer.fqn, f].x >= 0.5) for layer in layers}
+    objective = sum(scores[fqn, f] for fqn, f in formats.items())
+    plan = Plan(
+        formats=formats,
+        flops={layer.fqn: layer.flops for layer in layers},
+        relative_cost=target.relative_cost,
+        policy="snip",
+        status=SolveStatus.OPTIMAL if status == mip.OptimizationStatus.OPTIMAL else SolveStatus.FEASIBLE,
+        objective=objective,
+        solve_seconds=seconds,
+    )
+    if plan.status is SolveStatus.FEASIBLE:
+        logger.warning("solver time limit (%ss) reached: using the best feasible plan found, not proven optimal", time_limit_seconds)
+    return plan
+
+
+def _undominated(layer: LayerCandidates, target: _Target, weight_divergence_weight: float) -> list[Format]:
+    """Drop formats that another choice beats on both the objective and the constraint.
+
+    Exact (some optimum uses only undominated formats) and what keeps CBC fast: under an FP4
+    fraction target every layer reduces to two choices (best FP4, best non-FP4), a 0/1 knapsack
+    without the symmetric ties that otherwise blow up branch and bound.
+    """
+
+    def constraint_rank(f: Format) -> float:  # lower is better for the constraint
+        return -float(f.is_fp4) if target.fp4_fraction is not None else target.relative_cost[f]
+
+    options = sorted(layer.choices(), key=lambda f: (constraint_rank(f), layer.score(f, weight_divergence_weight)))
+    kept: list[Format] = []
+    for f in options:  # increasing constraint rank: keep f only if it beats every better-ranked score
+        if not kept or layer.score(f, weight_divergence_weight) < min(layer.score(k, weight_divergence_weight) for k in kept):
+            if kept and constraint_rank(f) == constraint_rank(kept[-1]):
+                continue
+            kept.append(f)
+    return kept
+
+
+# ---------------------------------------------------------------------------------------------
+# Baselines (SNIP_METHOD.md section 8): each fills FP4 in a fixed order until the fraction is met.
+
+DEFAULT_LAYER_TYPE_ORDER = ("up", "gate", "down", "o", "v", "q", "k")
+"""Layer types from the most to the least FP4-tolerant by a common rule of thumb (MLP first)."""
+
+
+def uniform_plan(layers: Sequence[LayerCandidates], fmt: Format | str) -> Plan:
+    """Every unpinned layer in ``fmt`` (where its candidates allow it; otherwise its first choice)."""
+    fmt = Format.parse(fmt)
+    formats = {}
+    for layer in layers:
+        choices = layer.choices() if layer.pinned is not None else list(layer.loss_divergence)
+        formats[layer.fqn] = fmt if fmt in choices else choices[0]
+    return _plan(layers, formats, f"uniform_{fmt.value}")
+
+
+def ordered_plan(
+    layers: Sequence[LayerCandidates],
+    order: Sequence[str],
+    *,
+    fp4_fraction: float,
+    policy: str,
+    low: Format = Format.MXFP4,
+    high: Format = Format.FP8,
+) -> Plan:
+    """Put layers in ``low`` in the given fqn order until ``fp4_fraction`` of FLOPs is FP4; the rest ``high``."""
+    target, _ = _validate(layers, fp4_fraction, None, None, DEFAULT_RELATIVE_COST)
+    by_fqn = {layer.fqn: layer for layer in layers}
+    total = sum(layer.flops for layer in layers)
+    formats = {layer.fqn: layer.pinned or _pick(layer, high, fp4=False) for layer in layers}
+    fp4 = sum(layer.flops for layer in layers if formats[layer.fqn].is_fp4)
+    for fqn in order:
+        if total == 0 or fp4 >= target.fp4_fraction * total - 1e-9 * total:
+            break
+        layer = by_fqn[fqn]
+        low_choice = _pick(layer, low, fp4=True)
+        if layer.pinned is None and low_choice is not None:
+            formats[fqn] = low_choice
+            fp4 += layer.flops
+    return _plan(layers, formats, policy)
+
+
+def _pick(layer: LayerCandidates, preferred: Format, *, fp4: bool) -> Format | None:
+    """``preferred`` if it is a candidate of the layer, else its first candidate of the same kind."""
+    candidates = [f for f in layer.loss_divergence if layer.loss_divergence[f] < math.inf]
+    if preferred in candidates:
+        return preferred
+    same_kind = [f for f in candidates if f.is_fp4 == fp4]
+    return same_kind[0] if same_kind else (None if fp4 else candidates[0])
+
+
+def random_plan(layers: Sequence[LayerCandidates], *, fp4_fraction: float, seed: int, **kw) -> Plan:
+    order = [layer.fqn for layer in layers]
+    random.Random(seed).shuffle(order)
+    return ordered_plan(layers, order, fp4_fraction=fp4_fraction, policy="random", **kw)
+
+
+def min_rel_err_plan(layers: Sequence[LayerCandidates], relative_error: Mapping[str, float], *, fp4_fraction: float, **kw) -> Plan:
+    """FP4 first for the layers with the smallest relative local quantization error."""
+    order = sorted((layer.fqn for layer in layers), key=lambda f: relative_error[f])
+    return ordered_plan(layers, order, fp4_fraction=fp4_fraction, policy="min_rel_err", **kw)
+
+
+def layer_type_plan(
+    layers: Sequence[LayerCandidates], *, fp4_fraction: float, type_order: Sequence[str] = DEFAULT_LAYER_TYPE_ORDER, **kw
+) -> Plan:
+    """FP4 first for layer types early in ``type_order`` (the fqn's last component); unknown types last."""
+    rank = {t: i for i, t in enumerate(type_order)}
+    order = sorted((layer.fqn for layer in layers), key=lambda f: rank.get(f.rsplit(".", 1)[-1], len(rank)))
+    return ordered_plan(layers, order, fp4_fraction=fp4_fraction, policy="layer_type", **kw)
+
+
+def block_index(fqn: str) -> int | None:
+    """The first integer component of an fqn ("layers.3.attn.q" -> 3), or None."""
+    match = re.search(r"(?:^|\.)(\d+)(?:\.|$)", fqn)
+    return int(match.group(1)) if match else None
+
+
+def first_last_plan(layers: Sequence[LayerCandidates], *, fp4_fraction: float, **kw) -> Plan:
+    """Keep the first and last blocks high: FP4 fills from the middle block outwards; layers outside
+    any block (embeddings, heads) go last."""
+    blocks = [b for b in (block_index(layer.fqn) for layer in layers) if b is not None]
+    lo, hi = (min(blocks), max(blocks)) if blocks else (0, 0)
+
+    def distance_to_edge(fqn: str) -> float:
+        b = block_index(fqn)
+        return -math.inf if b is None else min(b - lo, hi - b)
+
+    order = sorted((layer.fqn for layer in layers), key=distance_to_edge, reverse=True)
+    return ordered_plan(layers, order, fp4_fraction=fp4_fraction, policy="first_last", **kw)
+
+
+def _plan(layers: Sequence[LayerCandidates], formats: Mapping[str, Format], policy: str) -> Plan:
+    return Plan(formats=formats, flops={layer.fqn: layer.flops for layer in layers}, policy=policy)

@@ -1,0 +1,209 @@
+import itertools
+import json
+import math
+import random
+import subprocess
+import sys
+
+import pytest
+
+from lightning_snip.formats import Format
+from lightning_snip.plan import Plan, SolveStatus
+from lightning_snip.planner import (
+    LayerCandidates,
+    PlanInfeasibleError,
+    SolverTimeoutError,
+    first_last_plan,
+    layer_type_plan,
+    min_rel_err_plan,
+    random_plan,
+    solve_plan,
+    uniform_plan,
+)
+
+F3 = (Format.BF16, Format.FP8, Format.MXFP4)
+COST = {Format.BF16: 1.0, Format.FP8: 0.5, Format.MXFP4: 0.25}
+
+
+def layer(fqn, flops, ld, wd=None, pinned=None):
+    return LayerCandidates(fqn, flops, dict(zip(F3, ld)), dict(zip(F3, wd or (0, 0, 0))), pinned)
+
+
+def test_hand_checkable_three_layers():
+    # FLOPs 1, 2, 1 (total 4). Fraction 0.5 needs FP4 on layer b alone (2/4) or a and c (2/4).
+    # FP4 costs: a 0.3, b 1.0, c 0.4 -> {a, c} (0.7) beats {b} (1.0); the others in their cheapest
+    # non-FP4 choice (fp8 < bf16 here).
+    layers = [
+        layer("a", 1, (0.2, 0.1, 0.3)),
+        layer("b", 2, (0.2, 0.1, 1.0)),
+        layer("c", 1, (0.2, 0.1, 0.4)),
+    ]
+    plan = solve_plan(layers, fp4_fraction=0.5)
+    assert dict(plan) == {"a": Format.MXFP4, "b": Format.FP8, "c": Format.MXFP4}
+    assert plan.status is SolveStatus.OPTIMAL and plan.objective == pytest.approx(0.8)
+    assert plan.fp4_fraction == pytest.approx(0.5)
+    # Weight divergence weighted in: FP4 on c now costs 0.4 + 2 * 0.5 = 1.4 -> {b} wins (1.0 + a, c in fp8).
+    layers[2] = layer("c", 1, (0.2, 0.1, 0.4), (0, 0, 0.5))
+    plan = solve_plan(layers, fp4_fraction=0.5, weight_divergence_weight=2.0)
+    assert dict(plan) == {"a": Format.FP8, "b": Format.MXFP4, "c": Format.FP8}
+
+
+def _brute_force(layers, fraction=None, budget=None, stages=None, lam=1.0):
+    best = math.inf
+    for combo in itertools.product(*(l.choices() for l in layers)):
+        groups = {}
+        for l, f in zip(layers, combo):
+            groups.setdefault(stages[l.fqn] if stages else 0, []).append((l, f))
+        ok = True
+        for members in groups.values():
+            total = sum(l.flops for l, _ in members)
+            if fraction is not None:
+                ok &= sum(l.flops for l, f in members if f.is_fp4) >= fraction * total - 1e-9 * total
+            else:
+                ok &= sum(l.flops * COST[f] for l, f in members) <= budget * total + 1e-9 * total
+        if ok:
+            best = min(best, sum(l.score(f, lam) for l, f in zip(layers, combo)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_agrees_with_brute_force(seed):
+    rng = random.Random(seed)
+    n = rng.randint(2, 10 if seed < 4 else 7)
+    layers = [
+        layer(f"l{i}", rng.choice([1, 2, 4, 8]) * 1e9, [rng.uniform(-0.1, 1) for _ in F3], [rng.uniform(0, 1) for _ in F3],
+              pinned=Format.BF16 if rng.random() < 0.1 else None)
+        for i in range(n)
+    ]
+    stages = {l.fqn: i % 2 for i, l in enumerate(layers)} if seed % 2 else None
+    lam = rng.uniform(0, 2)
+    kwargs = {"fp4_fraction": rng.choice([0.0, 0.25, 0.5, 0.75])} if seed % 3 else {"cost_budget": rng.choice([0.4, 0.6, 0.8])}
+    expected = _brute_force(layers, kwargs.get("fp4_fraction"), kwargs.get("cost_budget"), stages, lam)
+    try:
+        plan = solve_plan(layers, stages=stages, weight_divergence_weight=lam, relative_cost=COST, **kwargs)
+    except PlanInfeasibleError:
+        assert expected == math.inf
+        return
+    assert plan.objective == pytest.approx(expected, abs=1e-7)
+    if "fp4_fraction" in kwargs:
+        groups = {}
+        for l in layers:
+            groups.setdefault(stages[l.fqn] if stages else 0, []).append(l.fqn)
+        for fqns in groups.values():
+            sub = Plan({f: plan[f] for f in fqns}, {f: plan.flops[f] for f in fqns})
+            assert sub.fp4_fraction >= kwargs["fp4_fraction"] - 1e-9
+    else:
+        assert Plan(dict(plan), dict(plan.flops), relative_cost=COST).relative_gemm_cost <= kwargs["cost_budget"] + 1e-9
+    for l in layers:
+        if l.pinned:
+            assert plan[l.fqn] is l.pinned
+
+
+def test_infinite_divergence_excludes_a_format():
+    layers = [layer("a", 1, (0, 0, math.inf)), layer("b", 1, (0, 0, 5.0))]
+    assert solve_plan(layers, fp4_fraction=0.5)["b"] is Format.MXFP4
+
+
+def test_infeasible_names_the_constraint_and_stage():
+    layers = [layer("a", 3, (0, 0, 1), pinned=Format.BF16), layer("b", 1, (0, 0, 1))]
+    with pytest.raises(PlanInfeasibleError, match=r"FP4 FLOPs fraction 0.5 is unreachable; at most 0.2500.*\['a'\]"):
+        solve_plan(layers, fp4_fraction=0.5)
+    with pytest.raises(PlanInfeasibleError, match="pipeline stage 1"):
+        solve_plan(layers, fp4_fraction=0.5, stages={"a": 1, "b": 0})
+    with pytest.raises(PlanInfeasibleError, match="relative cost budget 0.5"):
+        solve_plan(layers, cost_budget=0.5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"fp4_fraction": 1.5}, "fp4_fraction"),
+        ({"fp4_fraction": -0.1}, "fp4_fraction"),
+        ({}, "fp4_fraction / cost_budget"),
+        ({"fp4_fraction": 0.5, "cost_budget": 0.5}, "fp4_fraction / cost_budget"),
+        ({"fp4_fraction": 0.5, "stages": {"a": 0, "zzz": 1}}, "stages"),
+        ({"fp4_fraction": 0.5, "weight_divergence_weight": -1}, "weight_divergence_weight"),
+        ({"cost_budget": 0}, "cost_budget"),
+    ],
+)
+def test_bad_arguments_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field.replace("/", ".")):
+        solve_plan([layer("a", 1, (0, 0, 1))], **kwargs)
+
+
+def test_bad_layer_values_name_the_field():
+    with pytest.raises(ValueError, match="flops of a"):
+        layer("a", -1, (0, 0, 1))
+    with pytest.raises(ValueError, match=r"loss_divergence of a\[mxfp4\]"):
+        layer("a", 1, (0, 0, float("nan")))
+    with pytest.raises(ValueError, match="unknown format 'fp2'"):
+        LayerCandidates("a", 1, {"fp2": 0.0}, {"fp2": 0.0})
+
+
+def test_timeout_returns_feasible_marked_or_raises(monkeypatch):
+    import mip
+
+    layers = [layer(f"l{i}", 1, (0, 0.1, 0.2 + i)) for i in range(4)]
+    real = mip.Model.optimize
+
+    def stopped_early(self, *a, **k):
+        real(self, *a, **k)
+        return mip.OptimizationStatus.FEASIBLE
+
+    monkeypatch.setattr(mip.Model, "optimize", stopped_early)
+    plan = solve_plan(layers, fp4_fraction=0.5, time_limit_seconds=0.5)
+    assert plan.status is SolveStatus.FEASIBLE and plan.fp4_fraction >= 0.5
+    monkeypatch.setattr(mip.Model, "optimize", lambda self, *a, **k: mip.OptimizationStatus.NO_SOLUTION_FOUND)
+    with pytest.raises(SolverTimeoutError, match="time_limit_seconds=0.5"):
+        solve_plan(layers, fp4_fraction=0.5, time_limit_seconds=0.5)
+
+
+def _llama_layers(blocks=4):
+    shapes = {"q": (64, 64), "k": (16, 64), "v": (16, 64), "o": (64, 64), "gate": (128, 64), "up": (128, 64), "down": (64, 128)}
+    out = []
+    for b in range(blocks):
+        for name, (m, k) in shapes.items():
+            out.append(layer(f"layers.{b}.{name}", 6 * m * k, (0, 0, 1)))
+    out.append(layer("lm_head", 6 * 256 * 64, (0, 0, 1), pinned=Format.BF16))
+    return out
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 0.75])
+def test_baselines_meet_the_target_and_respect_pins(fraction):
+    layers = _llama_layers()
+    rel_err = {l.fqn: i for i, l in enumerate(layers)}
+    plans = [
+        random_plan(layers, fp4_fraction=fraction, seed=1),
+        min_rel_err_plan(layers, rel_err, fp4_fraction=fraction),
+        layer_type_plan(layers, fp4_fraction=fraction),
+        first_last_plan(layers, fp4_fraction=fraction),
+    ]
+    for plan in plans:
+        assert plan.fp4_fraction >= fraction - 1e-9
+        assert plan["lm_head"] is Format.BF16
+        assert set(plan.values()) <= {Format.FP8, Format.MXFP4, Format.BF16}
+    assert random_plan(layers, fp4_fraction=0.5, seed=1) == plans[0] if fraction == 0.5 else True
+    if fraction == 0.5:
+        first_last = plans[3]
+        assert first_last["layers.3.down"] is Format.FP8  # an edge block stays high
+        assert first_last["layers.1.up"] is Format.MXFP4 and first_last["layers.2.q"] is Format.MXFP4
+        layer_type = plans[2]
+        assert layer_type["layers.2.up"] is Format.MXFP4 and layer_type["layers.2.k"] is Format.FP8
+        assert plans[1]["layers.0.q"] is Format.MXFP4  # smallest relative error first
+    uni = uniform_plan(layers, "mxfp4")
+    assert uni["lm_head"] is Format.BF16 and uni.count(Format.MXFP4) == len(layers) - 1
+
+
+def test_plan_json_round_trip_and_table():
+    plan = solve_plan(_llama_layers(2), fp4_fraction=0.5)
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.status is plan.status and again.fp4_fraction == plan.fp4_fraction
+    assert json.loads(plan.to_json())["formats"]["lm_head"] == "bf16"
+    table = plan.table()
+    assert "layers.1.down" in table and "FP4 FLOPs fraction" in table
+    assert 0.25 < plan.relative_gemm_cost < 1.0
+
+
+def test_planner_imports_no_torch():
+    code = "import sys, lightning_snip.planner, lightning_snip.plan; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
