@@ -84,10 +84,10 @@ def _fp8_scaled_mm(a, b, recipe: QuantRecipe, a_is_grad: bool, b_is_grad: bool) 
 
 class _SNIPLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, fmt: Format, recipe: QuantRecipe):
+    def forward(ctx, x, weight, bias, fmt: Format, backward_fmt: Format, recipe: QuantRecipe):
         x2d = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x2d, weight)
-        ctx.fmt, ctx.recipe, ctx.x_shape, ctx.has_bias = fmt, recipe, x.shape, bias is not None
+        ctx.fmt, ctx.recipe, ctx.x_shape, ctx.has_bias = backward_fmt, recipe, x.shape, bias is not None
         y = quantized_matmul(x2d, weight, fmt, recipe=recipe)
         if bias is not None:
             y = y + bias
@@ -107,7 +107,7 @@ class _SNIPLinearFunction(torch.autograd.Function):
             grad_w = quantized_matmul(g.t(), x2d.t(), fmt, recipe=recipe, a_is_grad=True).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class SNIPLinear(nn.Linear):
@@ -136,6 +136,9 @@ class SNIPLinear(nn.Linear):
             in_features, out_features
         )
         self.pinned: Format | None = None  # set by convert_linears; plans may not change it
+        # dgrad/wgrad format when it should differ from the forward's (None: same as ``format``);
+        # used to measure one direction's effect alone (benchmarks/divergence_fidelity.py).
+        self.backward_format: Format | None = None
         self._format = Format.BF16
         self.format = format
 
@@ -165,9 +168,10 @@ class SNIPLinear(nn.Linear):
         self._format = fmt
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._format is Format.BF16:
+        backward_format = self.backward_format or self._format
+        if self._format is Format.BF16 and backward_format is Format.BF16:
             return F.linear(x, self.weight, self.bias)
-        return _SNIPLinearFunction.apply(x, self.weight, self.bias, self._format, self.recipe)
+        return _SNIPLinearFunction.apply(x, self.weight, self.bias, self._format, backward_format, self.recipe)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, format={self._format.value}"

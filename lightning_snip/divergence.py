@@ -1,0 +1,203 @@
+"""Forward loss divergence LD and backward weight divergence WD per (layer, format).
+
+../SNIP_METHOD.md sections 4 and 5. For layer l with recorded X, G, W and candidate format p:
+
+    dY     = Q_p(X) Q_p(W)^T - X W^T
+    LD     = <G, dY> + 1/2 kappa_l ||dY||^2,   kappa_l = <d_l, G'_l - G_l> / ||d_l||^2
+             (G' from a pass with independent Gaussian noise d_l added to every layer's output)
+    E_W    = Q_p(G)^T Q_p(X) - G^T X                     (wgrad error, this layer)
+    E_X    = Q_p(G) Q_p(W) - G W                         (dgrad error, flows upstream)
+    WD     = ( c_l^2 ||A_l * E_W||^2 + sum_k c_k^2 ||A_k * J_kl(E_X)||^2 ) / sum_k ||u_k||^2
+
+with A_k = 1/(sqrt(v_hat_k) + eps), c_k = lr (1 - beta1)/(1 - beta1^t) and u_k = lr m_hat_k A_k
+(AdamW's update) from the optimizer state, k over every trainable parameter upstream of l (embeddings
+and norms too). Without Adam moments A = 1, c = 1 and u = g (plain gradient errors). LD is normalized by the loss (a relative
+loss increase) so LD + lambda * WD adds two dimensionless numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_snip.formats import Format, QuantRecipe
+from lightning_snip.linear import quantized_matmul
+from lightning_snip.stats import LayerStats, Statistics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LayerDivergence:
+    """One layer's metrics for each candidate format (bf16 is 0 by definition)."""
+
+    loss_divergence: Mapping[Format, float]
+    weight_divergence: Mapping[Format, float]
+    first_order: Mapping[Format, float] = field(default_factory=dict)
+    second_order: Mapping[Format, float] = field(default_factory=dict)
+    wd_direct: Mapping[Format, float] = field(default_factory=dict)
+    wd_propagated: Mapping[Format, float] = field(default_factory=dict)
+    rel_error_forward: Mapping[Format, float] = field(default_factory=dict)
+    rel_error_wgrad: Mapping[Format, float] = field(default_factory=dict)
+    curvature: float = 0.0
+
+
+@dataclass(frozen=True)
+class DivergenceResult:
+    """Per (fqn, format) LD and WD, normalized so the planner can add them; plus the loss."""
+
+    layers: Mapping[str, LayerDivergence]
+    loss: float
+    used_adam: bool
+
+    def as_dict(self) -> dict:
+        return {
+            "loss": self.loss,
+            "used_adam": self.used_adam,
+            "layers": {
+                fqn: {
+                    "loss_divergence": {f.value: v for f, v in d.loss_divergence.items()},
+                    "weight_divergence": {f.value: v for f, v in d.weight_divergence.items()},
+                }
+                for fqn, d in self.layers.items()
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "DivergenceResult":
+        layers = {
+            fqn: LayerDivergence(
+                loss_divergence={Format(k): float(v) for k, v in d["loss_divergence"].items()},
+                weight_divergence={Format(k): float(v) for k, v in d["weight_divergence"].items()},
+            )
+            for fqn, d in data["layers"].items()
+        }
+        return cls(layers=layers, loss=float(data["loss"]), used_adam=bool(data["used_adam"]))
+
+
+_warned_no_adam = False
+
+
+def estimate_divergence(
+    stats: Statistics,
+    formats: Iterable[Format],
+    *,
+    recipe: QuantRecipe = QuantRecipe(),
+    noise_draws: int = 2,
+    noise_scale: float = 0.1,
+    allowed: Mapping[str, Iterable[Format]] | None = None,
+    generator: torch.Generator | None = None,
+) -> DivergenceResult:
+    """LD and WD for every recorded layer and each of ``formats``.
+
+    Args:
+        stats: a statistics pass (its graph is used for the VJPs and the noise passes).
+        formats: candidate low-precision formats (bf16 gets 0 for both metrics).
+        noise_draws: noise-injected passes averaged for the curvature.
+        noise_scale: noise std relative to each layer output's RMS; ~ the FP4 quantization error,
+            so the curvature is probed at the size of the perturbation it is used for.
+        allowed: fqn -> formats the layer supports; others get +inf (never chosen).
+
+    A layer whose sample holds NaN/Inf, or whose metric comes out non-finite, gets +inf for its
+    low-precision formats (the planner then keeps it high) and a warning naming it.
+    """
+    global _warned_no_adam
+    formats = [f for f in formats if f is not Format.BF16]
+    curvature = _estimate_curvature(stats, noise_draws, noise_scale, generator)
+    used_adam = all(a is not None for a in stats.param_adam.values())
+    if not used_adam and not _warned_no_adam:
+        logger.warning("weight divergence: optimizer keeps no Adam moments for every parameter; using plain gradient errors (A = 1)")
+        _warned_no_adam = True
+    gain = {name: _adam_scale(stats.param_adam.get(name), used_adam) for name in stats.param_grads}
+    if used_adam:  # relative to the size of AdamW's actual update
+        denominator = sum(float(a.update().pow(2).sum()) for a in stats.param_adam.values())
+    else:
+        denominator = sum(float(g.float().pow(2).sum()) for g in stats.param_grads.values())
+    denominator = denominator if denominator > 0 else 1.0
+    loss_norm = abs(stats.loss) if stats.loss else 1.0
+
+    out: dict[str, LayerDivergence] = {}
+    for fqn, s in stats.layers.items():
+        fmts = formats if allowed is None else [f for f in formats if f in set(allowed[fqn])]
+        if not (torch.isfinite(s.x).all() and torch.isfinite(s.g).all() and torch.isfinite(s.weight).all()):
+            logger.warning("statistics of layer %s hold non-finite values: its low-precision formats are marked invalid", fqn)
+            out[fqn] = _invalid(formats)
+            continue
+        out[fqn] = _layer_divergence(stats, s, fmts, formats, curvature.get(fqn, 0.0), gain, recipe, denominator, loss_norm)
+    return DivergenceResult(layers=out, loss=stats.loss, used_adam=used_adam)
+
+
+def _invalid(formats) -> LayerDivergence:
+    inf = {f: math.inf for f in formats}
+    return LayerDivergence(loss_divergence={Format.BF16: 0.0, **inf}, weight_divergence={Format.BF16: 0.0, **inf})
+
+
+def _adam_scale(adam, use_adam: bool) -> tuple[float, torch.Tensor | float]:
+    if not use_adam:
+        return 1.0, 1.0
+    return adam.gradient_gain(), adam.preconditioner()
+
+
+def _layer_divergence(stats, s: LayerStats, fmts, all_formats, kappa, gain, recipe, denominator, loss_norm) -> LayerDivergence:
+    x, g, w = s.x.float(), s.g.float(), s.weight.float()
+    y = x @ w.t()
+    gw_ref = g.t() @ x
+    gx_ref = g @ w
+    c_l, a_l = gain.get(s.fqn + ".weight", (1.0, 1.0))
+    metrics: dict[str, dict[Format, float]] = {k: {Format.BF16: 0.0} for k in
+                                               ("ld", "wd", "first", "second", "direct", "prop", "rel_y", "rel_w")}
+    for fmt in all_formats:
+        if fmt not in fmts:
+            for k in ("ld", "wd"):
+                metrics[k][fmt] = math.inf
+            continue
+        dy = quantized_matmul(x, w, fmt, recipe=recipe) - y
+        first = float((g * dy).sum())
+        second = 0.5 * kappa * float(dy.pow(2).sum())
+        e_w = quantized_matmul(g.t(), x.t(), fmt, recipe=recipe, a_is_grad=True) - gw_ref
+        e_x = quantized_matmul(g, w.t(), fmt, recipe=recipe, a_is_grad=True) - gx_ref
+        direct = float((c_l * a_l * e_w).pow(2).sum())
+        propagated = 0.0
+        for up, delta in stats.propagate_input_grad(s.fqn, e_x).items():
+            c_k, a_k = gain[up]
+            propagated += float((c_k * a_k * delta.float()).pow(2).sum())
+        ld = (first + second) / loss_norm
+        wd = (direct + propagated) / denominator
+        if not (math.isfinite(ld) and math.isfinite(wd)):
+            logger.warning("layer %s: non-finite divergence for %s; format marked invalid", s.fqn, fmt.value)
+            ld = wd = math.inf
+        metrics["ld"][fmt], metrics["wd"][fmt] = ld, wd
+        metrics["first"][fmt], metrics["second"][fmt] = first / loss_norm, second / loss_norm
+        metrics["direct"][fmt], metrics["prop"][fmt] = direct / denominator, propagated / denominator
+        metrics["rel_y"][fmt] = float(dy.norm() / y.norm().clamp_min(1e-30))
+        metrics["rel_w"][fmt] = float(e_w.norm() / gw_ref.norm().clamp_min(1e-30))
+    return LayerDivergence(
+        loss_divergence=metrics["ld"], weight_divergence=metrics["wd"], first_order=metrics["first"],
+        second_order=metrics["second"], wd_direct=metrics["direct"], wd_propagated=metrics["prop"],
+        rel_error_forward=metrics["rel_y"], rel_error_wgrad=metrics["rel_w"], curvature=kappa,
+    )
+
+
+def _estimate_curvature(stats: Statistics, draws: int, scale: float, generator) -> dict[str, float]:
+    """kappa_l = <d_l, G'_l - G_l> / ||d_l||^2, averaged over ``draws`` independent noise draws.
+
+    Noise goes into every layer at once: cross-layer terms vanish in expectation because the draws
+    are independent."""
+    if draws <= 0:
+        return {}
+    totals = {fqn: 0.0 for fqn in stats.layers}
+    for _ in range(draws):
+        noise = {}
+        for fqn, s in stats.layers.items():
+            y_rms = float((s.x.float() @ s.weight.float().t()).pow(2).mean().sqrt())
+            shape = (s.num_rows, s.weight.shape[0])
+            noise[fqn] = torch.randn(shape, generator=generator, device=s.x.device) * (scale * max(y_rms, 1e-12))
+        noisy = stats.output_grads_with_noise(noise)
+        for fqn, d in noise.items():
+            delta_g = noisy[fqn].float() - stats.layers[fqn].g.float()
+            totals[fqn] += float((d * delta_g).sum() / d.pow(2).sum())
+    return {fqn: t / draws for fqn, t in totals.items()}

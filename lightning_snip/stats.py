@@ -1,0 +1,241 @@
+"""The statistics step: one high-precision pass over a bounded slice of a batch that records, per
+switchable layer, its input X, output gradient G, weight W and the AdamW state of W.
+
+The slice holds at most ``max_rows`` token rows (whole sequences), which bounds memory. The pass keeps
+its autograd graph until ``release()`` so divergence.py can run vector-Jacobian products (the dgrad
+error propagated upstream) and noise-injected passes (the curvature) on the same slice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_snip.formats import Format
+from lightning_snip.linear import SNIPLinear
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AdamState:
+    """A snapshot of AdamW's state for one weight (moments cloned, hyper-parameters of its group)."""
+
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: int
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+
+    def preconditioner(self) -> torch.Tensor:
+        """A = 1 / (sqrt(v_hat) + eps), the elementwise scale AdamW applies to a gradient change."""
+        v_hat = self.exp_avg_sq / (1 - self.beta2**self.step)
+        return 1.0 / (v_hat.sqrt() + self.eps)
+
+    def update(self) -> torch.Tensor:
+        """AdamW's step (without weight decay): lr * m_hat / (sqrt(v_hat) + eps)."""
+        return self.lr * self.exp_avg.float() / (1 - self.beta1**self.step) * self.preconditioner()
+
+    def gradient_gain(self) -> float:
+        """lr * (1 - beta1) / (1 - beta1^t): how much of a gradient change reaches this step's update."""
+        return self.lr * (1 - self.beta1) / (1 - self.beta1**self.step)
+
+
+def read_adam_state(optimizer: torch.optim.Optimizer | None, weight: nn.Parameter) -> AdamState | None:
+    """AdamState of ``weight`` if ``optimizer`` keeps Adam-style moments for it, else None."""
+    if optimizer is None:
+        return None
+    state = optimizer.state.get(weight, {})
+    if "exp_avg" not in state or "exp_avg_sq" not in state:
+        return None
+    group = next(g for g in optimizer.param_groups if any(p is weight for p in g["params"]))
+    beta1, beta2 = group.get("betas", (0.9, 0.999))
+    step = int(state["step"]) if "step" in state else 1
+    return AdamState(
+        exp_avg=state["exp_avg"].detach().clone(),
+        exp_avg_sq=state["exp_avg_sq"].detach().float().clone(),
+        step=max(step, 1),
+        lr=float(group["lr"]),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(group.get("eps", 1e-8)),
+    )
+
+
+@dataclass
+class LayerStats:
+    """One layer's record: X (rows x k), G (rows x m) of the same rows, W (m x k), Adam state."""
+
+    fqn: str
+    x: torch.Tensor
+    g: torch.Tensor
+    weight: torch.Tensor
+    adam: AdamState | None
+
+    @property
+    def num_rows(self) -> int:
+        return self.x.shape[0]
+
+
+class Statistics:
+    """What one statistics pass recorded; holds its autograd graph until ``release()``."""
+
+    def __init__(self, loss: float, layers: dict[str, LayerStats], param_grads: dict[str, torch.Tensor],
+                 param_adam: dict[str, AdamState | None], inputs: dict[str, torch.Tensor],
+                 params: dict[str, nn.Parameter], rerun: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]):
+        self.loss = loss
+        self.layers = layers
+        # Every trainable parameter of the model (by name): its high-precision gradient on the slice
+        # and its Adam state. Dgrad errors reach all upstream parameters, not only switchable ones.
+        self.param_grads = param_grads
+        self.param_adam = param_adam
+        self._inputs = inputs  # fqn -> X with its graph (for the vector-Jacobian products)
+        self._params = params
+        self._rerun = rerun
+
+    def propagate_input_grad(self, fqn: str, grad_input: torch.Tensor) -> dict[str, torch.Tensor]:
+        """J^T e: the change of every upstream parameter's gradient when the gradient arriving at
+        ``fqn``'s input changes by ``grad_input`` (rows x k). One vector-Jacobian product."""
+        x = self._inputs[fqn]
+        if not x.requires_grad:
+            return {}
+        names = list(self._params)
+        grads = torch.autograd.grad(
+            x, [self._params[n] for n in names], grad_outputs=grad_input.reshape(x.shape).to(x.dtype),
+            retain_graph=True, allow_unused=True,
+        )
+        return {n: g for n, g in zip(names, grads) if g is not None}
+
+    def output_grads_with_noise(self, noise: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Re-run the slice with ``noise[fqn]`` (rows x m) added to each layer's output; return the
+        output gradients G' (rows x m) of every layer."""
+        return self._rerun(noise)
+
+    def release(self) -> None:
+        self._inputs.clear()
+        self._rerun = None
+
+
+def collect_stats(
+    model: nn.Module,
+    loss_fn: LossFn,
+    *,
+    layers: Mapping[str, SNIPLinear],
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Statistics:
+    """Run ``loss_fn`` once with every layer of ``layers`` in high precision and record statistics.
+
+    ``loss_fn`` computes the loss of the (already sliced) statistics batch. Formats are restored and
+    hooks removed on return and on error.
+    """
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+    def run(noise: Mapping[str, torch.Tensor] | None, keep_graph: bool):
+        inputs: dict[str, torch.Tensor] = {}
+        outputs: dict[str, torch.Tensor] = {}
+
+        def make_hook(fqn):
+            def hook(module, args, output):
+                inputs[fqn] = args[0]
+                if noise is not None and fqn in noise:
+                    output = output + noise[fqn].reshape(output.shape).to(output.dtype)
+                outputs[fqn] = output
+                return output
+
+            return hook
+
+        with high_precision(layers), contextlib.ExitStack() as stack:
+            for fqn, layer in layers.items():
+                stack.callback(layer.register_forward_hook(make_hook(fqn)).remove)
+            with torch.enable_grad():
+                loss = loss_fn()
+            missing = [f for f in layers if f not in outputs]
+            if missing:
+                raise RuntimeError(f"statistics: layers {missing[:5]} were not called by the loss function")
+            names = list(outputs)
+            param_names = list(params) if keep_graph else []
+            grads = torch.autograd.grad(
+                loss, [outputs[f] for f in names] + [params[n] for n in param_names],
+                retain_graph=keep_graph, allow_unused=True,
+            )
+        out_grads = {f: g.detach().reshape(-1, g.shape[-1]) for f, g in zip(names, grads[: len(names)])}
+        param_grads = {n: g.detach() for n, g in zip(param_names, grads[len(names):]) if g is not None}
+        return loss, inputs, out_grads, param_grads
+
+    loss, inputs, out_grads, param_grads = run(None, keep_graph=True)
+    recorded = {
+        fqn: LayerStats(
+            fqn=fqn,
+            x=inputs[fqn].detach().reshape(-1, layers[fqn].in_features),
+            g=out_grads[fqn],
+            weight=layers[fqn].weight.detach(),
+            adam=read_adam_state(optimizer, layers[fqn].weight),
+        )
+        for fqn in layers
+    }
+    return Statistics(
+        loss=float(loss.detach()),
+        layers=recorded,
+        param_grads=param_grads,
+        param_adam={n: read_adam_state(optimizer, p) for n, p in params.items()},
+        inputs=inputs,
+        params=params,
+        rerun=lambda noise: run(noise, keep_graph=False)[2],
+    )
+
+
+@contextlib.contextmanager
+def high_precision(layers: Mapping[str, SNIPLinear]):
+    """Run ``layers`` in bf16 (the run's own precision) inside the block; restore formats after."""
+    saved = {fqn: layer.format for fqn, layer in layers.items()}
+    try:
+        for layer in layers.values():
+            layer.format = Format.BF16
+        yield
+    finally:
+        for fqn, layer in layers.items():
+            layer.format = saved[fqn]
+
+
+def slice_batch(batch, max_rows: int, *, tokens_per_sample: int | None = None):
+    """The first samples of ``batch`` (a tensor, or a tuple/list/dict of them) holding at most
+    ``max_rows`` token rows; at least one sample. ``tokens_per_sample`` defaults to the product of
+    the first tensor's non-batch dimensions except a trailing feature dimension for float tensors."""
+    first = _first_tensor(batch)
+    if first is None:
+        raise ValueError("statistics: the batch holds no tensor to slice")
+    if tokens_per_sample is None:
+        shape = first.shape[1:] if not first.is_floating_point() else first.shape[1:-1]
+        tokens_per_sample = max(1, int(torch.Size(shape).numel()))
+    num = max(1, min(first.shape[0], max_rows // tokens_per_sample))
+    return _map_tensors(batch, lambda t: t[:num])
+
+
+def _first_tensor(batch):
+    if isinstance(batch, torch.Tensor):
+        return batch
+    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        found = _first_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _map_tensors(batch, fn):
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        return {k: _map_tensors(v, fn) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_map_tensors(v, fn) for v in batch)
+    return batch
