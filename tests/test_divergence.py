@@ -1,0 +1,156 @@
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_snip.convert import convert_linears
+from lightning_snip.divergence import DivergenceResult, estimate_divergence
+from lightning_snip.formats import Format
+from lightning_snip.linear import quantized_matmul
+from lightning_snip.formats import QuantRecipe
+from lightning_snip.stats import collect_stats, read_adam_state, slice_batch
+
+
+class TwoLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(64, 64, bias=False)
+        self.second = nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+
+def _setup(scale_second=1.0, steps=3):
+    model = TwoLayer()
+    with torch.no_grad():
+        model.second.weight.mul_(scale_second)
+    x, target = torch.randn(64, 64), torch.randn(64, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss_fn = lambda: nn.functional.mse_loss(model(x), target)
+    loss_fn.target = target
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_fn().backward()
+        opt.step()
+    layers = convert_linears(model)
+    return model, layers, opt, loss_fn, x
+
+
+def test_dominant_layer_ranks_first():
+    # The second layer's weights carry one huge outlier per row: its FP4 blocks flush the other
+    # elements, so its quantization error (and both divergences) dominate.
+    model, layers, opt, loss_fn, _ = _setup()
+    with torch.no_grad():
+        model.second.weight[:, 0] = 50.0
+    stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
+    result = estimate_divergence(stats, [Format.MXFP4])
+    stats.release()
+    d = result.layers
+    assert abs(d["second"].loss_divergence[Format.MXFP4]) > 3 * abs(d["first"].loss_divergence[Format.MXFP4])
+    assert d["second"].rel_error_forward[Format.MXFP4] > 5 * d["first"].rel_error_forward[Format.MXFP4]
+    assert d["first"].loss_divergence[Format.BF16] == 0.0 == d["first"].weight_divergence[Format.BF16]
+
+
+def test_first_order_term_equals_inner_product():
+    model, layers, opt, loss_fn, x = _setup()
+    stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
+    result = estimate_divergence(stats, [Format.NVFP4], noise_draws=0)
+    # Independently: G = dL/dY of the second layer by autograd, dY from the quantized GEMM.
+    h = torch.tanh(model.first(x)).detach().requires_grad_()
+    y = model.second(h)
+    y.retain_grad()
+    loss = nn.functional.mse_loss(y, loss_fn.target)
+    loss.backward()
+    w = model.second.weight.detach()
+    dy = quantized_matmul(h.detach(), w, Format.NVFP4, recipe=QuantRecipe()) - h.detach() @ w.t()
+    expected = float((y.grad * dy).sum()) / loss.item()
+    assert result.layers["second"].first_order[Format.NVFP4] == pytest.approx(expected, rel=1e-4)
+    assert result.layers["second"].second_order[Format.NVFP4] == 0.0  # no noise draws: no curvature
+
+
+def test_vjp_matches_finite_difference_of_upstream_gradients():
+    model, layers, opt, loss_fn, x = _setup()
+    stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
+    e = torch.randn(64, 64) * 1e-3
+    delta = stats.propagate_input_grad("second", e)["first.weight"]
+    # Finite difference: the first layer's weight gradient when the gradient arriving at h (the
+    # second layer's input) is g_h + eps*e, by backpropagating that from h by hand.
+    w1 = model.first.weight
+    def first_grad(grad_h):
+        pre = x @ w1.detach().t()
+        return ((grad_h * (1 - torch.tanh(pre) ** 2)).t() @ x)
+    h = torch.tanh(x @ w1.detach().t()).requires_grad_()
+    loss = nn.functional.mse_loss(model.second(h), loss_fn.target)
+    (g_h,) = torch.autograd.grad(loss, h)
+    eps = 10.0
+    fd = (first_grad(g_h + eps * e) - first_grad(g_h)) / eps
+    assert torch.allclose(delta, fd, rtol=1e-3, atol=1e-7)
+    # and the first layer has no switchable layer upstream: its input needs no gradient
+    assert stats.propagate_input_grad("first", torch.randn(64, 64)) == {}
+    stats.release()
+
+
+def test_curvature_matches_quadratic_loss():
+    # For L = 1/2 ||y - t||^2 summed (not averaged), d^2L/dy^2 = I: kappa = 1 exactly.
+    model = nn.Sequential(nn.Linear(32, 32, bias=False))
+    x, t = torch.randn(16, 32), torch.randn(16, 32)
+    layers = convert_linears(model)
+    stats = collect_stats(model, lambda: 0.5 * (model(x) - t).pow(2).sum(), layers=layers)
+    result = estimate_divergence(stats, [Format.MXFP4], noise_draws=2)
+    assert result.layers["0"].curvature == pytest.approx(1.0, rel=1e-4)
+
+
+def test_non_finite_statistics_mark_formats_invalid(caplog):
+    model, layers, opt, loss_fn, _ = _setup()
+    with torch.no_grad():
+        model.second.weight[0, 0] = float("inf")
+    stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
+    with caplog.at_level(logging.WARNING):
+        result = estimate_divergence(stats, [Format.MXFP4, Format.NVFP4])
+    assert "second" in caplog.text
+    assert math.isinf(result.layers["second"].loss_divergence[Format.MXFP4])
+    assert math.isinf(result.layers["second"].weight_divergence[Format.NVFP4])
+    assert result.layers["second"].loss_divergence[Format.BF16] == 0.0
+
+
+def test_without_adam_falls_back_to_gradient_errors(caplog):
+    model, layers, _, loss_fn, _ = _setup(steps=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
+    import lightning_snip.divergence as div
+    div._warned_no_adam = False
+    with caplog.at_level(logging.WARNING):
+        result = estimate_divergence(stats, [Format.MXFP4])
+    assert not result.used_adam and "plain gradient errors" in caplog.text
+    assert result.layers["first"].weight_divergence[Format.MXFP4] > 0
+    assert read_adam_state(opt, model.first.weight) is None
+
+
+def test_formats_restored_and_hooks_removed_on_error():
+    model, layers, opt, _, x = _setup()
+    layers["first"].format = Format.MXFP4
+
+    def broken():
+        model(x)
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        collect_stats(model, broken, layers=layers, optimizer=opt)
+    assert layers["first"].format is Format.MXFP4
+    assert not layers["first"]._forward_hooks
+
+
+def test_result_round_trip_and_slice_batch():
+    model, layers, opt, loss_fn, _ = _setup()
+    stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
+    result = estimate_divergence(stats, [Format.MXFP4], allowed={"first": [Format.MXFP4], "second": []})
+    assert math.isinf(result.layers["second"].loss_divergence[Format.MXFP4])
+    again = DivergenceResult.from_dict(result.as_dict())
+    assert again.layers["first"].loss_divergence == result.layers["first"].loss_divergence
+    batch = (torch.zeros(8, 16, dtype=torch.long), torch.zeros(8, 16, dtype=torch.long))
+    sliced = slice_batch(batch, 40)
+    assert sliced[0].shape == (2, 16) and isinstance(sliced, tuple)
+    assert slice_batch({"x": torch.zeros(8, 16)}, 1)["x"].shape == (1, 16)
