@@ -50,7 +50,6 @@ def test_dominant_layer_ranks_first():
     stats.release()
     d = result.layers
     assert abs(d["second"].loss_divergence[Format.MXFP4]) > 3 * abs(d["first"].loss_divergence[Format.MXFP4])
-    assert d["second"].rel_error_forward[Format.MXFP4] > 5 * d["first"].rel_error_forward[Format.MXFP4]
     assert d["first"].loss_divergence[Format.BF16] == 0.0 == d["first"].weight_divergence[Format.BF16]
 
 
