@@ -1,0 +1,164 @@
+"""The configuration schema: frozen keyword-only dataclasses, registered as Hydra structured configs.
+
+conf/ holds only values; every field here can be overridden on the command line, e.g.
+``python -m lightning_snip.train snip.fp4_fraction=0.8 snip.interval=20 trainer.max_steps=60``.
+Format names stay strings here (so overrides read ``snip.initial_format=fp8``) and are checked in
+``__post_init__``, which OmegaConf.to_object runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from lightning_snip.demo.model import LlamaConfig
+from lightning_snip.formats import CostModel, Format, QuantRecipe
+
+
+def _check(condition: bool, name: str, value, allowed: str) -> None:
+    if not condition:
+        raise ValueError(f"{name}: invalid value {value!r}; allowed: {allowed}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SNIPConfig:
+    """SNIPCallback settings.
+
+    Args:
+        interval: steps between statistics rounds (each followed by a new plan).
+        warmup_steps: first statistics round at this step; until then the initial format.
+        apply_delay: a plan solved from the statistics of step t is applied at step t + apply_delay.
+        fp4_fraction: share of linear FLOPs to run in FP4 (or give cost_budget instead).
+        cost_budget: relative GEMM cost budget (all-bf16 = 1.0), instead of fp4_fraction.
+        candidate_formats: formats the planner may choose among (bf16 is always possible).
+        initial_format: format of unpinned layers until the first plan.
+        include / exclude: fqn globs selecting the nn.Linear layers to switch.
+        pins: fqn glob -> format kept fixed (the LM head in bf16 by default).
+        max_rows: token rows in a statistics round (bounds its memory and time).
+        noise_draws / noise_scale: curvature probes of the loss divergence.
+        weight_divergence_weight: lambda in LD + lambda * WD.
+        time_limit_seconds: ILP solver limit; the best feasible plan is used after it.
+        fp8_scaling: rowwise | tensorwise. fp4_grad_rounding: stochastic | nearest.
+        relative_cost: format -> GEMM cost relative to bf16, overriding the defaults.
+    """
+
+    interval: int = 100
+    warmup_steps: int = 50
+    apply_delay: int = 1
+    fp4_fraction: float | None = 0.75
+    cost_budget: float | None = None
+    candidate_formats: tuple[str, ...] = ("fp8", "mxfp4")
+    initial_format: str = "fp8"
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ()
+    pins: dict[str, str] = field(default_factory=lambda: {"lm_head": "bf16"})
+    max_rows: int = 1024
+    noise_draws: int = 2
+    noise_scale: float = 0.1
+    weight_divergence_weight: float = 1.0
+    time_limit_seconds: float = 10.0
+    fp8_scaling: str = "rowwise"
+    fp4_grad_rounding: str = "stochastic"
+    relative_cost: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("interval", "max_rows"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value > 0, f"snip.{name}", value, "an integer > 0")
+        for name in ("warmup_steps", "apply_delay", "noise_draws"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value >= 0, f"snip.{name}", value, "an integer >= 0")
+        _check(self.apply_delay < self.interval, "snip.apply_delay", self.apply_delay, f"an integer < snip.interval ({self.interval})")
+        if (self.fp4_fraction is None) == (self.cost_budget is None):
+            raise ValueError(
+                f"snip.fp4_fraction / snip.cost_budget: set exactly one (the other null); got "
+                f"fp4_fraction={self.fp4_fraction!r}, cost_budget={self.cost_budget!r}"
+            )
+        if self.fp4_fraction is not None:
+            _check(0.0 <= self.fp4_fraction <= 1.0, "snip.fp4_fraction", self.fp4_fraction, "a number in [0, 1]")
+        if self.cost_budget is not None:
+            _check(self.cost_budget > 0 and math.isfinite(self.cost_budget), "snip.cost_budget", self.cost_budget, "a number > 0")
+        for name in ("noise_scale", "time_limit_seconds"):
+            value = getattr(self, name)
+            _check(value > 0, f"snip.{name}", value, "a number > 0")
+        _check(self.weight_divergence_weight >= 0, "snip.weight_divergence_weight", self.weight_divergence_weight, "a number >= 0")
+        object.__setattr__(self, "candidate_formats", tuple(self.candidate_formats))
+        object.__setattr__(self, "include", tuple(self.include))
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+        object.__setattr__(self, "pins", dict(self.pins))
+        candidates = [Format.parse(f, field_name="snip.candidate_formats") for f in self.candidate_formats]
+        _check(bool(candidates), "snip.candidate_formats", self.candidate_formats, "at least one of bf16, fp8, mxfp8, mxfp4, nvfp4")
+        if self.fp4_fraction and not any(f.is_fp4 for f in candidates):
+            raise ValueError(f"snip.candidate_formats: {list(self.candidate_formats)} holds no FP4 format, but fp4_fraction={self.fp4_fraction}")
+        Format.parse(self.initial_format, field_name="snip.initial_format")
+        for pattern, fmt in self.pins.items():
+            Format.parse(fmt, field_name=f"snip.pins[{pattern}]")
+        self.recipe  # validates fp8_scaling and fp4_grad_rounding
+        self.cost_model  # validates relative_cost
+
+    @property
+    def formats(self) -> tuple[Format, ...]:
+        return tuple(Format.parse(f) for f in self.candidate_formats)
+
+    @property
+    def recipe(self) -> QuantRecipe:
+        try:
+            return QuantRecipe(fp8_scaling=self.fp8_scaling, fp4_grad_rounding=self.fp4_grad_rounding)
+        except ValueError as err:
+            raise ValueError(f"snip.{err}") from None
+
+    @property
+    def cost_model(self) -> CostModel:
+        try:
+            return CostModel(self.relative_cost)
+        except ValueError as err:
+            raise ValueError(f"snip.{err}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    path: str | None = None  # any text file; None: the Python standard library's source
+    seq_len: int = 128
+    batch_size: int = 16
+    val_fraction: float = 0.05
+    val_batches: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "batch_size", "val_batches"):
+            _check(getattr(self, name) > 0, f"data.{name}", getattr(self, name), "an integer > 0")
+        _check(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "a number in (0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    max_steps: int = 300
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    seed: int = 0
+    accelerator: str = "auto"
+    devices: int = 1
+    strategy: str = "auto"
+    precision: str = "32-true"
+    log_every_n_steps: int = 10
+    val_check_interval: int = 100
+    output_dir: str = "snip_runs"
+
+    def __post_init__(self) -> None:
+        _check(self.max_steps > 0, "trainer.max_steps", self.max_steps, "an integer > 0")
+        _check(self.lr > 0, "trainer.lr", self.lr, "a number > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    snip: SNIPConfig = field(default_factory=SNIPConfig)
+    model: LlamaConfig = field(default_factory=LlamaConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def register_configs() -> None:
+    """Register the schema with Hydra's ConfigStore (conf/config.yaml extends ``train_schema``)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
