@@ -51,7 +51,7 @@ class SNIPConfig:
     initial_format: str = "fp8"
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ()
-    pins: dict[str, str] = field(default_factory=lambda: {"lm_head": "bf16"})
+    pins: dict[str, str] = field(default_factory=lambda: {"*lm_head": "bf16"})
     max_rows: int = 1024
     noise_draws: int = 2
     noise_scale: float = 0.1
@@ -159,6 +159,20 @@ class TrainConfig:
 def register_configs() -> None:
     """Register the schema with Hydra's ConfigStore (conf/config.yaml extends ``train_schema``)."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
-    cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
+    # OmegaConf marks frozen dataclasses read-only, which would stop Hydra merging conf/ and the
+    # command line into them; the dataclasses themselves stay frozen once built (to_object).
+    node = OmegaConf.structured(TrainConfig)
+    _set_writable(node)
+    ConfigStore.instance().store(name="train_schema", node=node)
+
+
+def _set_writable(node) -> None:
+    from omegaconf import DictConfig, OmegaConf
+
+    OmegaConf.set_readonly(node, False)
+    for key in node.keys():
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            _set_writable(child)

@@ -106,7 +106,7 @@ def estimate_divergence(
     low-precision formats (the planner then keeps it high) and a warning naming it.
     """
     global _warned_no_adam
-    formats = [f for f in formats if f is not Format.BF16]
+    formats = [f for f in dict.fromkeys(formats) if f is not Format.BF16]
     curvature = _estimate_curvature(stats, noise_draws, noise_scale, generator)
     used_adam = all(a is not None for a in stats.param_adam.values())
     if not used_adam and not _warned_no_adam:

@@ -1,0 +1,265 @@
+"""SNIPCallback: the Lightning plugin that samples statistics, solves plans and switches formats."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from typing_extensions import override
+
+from lightning_snip.config import SNIPConfig
+from lightning_snip.convert import apply_plan, convert_linears, glob_filter
+from lightning_snip.divergence import DivergenceResult, LayerDivergence, estimate_divergence
+from lightning_snip.formats import Format
+from lightning_snip.plan import Plan, SolveStatus
+from lightning_snip.planner import LayerCandidates, solve_plan
+from lightning_snip.reporting import divergence_scalars, log_to_loggers, plan_scalars
+from lightning_snip.stats import collect_stats, slice_batch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _PendingSolve:
+    """A solve started at ``stats_step`` whose plan takes effect at ``apply_step`` (rank 0 runs it)."""
+
+    stats_step: int
+    apply_step: int
+    thread: threading.Thread | None = None
+    plan: Plan | None = None
+    error: BaseException | None = None
+
+
+class SNIPCallback(Callback):
+    """Adaptive per-layer FP4/FP8 precision (SNIP) for a LightningModule's linear layers.
+
+    On fit setup the selected ``nn.Linear`` layers become SNIPLinear (same Parameters) in
+    ``config.initial_format``, pinned layers in their pin. Every ``interval`` steps from
+    ``warmup_steps`` on, a statistics round runs on the first ``max_rows`` token rows of the batch
+    (high precision, see lightning_snip.stats), its divergences are averaged over data-parallel ranks,
+    and rank 0 solves the ILP in a background thread. ``apply_delay`` steps later rank 0 joins the
+    thread, broadcasts the plan, and every rank applies it before that step's forward pass. A failed
+    statistics round or solve logs a warning and training continues on the last good plan.
+
+    The statistics loss is ``pl_module.snip_loss(batch)`` if the module defines it, else the loss
+    returned by ``training_step(batch, batch_idx)``.
+
+    Logged metrics (every Lightning logger; image and text to TensorBoard only):
+        ``snip/ld/<fqn>/<format>``: forward loss divergence (relative loss increase), per layer/format.
+        ``snip/wd/<fqn>/<format>``: backward weight divergence (relative update deviation).
+        ``snip/stats_seconds``: wall time of the statistics round (statistics step).
+        ``snip/solver_seconds``: ILP solve time (apply step).
+        ``snip/fp4_fraction``: FP4 share of the switched layers' linear FLOPs under the applied plan.
+        ``snip/relative_gemm_cost``: GEMM cost of the applied plan relative to all-bf16.
+        ``snip/plan_changes``: layers whose format the applied plan changed.
+        ``snip/plan`` (image): blocks x layer types colored by format.
+        ``snip/plan_table`` (text): the plan as a table.
+
+    Public state: ``layers`` (fqn -> SNIPLinear), ``plan`` (the applied Plan or None), ``history``
+    (a list of dicts: step, divergence, plan), ``num_stats_rounds``, ``num_plans_applied``.
+    """
+
+    def __init__(self, config: SNIPConfig | None = None) -> None:
+        super().__init__()
+        self.config = config if config is not None else SNIPConfig()
+        if not isinstance(self.config, SNIPConfig):
+            raise TypeError(f"config: expected a SNIPConfig, got {type(self.config).__name__}")
+        self.layers: dict = {}
+        self.plan: Plan | None = None
+        self.history: list[dict] = []
+        self.num_stats_rounds = 0
+        self.num_plans_applied = 0
+        self._pending: _PendingSolve | None = None
+        self._flops: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ hooks
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        strategy = trainer.strategy
+        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or type(strategy).__name__.startswith("FSDP"):
+            raise ValueError(
+                f"trainer.strategy: {type(strategy).__name__} is not supported by SNIPCallback; "
+                "allowed: single device, DDP (ddp, ddp_spawn, ddp_find_unused_parameters_*)"
+            )
+        cfg = self.config
+        self.layers = convert_linears(
+            pl_module,
+            filter=glob_filter(cfg.include, cfg.exclude),
+            pins=cfg.pins,
+            initial_format=cfg.initial_format,
+            recipe=cfg.recipe,
+        )
+        # Relative FLOPs per step: every layer sees the same tokens, so 6 * m * k orders them.
+        self._flops = {fqn: 6.0 * layer.in_features * layer.out_features for fqn, layer in self.layers.items()}
+        logger.info("SNIP: %d switchable layers, initial format %s", len(self.layers), cfg.initial_format)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.plan is not None:  # restored from a checkpoint
+            apply_plan(pl_module, self.plan)
+            logger.info("SNIP: re-applied the checkpoint's plan (%d layers)", len(self.plan))
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
+        step = trainer.global_step
+        if self._pending is not None and step >= self._pending.apply_step:
+            self._apply_pending(trainer, pl_module, step)
+        if self._is_stats_step(step):
+            self._statistics_round(trainer, pl_module, batch, batch_idx, step)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._pending = None  # a solve still running is a daemon thread: it never blocks exit
+
+    @override
+    def state_dict(self) -> dict:
+        return {
+            "plan": self.plan.to_json() if self.plan is not None else None,
+            "history": json.dumps(self.history),
+            "num_stats_rounds": self.num_stats_rounds,
+            "num_plans_applied": self.num_plans_applied,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.plan = Plan.from_json(state_dict["plan"]) if state_dict.get("plan") else None
+        self.history = json.loads(state_dict.get("history", "[]"))
+        self.num_stats_rounds = int(state_dict.get("num_stats_rounds", 0))
+        self.num_plans_applied = int(state_dict.get("num_plans_applied", 0))
+
+    # ------------------------------------------------------------------ helpers
+
+    def _is_stats_step(self, step: int) -> bool:
+        cfg = self.config
+        return step >= cfg.warmup_steps and (step - cfg.warmup_steps) % cfg.interval == 0
+
+    def _statistics_round(self, trainer, pl_module, batch, batch_idx, step) -> None:
+        cfg = self.config
+        start = time.perf_counter()
+        result = None
+        try:
+            sliced = slice_batch(batch, cfg.max_rows)
+            optimizer = trainer.optimizers[0] if trainer.optimizers else None
+            stats = collect_stats(pl_module, lambda: _loss(pl_module, sliced, batch_idx), layers=self.layers, optimizer=optimizer)
+            try:
+                result = estimate_divergence(
+                    stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws, noise_scale=cfg.noise_scale,
+                    allowed={fqn: layer.allowed_formats for fqn, layer in self.layers.items()},
+                )
+            finally:
+                stats.release()
+        except Exception as err:  # noqa: BLE001 - a failed round must not take training down
+            logger.warning("SNIP statistics at step %d failed (%s: %s); keeping the current plan", step, type(err).__name__, err)
+        # Every rank reaches the reduction (a failed rank contributes NaN, which invalidates the round).
+        result = self._reduce(trainer, result)
+        self.num_stats_rounds += 1
+        seconds = time.perf_counter() - start
+        if result is None:
+            return
+        log_to_loggers(trainer.loggers, step, {**divergence_scalars(result), "snip/stats_seconds": seconds})
+        self.history.append({"step": step, "divergence": result.as_dict()})
+        pending = _PendingSolve(stats_step=step, apply_step=step + self.config.apply_delay)
+        if trainer.is_global_zero:
+            candidates = self._candidates(result)
+            pending.thread = threading.Thread(target=self._solve, args=(pending, candidates), daemon=True, name="snip-solver")
+            pending.thread.start()
+        self._pending = pending
+
+    def _reduce(self, trainer, result: DivergenceResult | None) -> DivergenceResult | None:
+        """Average LD and WD over data-parallel ranks (same order of layers and formats everywhere)."""
+        if trainer.world_size <= 1:
+            return result
+        keys = [(fqn, fmt) for fqn in self.layers for fmt in dict.fromkeys((Format.BF16, *self.config.formats))]
+        values = torch.full((2, len(keys)), float("nan"), dtype=torch.float64)
+        if result is not None:
+            for i, (fqn, fmt) in enumerate(keys):
+                values[0, i] = result.layers[fqn].loss_divergence.get(fmt, float("inf"))
+                values[1, i] = result.layers[fqn].weight_divergence.get(fmt, float("inf"))
+        device = trainer.strategy.root_device
+        total = trainer.strategy.reduce(values.to(device), reduce_op="sum").cpu() / trainer.world_size
+        if torch.isnan(total).any():
+            logger.warning("SNIP statistics failed on some rank; keeping the current plan")
+            return None
+        layers = {}
+        for fqn in self.layers:
+            idx = [i for i, (f, _) in enumerate(keys) if f == fqn]
+            layers[fqn] = LayerDivergence(
+                loss_divergence={keys[i][1]: float(total[0, i]) for i in idx},
+                weight_divergence={keys[i][1]: float(total[1, i]) for i in idx},
+            )
+        return DivergenceResult(layers=layers, loss=result.loss if result else float("nan"), used_adam=bool(result and result.used_adam))
+
+    def _candidates(self, result: DivergenceResult) -> list[LayerCandidates]:
+        """The planner's choices: the configured candidate formats the layer's shape allows (bf16 only
+        if listed, or where none fits)."""
+        out = []
+        for fqn, layer in self.layers.items():
+            formats = [f for f in self.config.formats if f in layer.allowed_formats] or [Format.BF16]
+            d = result.layers[fqn]
+            out.append(LayerCandidates(
+                fqn=fqn,
+                flops=self._flops[fqn],
+                loss_divergence={f: d.loss_divergence[f] for f in formats},
+                weight_divergence={f: d.weight_divergence[f] for f in formats},
+                pinned=layer.pinned,
+            ))
+        return out
+
+    def _solve(self, pending: _PendingSolve, candidates: list[LayerCandidates]) -> None:
+        cfg = self.config
+        try:
+            pending.plan = solve_plan(
+                candidates, fp4_fraction=cfg.fp4_fraction, cost_budget=cfg.cost_budget,
+                weight_divergence_weight=cfg.weight_divergence_weight, time_limit_seconds=cfg.time_limit_seconds,
+                relative_cost=cfg.cost_model.relative_cost,
+            )
+        except BaseException as err:  # noqa: BLE001 - reported on the training thread at apply time
+            pending.error = err
+
+    def _apply_pending(self, trainer, pl_module, step: int) -> None:
+        pending, self._pending = self._pending, None
+        message = None
+        if trainer.is_global_zero:
+            if pending.thread is not None:
+                pending.thread.join()
+            if pending.error is not None:
+                logger.warning("SNIP solve for step %d failed (%s: %s); keeping the current plan",
+                               pending.stats_step, type(pending.error).__name__, pending.error)
+            message = pending.plan.to_json() if pending.plan is not None else None
+        message = trainer.strategy.broadcast(message, src=0)
+        if message is None:
+            return
+        plan = Plan.from_json(message)
+        try:
+            apply_plan(pl_module, plan)
+        except ValueError as err:
+            logger.warning("SNIP plan from step %d could not be applied (%s); keeping the current plan", pending.stats_step, err)
+            return
+        previous, self.plan = self.plan, plan
+        self.num_plans_applied += 1
+        if self.history and self.history[-1]["step"] == pending.stats_step:
+            self.history[-1]["plan"] = json.loads(message)
+        scalars = {**plan_scalars(plan, previous), "snip/solver_seconds": plan.solve_seconds}
+        log_to_loggers(trainer.loggers, step, scalars, plan)
+        if plan.status is not SolveStatus.OPTIMAL:
+            logger.info("SNIP plan at step %d is %s", step, plan.status.value)
+
+
+def _loss(pl_module: pl.LightningModule, batch, batch_idx: int) -> torch.Tensor:
+    if hasattr(pl_module, "snip_loss"):
+        return pl_module.snip_loss(batch)
+    out = pl_module.training_step(batch, batch_idx)
+    loss = out["loss"] if isinstance(out, dict) else out
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError("statistics: training_step returned no loss tensor; define snip_loss(batch) on the module")
+    return loss

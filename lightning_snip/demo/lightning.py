@@ -1,0 +1,59 @@
+"""The demo's LightningModule (TinyLlama + AdamW) and byte-level DataModule."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_snip.demo.data import ByteWindows, load_corpus, split_corpus
+from lightning_snip.demo.model import LlamaConfig, TinyLlama
+
+
+class DemoLM(pl.LightningModule):
+    def __init__(self, model: LlamaConfig = LlamaConfig(), *, lr: float = 3e-3, weight_decay: float = 0.1):
+        super().__init__()
+        self.model = TinyLlama(model)
+        self.lr, self.weight_decay = lr, weight_decay
+
+    def snip_loss(self, batch) -> torch.Tensor:
+        """The loss SNIPCallback's statistics rounds use (no logging side effects)."""
+        return self.model.loss(batch)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model.loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.model.loss(batch)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, betas=(0.9, 0.95))
+
+
+class ByteTextDataModule(pl.LightningDataModule):
+    """Windows of a byte corpus: shuffled training windows, a fixed held-out tail for validation."""
+
+    def __init__(self, path: str | None = None, *, seq_len: int = 128, batch_size: int = 16,
+                 val_fraction: float = 0.05, val_batches: int = 8, seed: int = 0):
+        super().__init__()
+        self.path, self.seq_len, self.batch_size = path, seq_len, batch_size
+        self.val_fraction, self.val_batches, self.seed = val_fraction, val_batches, seed
+
+    def setup(self, stage: str | None = None) -> None:
+        train, val = split_corpus(load_corpus(self.path), self.val_fraction)
+        # Training windows start at every seq_len/2 offset: twice the distinct windows of a tiling.
+        self.train_set = ByteWindows(train, self.seq_len, stride=max(1, self.seq_len // 2))
+        val_set = ByteWindows(val, self.seq_len)
+        count = min(len(val_set), self.val_batches * self.batch_size)
+        self.val_set = torch.utils.data.Subset(val_set, range(count))
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(self.seed)
+        sampler = torch.utils.data.RandomSampler(self.train_set, replacement=True, num_samples=10**8, generator=generator)
+        return torch.utils.data.DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(self.val_set, batch_size=self.batch_size)
