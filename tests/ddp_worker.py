@@ -1,0 +1,37 @@
+"""Run by test_ddp.py: 2-process CPU DDP (gloo) training with SNIPCallback; each rank writes its plan
+and a checksum of its weights to OUT_DIR/rank<r>.json."""
+
+import json
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_snip.callback import SNIPCallback
+from lightning_snip.config import SNIPConfig
+from lightning_snip.demo.lightning import ByteTextDataModule, DemoLM
+from lightning_snip.demo.model import LlamaConfig
+
+
+def main(out_dir: str) -> None:
+    torch.set_num_threads(1)
+    pl.seed_everything(0)
+    module = DemoLM(LlamaConfig(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=160))
+    # Each rank samples its own data (different seeds): statistics differ, the plan must not.
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    data = ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1, seed=rank)
+    snip = SNIPCallback(SNIPConfig(warmup_steps=2, interval=4, apply_delay=1, fp4_fraction=0.6, max_rows=128, noise_draws=1))
+    trainer = pl.Trainer(
+        max_steps=6, accelerator="cpu", devices=2, strategy="ddp", callbacks=[snip], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    )
+    trainer.fit(module, datamodule=data)
+    weights = {n: float(p.detach().double().sum()) for n, p in module.named_parameters()}
+    with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
+        json.dump({"plan": {k: v.value for k, v in snip.plan.items()}, "weights": weights,
+                   "formats": {k: l.format.value for k, l in snip.layers.items()}}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,173 @@
+import glob
+import logging
+import os
+import time
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_snip.callback import SNIPCallback
+from lightning_snip.config import SNIPConfig
+from lightning_snip.demo.lightning import ByteTextDataModule, DemoLM
+from lightning_snip.demo.model import LlamaConfig
+from lightning_snip.formats import Format
+
+SMALL = LlamaConfig(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=160)
+
+
+def _snip(**kw):
+    base = dict(warmup_steps=2, interval=4, apply_delay=1, fp4_fraction=0.6, max_rows=128, noise_draws=1)
+    return SNIPConfig(**{**base, **kw})
+
+
+def _fit(tmp_path, snip, max_steps=8, ckpt_path=None, callbacks=(), **trainer_kw):
+    pl.seed_everything(0)
+    module = DemoLM(SMALL)
+    data = ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1)
+    trainer = pl.Trainer(
+        max_steps=max_steps, default_root_dir=tmp_path, logger=pl.loggers.TensorBoardLogger(tmp_path, name="tb"),
+        callbacks=[snip, *callbacks], enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        log_every_n_steps=1, accelerator="cpu", **trainer_kw,
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return trainer, module
+
+
+def test_plan_is_solved_applied_and_logged(tmp_path):
+    snip = SNIPCallback(_snip())
+    trainer, module = _fit(tmp_path, snip)
+    assert snip.num_stats_rounds == 2 and snip.num_plans_applied == 2  # stats at 2 and 6, applied at 3 and 7
+    plan = snip.plan
+    assert plan.fp4_fraction >= 0.6
+    assert plan["model.lm_head"] is Format.BF16
+    assert set(plan.values()) <= {Format.FP8, Format.MXFP4, Format.BF16}
+    assert {fqn: layer.format for fqn, layer in snip.layers.items()} == dict(plan)
+    assert [h["step"] for h in snip.history] == [2, 6] and "plan" in snip.history[-1]
+    events = EventAccumulator(glob.glob(str(tmp_path / "tb" / "*"))[0]).Reload()
+    tags = events.Tags()
+    for tag in ("snip/fp4_fraction", "snip/relative_gemm_cost", "snip/stats_seconds", "snip/solver_seconds",
+                "snip/plan_changes", "snip/ld/model.layers.0.mlp.up/mxfp4", "snip/wd/model.layers.1.attn.q/fp8"):
+        assert tag in tags["scalars"], tag
+    assert "snip/plan" in tags["images"]
+    assert [e.step for e in events.Scalars("snip/fp4_fraction")] == [3, 7]
+    assert events.Scalars("snip/fp4_fraction")[-1].value == pytest.approx(plan.fp4_fraction, rel=1e-6)
+    assert any("snip/plan_table" in t for t in tags["tensors"])
+
+
+def test_resume_restores_plan_and_continues(tmp_path):
+    snip = SNIPCallback(_snip())
+    ckpt_cb = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
+    trainer, _ = _fit(tmp_path, snip, max_steps=5, callbacks=[ckpt_cb])
+    saved_plan = snip.plan
+    ckpt = glob.glob(str(tmp_path / "ckpt" / "*.ckpt"))[0]
+    resumed = SNIPCallback(_snip())
+    trainer2, module2 = _fit(tmp_path, resumed, max_steps=9, ckpt_path=ckpt)
+    assert resumed.history[0]["step"] == 2 and resumed.num_stats_rounds == 2  # 1 before + 1 after resume
+    assert trainer2.global_step == 9
+    # Between resume and the next plan (step 7) the saved plan was in force; then the new one.
+    assert resumed.num_plans_applied == 2
+    state = torch.load(ckpt, weights_only=False)
+    assert any("SNIPCallback" in k for k in state["callbacks"])
+    fresh = SNIPCallback(_snip())
+    fresh.load_state_dict(next(v for k, v in state["callbacks"].items() if "SNIPCallback" in k))
+    assert fresh.plan == saved_plan
+    # The weights load strictly into an unconverted model.
+    plain = DemoLM(SMALL)
+    plain.load_state_dict(state["state_dict"], strict=True)
+
+
+def test_resumed_plan_is_reapplied_before_training(tmp_path):
+    snip = SNIPCallback(_snip())
+    ckpt_cb = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    _fit(tmp_path, snip, max_steps=4, callbacks=[ckpt_cb])
+    ckpt = glob.glob(str(tmp_path / "ckpt" / "*.ckpt"))[0]
+
+    seen = {}
+
+    class Probe(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.setdefault("formats", {fqn: layer.format for fqn, layer in resumed.layers.items()})
+
+    resumed = SNIPCallback(_snip(warmup_steps=100))
+    _fit(tmp_path, resumed, max_steps=5, ckpt_path=ckpt, callbacks=[Probe()])
+    assert seen["formats"] == dict(snip.plan)
+
+
+def test_statistics_failure_warns_and_keeps_plan(tmp_path, monkeypatch, caplog):
+    import lightning_snip.callback as cb
+
+    calls = {"n": 0}
+    real = cb.estimate_divergence
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected statistics failure")
+        return real(*a, **k)
+
+    monkeypatch.setattr(cb, "estimate_divergence", flaky)
+    snip = SNIPCallback(_snip())
+    with caplog.at_level(logging.WARNING):
+        _fit(tmp_path, snip, max_steps=8)
+    assert "injected statistics failure" in caplog.text
+    assert snip.num_plans_applied == 1 and snip.plan is not None
+
+
+def test_solver_failure_warns_and_keeps_plan(tmp_path, monkeypatch, caplog):
+    import lightning_snip.callback as cb
+
+    def broken(*a, **k):
+        raise RuntimeError("injected solver failure")
+
+    monkeypatch.setattr(cb, "solve_plan", broken)
+    snip = SNIPCallback(_snip())
+    with caplog.at_level(logging.WARNING):
+        trainer, _ = _fit(tmp_path, snip, max_steps=5)
+    assert "injected solver failure" in caplog.text and snip.plan is None
+    assert all(layer.format in (Format.FP8, Format.BF16) for layer in snip.layers.values())
+    assert trainer.global_step == 5
+
+
+def test_slow_solver_thread_never_blocks_exit(tmp_path, monkeypatch):
+    import lightning_snip.callback as cb
+
+    monkeypatch.setattr(cb, "solve_plan", lambda *a, **k: time.sleep(600))
+    snip = SNIPCallback(_snip(warmup_steps=3, interval=10, apply_delay=5))
+    start = time.perf_counter()
+    _fit(tmp_path, snip, max_steps=5)  # the solve started at step 3 is due at 8: never joined
+    assert time.perf_counter() - start < 120
+    assert snip._pending is None
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"fp4_fraction": 1.5}, "snip.fp4_fraction"),
+        ({"interval": 0}, "snip.interval"),
+        ({"initial_format": "fp6"}, "snip.initial_format"),
+        ({"candidate_formats": ("fp8", "int4")}, "snip.candidate_formats"),
+        ({"fp8_scaling": "blockwise"}, "snip.fp8_scaling"),
+        ({"fp4_fraction": None}, "snip.fp4_fraction / snip.cost_budget"),
+    ],
+)
+def test_invalid_config_names_the_field(kw, field):
+    with pytest.raises(ValueError, match=field.replace("/", ".")):
+        _snip(**kw)
+
+
+def test_filter_matching_nothing_fails_at_setup(tmp_path):
+    with pytest.raises(ValueError, match="filter: selects no"):
+        _fit(tmp_path, SNIPCallback(_snip(include=("nothing.*",))), max_steps=1)
+
+
+def test_unsupported_strategy_fails_at_setup(tmp_path):
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    class OddStrategy(SingleDeviceStrategy):
+        pass
+
+    OddStrategy.__name__ = "FSDPLikeStrategy"
+    with pytest.raises(ValueError, match="trainer.strategy: FSDPLikeStrategy"):
+        _fit(tmp_path, SNIPCallback(_snip()), max_steps=1, strategy=OddStrategy(device=torch.device("cpu")))

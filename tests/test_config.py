@@ -1,0 +1,47 @@
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf.errors import ValidationError
+
+from lightning_snip.config import SNIPConfig, TrainConfig, register_configs
+from lightning_snip.train import CONF_DIR, to_config
+
+
+def _compose(overrides):
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
+def test_compose_with_overrides_builds_the_config():
+    cfg = to_config(_compose(["trainer.max_steps=60", "snip.warmup_steps=10", "snip.interval=20", "snip.fp4_fraction=0.8",
+                              "snip.candidate_formats=[fp8,nvfp4]", "model.num_layers=2", "data.path=/tmp/x.txt"]))
+    assert isinstance(cfg, TrainConfig) and isinstance(cfg.snip, SNIPConfig)
+    assert cfg.trainer.max_steps == 60 and cfg.snip.interval == 20 and cfg.snip.fp4_fraction == 0.8
+    assert cfg.snip.candidate_formats == ("fp8", "nvfp4") and cfg.model.num_layers == 2
+    assert cfg.snip.pins == {"*lm_head": "bf16"} and cfg.data.path == "/tmp/x.txt"
+    with pytest.raises(Exception):
+        cfg.snip.interval = 3  # frozen once built
+
+
+def test_defaults_match_the_dataclasses():
+    cfg = to_config(_compose([]))
+    assert cfg.snip == SNIPConfig(pins={"*lm_head": "bf16"})
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("snip.fp4_fraction=1.5", "snip.fp4_fraction"),
+        ("snip.interval=0", "snip.interval"),
+        ("snip.initial_format=fp6", "snip.initial_format"),
+        ("data.batch_size=0", "data.batch_size"),
+    ],
+)
+def test_invalid_values_name_the_field(override, field):
+    with pytest.raises(ValueError, match=field):
+        to_config(_compose([override]))
+
+
+def test_wrong_type_is_rejected_by_the_schema():
+    with pytest.raises(Exception, match="interval"):
+        _compose(["snip.interval=often"])
