@@ -43,6 +43,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller model and fewer steps (< 1 minute)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sr-seeds", type=int, default=3)
+    parser.add_argument("--noise-draws", type=int, default=2)
+    parser.add_argument("--noise-scale", type=float, default=0.1)
+    parser.add_argument("--probe", choices=["error", "gaussian"], default="error")
+    parser.add_argument("--skip-weights", action="store_true", help="skip the WD ground truth (LD study only)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
@@ -80,7 +84,8 @@ def main() -> None:
     step_seconds = train_step_seconds()
     start = time.perf_counter()
     stats = collect_stats(model, lambda: model.loss(batch), layers=layers, optimizer=opt)
-    result = estimate_divergence(stats, FORMATS, generator=torch.Generator().manual_seed(args.seed))
+    result = estimate_divergence(stats, FORMATS, noise_draws=args.noise_draws, noise_scale=args.noise_scale,
+                                 curvature_probe=args.probe, generator=torch.Generator().manual_seed(args.seed))
     stats.release()
     round_seconds = time.perf_counter() - start
 
@@ -111,7 +116,7 @@ def main() -> None:
     ref = update(0)
     ref_norm = sum(float(r.pow(2).sum()) for r in ref)
     update_deviation = {}
-    for fqn, layer in layers.items():
+    for fqn, layer in layers.items() if not args.skip_weights else ():
         for fmt in FORMATS:
             layer.backward_format = fmt
             devs = []
@@ -123,6 +128,9 @@ def main() -> None:
     model.load_state_dict(model_state)
 
     fqns = list(layers)
+    if args.skip_weights:
+        update_deviation = {key: float("nan") for key in loss_increase}
+    print(f"# curvature probe {args.probe}, noise_draws={args.noise_draws} noise_scale={args.noise_scale}")
     print(f"{'layer':<22} {'fmt':<6} {'LD':>10} {'loss_inc':>10} {'WD':>10} {'upd_dev':>10} {'WDdirect':>9} {'WDprop':>9}")
     for fqn in fqns:
         d = result.layers[fqn]

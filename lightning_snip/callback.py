@@ -66,13 +66,20 @@ class SNIPCallback(Callback):
     (a list of dicts: step, divergence, plan), ``num_stats_rounds``, ``num_plans_applied``.
     """
 
-    def __init__(self, config: SNIPConfig | None = None) -> None:
+    def __init__(self, config: SNIPConfig | None = None, *, plan: Plan | None = None) -> None:
+        """Args:
+            config: the settings (SNIPConfig defaults when None).
+            plan: a plan to apply at fit start instead of ``initial_format`` (checked against the
+                model at setup); with ``config.replan=False`` it holds for the whole run.
+        """
         super().__init__()
         self.config = config if config is not None else SNIPConfig()
         if not isinstance(self.config, SNIPConfig):
             raise TypeError(f"config: expected a SNIPConfig, got {type(self.config).__name__}")
+        if plan is not None and not isinstance(plan, Plan):
+            raise TypeError(f"plan: expected a lightning_snip.plan.Plan, got {type(plan).__name__}")
         self.layers: dict = {}
-        self.plan: Plan | None = None
+        self.plan: Plan | None = plan
         self.history: list[dict] = []
         self.num_stats_rounds = 0
         self.num_plans_applied = 0
@@ -101,13 +108,15 @@ class SNIPCallback(Callback):
         )
         # Relative FLOPs per step: every layer sees the same tokens, so 6 * m * k orders them.
         self._flops = {fqn: 6.0 * layer.in_features * layer.out_features for fqn, layer in self.layers.items()}
+        if self.plan is not None:
+            apply_plan(pl_module, self.plan)  # a given plan that does not fit the model fails here
         logger.info("SNIP: %d switchable layers, initial format %s", len(self.layers), cfg.initial_format)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.plan is not None:  # restored from a checkpoint
+        if self.plan is not None:  # given, or restored from a checkpoint
             apply_plan(pl_module, self.plan)
-            logger.info("SNIP: re-applied the checkpoint's plan (%d layers)", len(self.plan))
+            logger.info("SNIP: applied the plan held at train start (%d layers)", len(self.plan))
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
@@ -141,7 +150,7 @@ class SNIPCallback(Callback):
 
     def _is_stats_step(self, step: int) -> bool:
         cfg = self.config
-        return step >= cfg.warmup_steps and (step - cfg.warmup_steps) % cfg.interval == 0
+        return cfg.replan and step >= cfg.warmup_steps and (step - cfg.warmup_steps) % cfg.interval == 0
 
     def _statistics_round(self, trainer, pl_module, batch, batch_idx, step) -> None:
         cfg = self.config

@@ -40,6 +40,8 @@ class SNIPConfig:
         time_limit_seconds: ILP solver limit; the best feasible plan is used after it.
         fp8_scaling: rowwise | tensorwise. fp4_grad_rounding: stochastic | nearest.
         relative_cost: format -> GEMM cost relative to bf16, overriding the defaults.
+        replan: False freezes the initial plan (no statistics rounds): a fixed-precision run with
+            the same layers converted, e.g. a baseline or the overhead reference.
     """
 
     interval: int = 100
@@ -60,6 +62,7 @@ class SNIPConfig:
     fp8_scaling: str = "rowwise"
     fp4_grad_rounding: str = "stochastic"
     relative_cost: dict[str, float] = field(default_factory=dict)
+    replan: bool = True
 
     def __post_init__(self) -> None:
         for name in ("interval", "max_rows"):

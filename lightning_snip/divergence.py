@@ -17,6 +17,7 @@ loss increase) so LD + lambda * WD adds two dimensionless numbers.
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 from collections.abc import Iterable, Mapping
@@ -82,6 +83,20 @@ class DivergenceResult:
 _warned_no_adam = False
 
 
+class CurvatureProbe(enum.Enum):
+    """How the second-order term 1/2 dY^T H_Y dY of LD is estimated.
+
+    GAUSSIAN: isotropic noise d_l in every layer's output; kappa_l = <d_l, G' - G>/||d_l||^2 and the
+        term is 1/2 kappa_l ||dY||^2 (the curvature along a random direction, one pass per draw).
+    ERROR: the quantization error itself with a random sign per layer, eps_l dY(l, p), in every layer
+        at once; the term is 1/2 eps_l <dY, G' - G> (the curvature along dY; one pass per draw and
+        format). Cross-layer terms vanish in expectation because the signs are independent.
+    """
+
+    GAUSSIAN = "gaussian"
+    ERROR = "error"
+
+
 def estimate_divergence(
     stats: Statistics,
     formats: Iterable[Format],
@@ -89,6 +104,7 @@ def estimate_divergence(
     recipe: QuantRecipe = QuantRecipe(),
     noise_draws: int = 2,
     noise_scale: float = 0.1,
+    curvature_probe: CurvatureProbe = CurvatureProbe.ERROR,
     allowed: Mapping[str, Iterable[Format]] | None = None,
     generator: torch.Generator | None = None,
 ) -> DivergenceResult:
@@ -98,8 +114,9 @@ def estimate_divergence(
         stats: a statistics pass (its graph is used for the VJPs and the noise passes).
         formats: candidate low-precision formats (bf16 gets 0 for both metrics).
         noise_draws: noise-injected passes averaged for the curvature.
-        noise_scale: noise std relative to each layer output's RMS; ~ the FP4 quantization error,
-            so the curvature is probed at the size of the perturbation it is used for.
+        noise_scale: (GAUSSIAN probe) noise std relative to each layer output's RMS.
+        curvature_probe: see CurvatureProbe; ERROR ranked layers better on the demo model
+            (benchmarks/results/divergence_fidelity_*.md).
         allowed: fqn -> formats the layer supports; others get +inf (never chosen).
 
     A layer whose sample holds NaN/Inf, or whose metric comes out non-finite, gets +inf for its
@@ -107,7 +124,24 @@ def estimate_divergence(
     """
     global _warned_no_adam
     formats = [f for f in dict.fromkeys(formats) if f is not Format.BF16]
-    curvature = _estimate_curvature(stats, noise_draws, noise_scale, generator)
+    curvature_probe = CurvatureProbe(curvature_probe)
+    valid = {}
+    for fqn, s in stats.layers.items():
+        if torch.isfinite(s.x).all() and torch.isfinite(s.g).all() and torch.isfinite(s.weight).all():
+            valid[fqn] = formats if allowed is None else [f for f in formats if f in set(allowed[fqn])]
+        else:
+            logger.warning("statistics of layer %s hold non-finite values: its low-precision formats are marked invalid", fqn)
+    output_errors = {
+        (fqn, fmt): quantized_matmul(stats.layers[fqn].x.float(), stats.layers[fqn].weight.float(), fmt, recipe=recipe)
+        - stats.layers[fqn].x.float() @ stats.layers[fqn].weight.float().t()
+        for fqn, fmts in valid.items() for fmt in fmts
+    }
+    if curvature_probe is CurvatureProbe.GAUSSIAN:
+        curvature = _estimate_curvature(stats, noise_draws, noise_scale, generator)
+        second_order = {(fqn, f): 0.5 * curvature.get(fqn, 0.0) * float(dy.pow(2).sum()) for (fqn, f), dy in output_errors.items()}
+    else:
+        curvature = {}
+        second_order = _error_probe_second_order(stats, output_errors, formats, noise_draws, generator)
     used_adam = all(a is not None for a in stats.param_adam.values())
     if not used_adam and not _warned_no_adam:
         logger.warning("weight divergence: optimizer keeps no Adam moments for every parameter; using plain gradient errors (A = 1)")
@@ -122,12 +156,11 @@ def estimate_divergence(
 
     out: dict[str, LayerDivergence] = {}
     for fqn, s in stats.layers.items():
-        fmts = formats if allowed is None else [f for f in formats if f in set(allowed[fqn])]
-        if not (torch.isfinite(s.x).all() and torch.isfinite(s.g).all() and torch.isfinite(s.weight).all()):
-            logger.warning("statistics of layer %s hold non-finite values: its low-precision formats are marked invalid", fqn)
+        if fqn not in valid:
             out[fqn] = _invalid(formats)
             continue
-        out[fqn] = _layer_divergence(stats, s, fmts, formats, curvature.get(fqn, 0.0), gain, recipe, denominator, loss_norm)
+        out[fqn] = _layer_divergence(stats, s, valid[fqn], formats, output_errors, second_order, curvature.get(fqn, 0.0),
+                                     gain, recipe, denominator, loss_norm)
     return DivergenceResult(layers=out, loss=stats.loss, used_adam=used_adam)
 
 
@@ -142,7 +175,8 @@ def _adam_scale(adam, use_adam: bool) -> tuple[float, torch.Tensor | float]:
     return adam.gradient_gain(), adam.preconditioner()
 
 
-def _layer_divergence(stats, s: LayerStats, fmts, all_formats, kappa, gain, recipe, denominator, loss_norm) -> LayerDivergence:
+def _layer_divergence(stats, s: LayerStats, fmts, all_formats, output_errors, second_order, kappa, gain, recipe,
+                      denominator, loss_norm) -> LayerDivergence:
     x, g, w = s.x.float(), s.g.float(), s.weight.float()
     y = x @ w.t()
     gw_ref = g.t() @ x
@@ -154,17 +188,21 @@ def _layer_divergence(stats, s: LayerStats, fmts, all_formats, kappa, gain, reci
         if fmt not in fmts:
             for k in ("ld", "wd"):
                 metrics[k][fmt] = math.inf
-            continue
-        dy = quantized_matmul(x, w, fmt, recipe=recipe) - y
+    if not fmts:
+        return _metrics_to_divergence(metrics, kappa)
+    e_x = {fmt: quantized_matmul(g, w.t(), fmt, recipe=recipe, a_is_grad=True) - gx_ref for fmt in fmts}
+    # One batched vector-Jacobian product carries every format's dgrad error upstream.
+    upstream = stats.propagate_input_grad(s.fqn, torch.stack([e_x[f] for f in fmts]))
+    for i, fmt in enumerate(fmts):
+        dy = output_errors[s.fqn, fmt]
         first = float((g * dy).sum())
-        second = 0.5 * kappa * float(dy.pow(2).sum())
+        second = second_order[s.fqn, fmt]
         e_w = quantized_matmul(g.t(), x.t(), fmt, recipe=recipe, a_is_grad=True) - gw_ref
-        e_x = quantized_matmul(g, w.t(), fmt, recipe=recipe, a_is_grad=True) - gx_ref
         direct = float((c_l * a_l * e_w).pow(2).sum())
         propagated = 0.0
-        for up, delta in stats.propagate_input_grad(s.fqn, e_x).items():
-            c_k, a_k = gain[up]
-            propagated += float((c_k * a_k * delta.float()).pow(2).sum())
+        for name, deltas in upstream.items():
+            c_k, a_k = gain[name]
+            propagated += float((c_k * a_k * deltas[i].float()).pow(2).sum())
         ld = (first + second) / loss_norm
         wd = (direct + propagated) / denominator
         if not (math.isfinite(ld) and math.isfinite(wd)):
@@ -175,6 +213,10 @@ def _layer_divergence(stats, s: LayerStats, fmts, all_formats, kappa, gain, reci
         metrics["direct"][fmt], metrics["prop"][fmt] = direct / denominator, propagated / denominator
         metrics["rel_y"][fmt] = float(dy.norm() / y.norm().clamp_min(1e-30))
         metrics["rel_w"][fmt] = float(e_w.norm() / gw_ref.norm().clamp_min(1e-30))
+    return _metrics_to_divergence(metrics, kappa)
+
+
+def _metrics_to_divergence(metrics, kappa) -> LayerDivergence:
     return LayerDivergence(
         loss_divergence=metrics["ld"], weight_divergence=metrics["wd"], first_order=metrics["first"],
         second_order=metrics["second"], wd_direct=metrics["direct"], wd_propagated=metrics["prop"],
@@ -201,3 +243,22 @@ def _estimate_curvature(stats: Statistics, draws: int, scale: float, generator) 
             delta_g = noisy[fqn].float() - stats.layers[fqn].g.float()
             totals[fqn] += float((d * delta_g).sum() / d.pow(2).sum())
     return {fqn: t / draws for fqn, t in totals.items()}
+
+
+def _error_probe_second_order(stats: Statistics, output_errors, formats, draws: int, generator) -> dict:
+    """1/2 dY^T H dY per (layer, format): inject eps_l dY(l, p) into every layer for one format at a
+    time (eps_l = +-1, independent), read 1/2 eps_l <dY(l, p), G'_l - G_l>, average over draws."""
+    totals = {key: 0.0 for key in output_errors}
+    if draws <= 0:
+        return totals
+    for fmt in formats:
+        keys = [key for key in output_errors if key[1] is fmt]
+        if not keys:
+            continue
+        for _ in range(draws):
+            signs = {fqn: 1.0 if float(torch.rand((), generator=generator)) < 0.5 else -1.0 for fqn, _ in keys}
+            noisy = stats.output_grads_with_noise({fqn: signs[fqn] * output_errors[fqn, f] for fqn, f in keys})
+            for fqn, f in keys:
+                delta_g = noisy[fqn].float() - stats.layers[fqn].g.float()
+                totals[fqn, f] += 0.5 * signs[fqn] * float((output_errors[fqn, f] * delta_g).sum()) / draws
+    return totals

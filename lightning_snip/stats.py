@@ -102,16 +102,17 @@ class Statistics:
         self._params = params
         self._rerun = rerun
 
-    def propagate_input_grad(self, fqn: str, grad_input: torch.Tensor) -> dict[str, torch.Tensor]:
+    def propagate_input_grad(self, fqn: str, grad_inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """J^T e: the change of every upstream parameter's gradient when the gradient arriving at
-        ``fqn``'s input changes by ``grad_input`` (rows x k). One vector-Jacobian product."""
+        ``fqn``'s input changes by e. ``grad_inputs`` stacks several e (num x rows x k); one batched
+        vector-Jacobian product returns, per parameter name, the stacked changes (num x param shape)."""
         x = self._inputs[fqn]
         if not x.requires_grad:
             return {}
         names = list(self._params)
         grads = torch.autograd.grad(
-            x, [self._params[n] for n in names], grad_outputs=grad_input.reshape(x.shape).to(x.dtype),
-            retain_graph=True, allow_unused=True,
+            x, [self._params[n] for n in names], grad_outputs=grad_inputs.reshape(-1, *x.shape).to(x.dtype),
+            retain_graph=True, allow_unused=True, is_grads_batched=True,
         )
         return {n: g for n, g in zip(names, grads) if g is not None}
 

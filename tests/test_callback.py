@@ -171,3 +171,19 @@ def test_unsupported_strategy_fails_at_setup(tmp_path):
     OddStrategy.__name__ = "FSDPLikeStrategy"
     with pytest.raises(ValueError, match="trainer.strategy: FSDPLikeStrategy"):
         _fit(tmp_path, SNIPCallback(_snip()), max_steps=1, strategy=OddStrategy(device=torch.device("cpu")))
+
+
+def test_frozen_given_plan_holds_and_bad_plan_fails_at_setup(tmp_path):
+    from lightning_snip.plan import Plan
+
+    module_fqns = [f"model.layers.{b}.{kind}" for b in range(2) for kind in
+                   ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down")] + ["model.lm_head"]
+    formats = {f: ("mxfp4" if "mlp" in f else "bf16" if "lm_head" in f else "fp8") for f in module_fqns}
+    plan = Plan(formats, {f: 1.0 for f in module_fqns})
+    snip = SNIPCallback(_snip(replan=False), plan=plan)
+    _fit(tmp_path, snip, max_steps=8)
+    assert snip.num_stats_rounds == 0 and snip.plan is plan
+    assert {f: l.format.value for f, l in snip.layers.items()} == formats
+    bad = Plan({"model.nothing": "fp8"}, {"model.nothing": 1.0})
+    with pytest.raises(ValueError, match="not a converted layer"):
+        _fit(tmp_path, SNIPCallback(_snip(), plan=bad), max_steps=1)

@@ -74,7 +74,7 @@ def test_vjp_matches_finite_difference_of_upstream_gradients():
     model, layers, opt, loss_fn, x = _setup()
     stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
     e = torch.randn(64, 64) * 1e-3
-    delta = stats.propagate_input_grad("second", e)["first.weight"]
+    delta = stats.propagate_input_grad("second", e.unsqueeze(0))["first.weight"][0]
     # Finite difference: the first layer's weight gradient when the gradient arriving at h (the
     # second layer's input) is g_h + eps*e, by backpropagating that from h by hand.
     w1 = model.first.weight
@@ -88,18 +88,27 @@ def test_vjp_matches_finite_difference_of_upstream_gradients():
     fd = (first_grad(g_h + eps * e) - first_grad(g_h)) / eps
     assert torch.allclose(delta, fd, rtol=1e-3, atol=1e-7)
     # and the first layer has no switchable layer upstream: its input needs no gradient
-    assert stats.propagate_input_grad("first", torch.randn(64, 64)) == {}
+    assert stats.propagate_input_grad("first", torch.randn(1, 64, 64)) == {}
     stats.release()
 
 
 def test_curvature_matches_quadratic_loss():
-    # For L = 1/2 ||y - t||^2 summed (not averaged), d^2L/dy^2 = I: kappa = 1 exactly.
+    # For L = 1/2 ||y - t||^2 summed (not averaged), d^2L/dy^2 = I: kappa = 1 exactly, and the
+    # second-order term is exactly 1/2 ||dY||^2 with either probe.
+    from lightning_snip.divergence import CurvatureProbe
+
     model = nn.Sequential(nn.Linear(32, 32, bias=False))
     x, t = torch.randn(16, 32), torch.randn(16, 32)
     layers = convert_linears(model)
     stats = collect_stats(model, lambda: 0.5 * (model(x) - t).pow(2).sum(), layers=layers)
-    result = estimate_divergence(stats, [Format.MXFP4], noise_draws=2)
-    assert result.layers["0"].curvature == pytest.approx(1.0, rel=1e-4)
+    w = model[0].weight.detach()
+    dy = quantized_matmul(x, w, Format.MXFP4, recipe=QuantRecipe()) - x @ w.t()
+    expected = 0.5 * float(dy.pow(2).sum()) / stats.loss
+    gauss = estimate_divergence(stats, [Format.MXFP4], noise_draws=2, curvature_probe=CurvatureProbe.GAUSSIAN)
+    assert gauss.layers["0"].curvature == pytest.approx(1.0, rel=1e-4)
+    assert gauss.layers["0"].second_order[Format.MXFP4] == pytest.approx(expected, rel=1e-4)
+    error = estimate_divergence(stats, [Format.MXFP4], noise_draws=1, curvature_probe="error")
+    assert error.layers["0"].second_order[Format.MXFP4] == pytest.approx(expected, rel=1e-4)
 
 
 def test_non_finite_statistics_mark_formats_invalid(caplog):
