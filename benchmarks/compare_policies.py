@@ -48,7 +48,7 @@ class Setup:
 
 FULL = Setup(dim=128, num_layers=4, hidden_dim=352, seq_len=128, batch_size=16, lr=3e-3,
              pretrain_steps=300, continue_steps=120, snip_interval=40)
-QUICK = Setup(dim=64, num_layers=2, hidden_dim=160, seq_len=64, batch_size=8, lr=3e-3,
+QUICK = Setup(dim=64, num_layers=4, hidden_dim=160, seq_len=64, batch_size=8, lr=3e-3,
               pretrain_steps=40, continue_steps=12, snip_interval=6)
 
 
@@ -108,7 +108,7 @@ def _baseline_plan(policy: str, fraction: float, seed: int, module, rel_error):
                                         random_plan, uniform_plan)
 
     layers = convert_linears(module, pins={"*lm_head": "bf16"})  # converted again by the callback: a no-op
-    zero = {Format.FP8: 0.0, Format.MXFP4: 0.0}
+    zero = {Format.BF16: 0.0, Format.FP8: 0.0, Format.MXFP4: 0.0}
     cands = [LayerCandidates(f, 6.0 * l.in_features * l.out_features, zero, zero, l.pinned) for f, l in layers.items()]
     if policy in ("all_bf16", "all_fp8", "all_fp4"):
         return uniform_plan(cands, {"all_bf16": "bf16", "all_fp8": "fp8", "all_fp4": "mxfp4"}[policy])

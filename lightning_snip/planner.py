@@ -271,12 +271,16 @@ DEFAULT_LAYER_TYPE_ORDER = ("up", "gate", "down", "o", "v", "q", "k")
 
 
 def uniform_plan(layers: Sequence[LayerCandidates], fmt: Format | str) -> Plan:
-    """Every unpinned layer in ``fmt`` (where its candidates allow it; otherwise its first choice)."""
+    """Every unpinned layer in ``fmt``; pinned layers keep their pin.
+
+    Raises:
+        ValueError: ``fmt`` is not a candidate format of some unpinned layer.
+    """
     fmt = Format.parse(fmt)
-    formats = {}
-    for layer in layers:
-        choices = layer.choices() if layer.pinned is not None else list(layer.loss_divergence)
-        formats[layer.fqn] = fmt if fmt in choices else choices[0]
+    missing = [layer.fqn for layer in layers if layer.pinned is None and fmt not in layer.loss_divergence]
+    if missing:
+        raise ValueError(f"fmt: {fmt.value} is not a candidate format of layer(s) {missing[:5]}")
+    formats = {layer.fqn: layer.pinned or fmt for layer in layers}
     return _plan(layers, formats, f"uniform_{fmt.value}")
 
 

@@ -192,6 +192,9 @@ def test_baselines_meet_the_target_and_respect_pins(fraction):
         assert plans[1]["layers.0.q"] is Format.MXFP4  # smallest relative error first
     uni = uniform_plan(layers, "mxfp4")
     assert uni["lm_head"] is Format.BF16 and uni.count(Format.MXFP4) == len(layers) - 1
+    assert uniform_plan(layers, "bf16").count(Format.BF16) == len(layers)
+    with pytest.raises(ValueError, match="nvfp4 is not a candidate"):
+        uniform_plan(layers, "nvfp4")
 
 
 def test_plan_json_round_trip_and_table():
