@@ -276,26 +276,20 @@ def _nvfp4_fake_quantize(rows, rounding, generator) -> torch.Tensor:
     return (q * scale).reshape(rows.shape)
 
 
-# The non-negative E2M1 values; the grid is symmetric.
-_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def _stochastic_round_e2m1(v: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def _stochastic_round_e2m1(v: "torch.Tensor", generator: "torch.Generator | None") -> "torch.Tensor":
     """Round scaled values onto the E2M1 grid, up with probability equal to the distance from below.
 
-    Written by hand: torchao has stochastic rounding only inside its GPU cast kernels. E[q] = v for
-    |v| <= 6; larger magnitudes (only possible where an E4M3 block scale rounded down) saturate at 6.
-    NaN stays NaN.
+    Written by hand: torchao has stochastic rounding only inside its GPU cast kernels. The positive
+    E2M1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6} is uniform inside each binade (step 0.5 below 2, 1 in
+    [2, 4), 2 in [4, 6]), so lo = floor(|v| / step) * step. E[q] = v for |v| <= 6; larger magnitudes
+    (only where an E4M3 block scale rounded down) saturate at 6. Non-finite values pass through.
     """
     import torch
 
-    grid = torch.tensor(_E2M1_GRID, dtype=v.dtype, device=v.device)
     mag = v.abs().clamp(max=6.0)
-    upper_idx = torch.bucketize(mag, grid).clamp(min=1, max=len(_E2M1_GRID) - 1)
-    lo = grid[upper_idx - 1]
-    hi = grid[upper_idx]
-    prob_up = (mag - lo) / (hi - lo)
+    step = torch.where(mag < 2.0, 0.5, torch.where(mag < 4.0, 1.0, 2.0))
+    lo = torch.floor(mag / step) * step
     u = torch.rand(v.shape, generator=generator, device=v.device, dtype=v.dtype)
-    q = torch.where(u < prob_up, hi, lo)
+    q = torch.where(u * step < mag - lo, lo + step, lo).clamp(max=6.0)
     q = torch.copysign(q, v)
     return torch.where(torch.isfinite(v), q, v)

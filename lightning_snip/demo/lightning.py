@@ -10,10 +10,14 @@ from lightning_snip.demo.model import LlamaConfig, TinyLlama
 
 
 class DemoLM(pl.LightningModule):
-    def __init__(self, model: LlamaConfig = LlamaConfig(), *, lr: float = 3e-3, weight_decay: float = 0.1):
+    def __init__(self, model: LlamaConfig = LlamaConfig(), *, lr: float = 3e-3, weight_decay: float = 0.1,
+                 lr_decay_start: int | None = None, lr_decay_steps: int = 1):
+        """``lr_decay_start``/``lr_decay_steps``: linear decay of the learning rate to 0 over these
+        steps (None: constant), e.g. to end a benchmark's continuation at a low-noise final iterate."""
         super().__init__()
         self.model = TinyLlama(model)
         self.lr, self.weight_decay = lr, weight_decay
+        self.lr_decay_start, self.lr_decay_steps = lr_decay_start, max(1, lr_decay_steps)
 
     def snip_loss(self, batch) -> torch.Tensor:
         """The loss SNIPCallback's statistics rounds use (no logging side effects)."""
@@ -30,7 +34,14 @@ class DemoLM(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, betas=(0.9, 0.95))
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, betas=(0.9, 0.95))
+        start, length = self.lr_decay_start, self.lr_decay_steps
+
+        def factor(step: int) -> float:  # a closure, so a resumed run keeps this run's schedule
+            return 1.0 if start is None or step < start else max(0.0, 1.0 - (step - start) / length)
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 class ByteTextDataModule(pl.LightningDataModule):
