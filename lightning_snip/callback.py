@@ -25,6 +25,10 @@ from lightning_snip.stats import collect_stats, slice_batch
 
 logger = logging.getLogger(__name__)
 
+# Strategies that keep every parameter whole on every rank (what convert/apply_plan need).
+# FSDP, DeepSpeed and model-parallel strategies are not among them.
+SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
+
 
 @dataclass
 class _PendingSolve:
@@ -93,7 +97,7 @@ class SNIPCallback(Callback):
         if stage != "fit":
             return
         strategy = trainer.strategy
-        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or type(strategy).__name__.startswith("FSDP"):
+        if not isinstance(strategy, SUPPORTED_STRATEGIES):
             raise ValueError(
                 f"trainer.strategy: {type(strategy).__name__} is not supported by SNIPCallback; "
                 "allowed: single device, DDP (ddp, ddp_spawn, ddp_find_unused_parameters_*)"

@@ -134,7 +134,7 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
-    max_steps: int = 300
+    max_steps: int = 200
     lr: float = 3e-3
     weight_decay: float = 0.1
     seed: int = 0
