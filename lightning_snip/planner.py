@@ -293,20 +293,30 @@ def ordered_plan(
     low: Format = Format.MXFP4,
     high: Format = Format.FP8,
 ) -> Plan:
-    """Put layers in ``low`` in the given fqn order until ``fp4_fraction`` of FLOPs is FP4; the rest ``high``."""
+    """Put layers in ``low`` in the given fqn order until ``fp4_fraction`` of FLOPs is FP4; the rest
+    ``high``. Then trim the overshoot: walking the FP4 layers back from the last one added, return a
+    layer to ``high`` wherever the target still holds without it, so every policy runs as close to
+    the same fraction as layer sizes allow."""
     target, _ = _validate(layers, fp4_fraction, None, None, DEFAULT_RELATIVE_COST)
     by_fqn = {layer.fqn: layer for layer in layers}
     total = sum(layer.flops for layer in layers)
+    needed = target.fp4_fraction * total - 1e-9 * total
     formats = {layer.fqn: layer.pinned or _pick(layer, high, fp4=False) for layer in layers}
     fp4 = sum(layer.flops for layer in layers if formats[layer.fqn].is_fp4)
+    added: list[str] = []
     for fqn in order:
-        if total == 0 or fp4 >= target.fp4_fraction * total - 1e-9 * total:
+        if total == 0 or fp4 >= needed:
             break
         layer = by_fqn[fqn]
         low_choice = _pick(layer, low, fp4=True)
         if layer.pinned is None and low_choice is not None:
             formats[fqn] = low_choice
             fp4 += layer.flops
+            added.append(fqn)
+    for fqn in reversed(added[:-1]):  # the last one added is what reached the target
+        if fp4 - by_fqn[fqn].flops >= needed:
+            formats[fqn] = _pick(by_fqn[fqn], high, fp4=False)
+            fp4 -= by_fqn[fqn].flops
     return _plan(layers, formats, policy)
 
 

@@ -210,3 +210,14 @@ def test_plan_json_round_trip_and_table():
 def test_planner_imports_no_torch():
     code = "import sys, lightning_snip.planner, lightning_snip.plan; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_ordered_baselines_trim_their_overshoot():
+    layers = [layer("b1", 6, (0, 0, 0)), layer("s1", 1, (0, 0, 0)), layer("s2", 1, (0, 0, 0)), layer("b2", 6, (0, 0, 0))]
+    from lightning_snip.planner import ordered_plan
+
+    plan = ordered_plan(layers, ["s1", "s2", "b1", "b2"], fp4_fraction=9 / 14, policy="test")
+    # s1, s2, b1 = 8/14 < 9/14, so b2 is added (14/14); trimming back over b1, s2, s1: dropping b1
+    # leaves 8/14 (too few), dropping s2 leaves 13/14 (kept), then s1 -> 12/14 (kept).
+    assert {f for f, fmt in plan.items() if fmt is Format.MXFP4} == {"b1", "b2"}
+    assert plan.fp4_fraction == pytest.approx(12 / 14)
