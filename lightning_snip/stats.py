@@ -26,7 +26,8 @@ LossFn = Callable[[], torch.Tensor]
 
 @dataclass(frozen=True)
 class AdamState:
-    """A snapshot of AdamW's state for one weight (moments cloned, hyper-parameters of its group)."""
+    """AdamW's state for one weight: its moments (views of the optimizer's tensors, valid until the
+    next optimizer step; the statistics round uses them before that) and its group's hyper-parameters."""
 
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
@@ -38,7 +39,7 @@ class AdamState:
 
     def preconditioner(self) -> torch.Tensor:
         """A = 1 / (sqrt(v_hat) + eps), the elementwise scale AdamW applies to a gradient change."""
-        v_hat = self.exp_avg_sq / (1 - self.beta2**self.step)
+        v_hat = self.exp_avg_sq.float() / (1 - self.beta2**self.step)
         return 1.0 / (v_hat.sqrt() + self.eps)
 
     def update(self) -> torch.Tensor:
@@ -61,8 +62,8 @@ def read_adam_state(optimizer: torch.optim.Optimizer | None, weight: nn.Paramete
     beta1, beta2 = group.get("betas", (0.9, 0.999))
     step = int(state["step"]) if "step" in state else 1
     return AdamState(
-        exp_avg=state["exp_avg"].detach().clone(),
-        exp_avg_sq=state["exp_avg_sq"].detach().float().clone(),
+        exp_avg=state["exp_avg"].detach(),
+        exp_avg_sq=state["exp_avg_sq"].detach(),
         step=max(step, 1),
         lr=float(group["lr"]),
         beta1=float(beta1),
