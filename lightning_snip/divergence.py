@@ -131,13 +131,15 @@ def estimate_divergence(
             valid[fqn] = formats if allowed is None else [f for f in formats if f in set(allowed[fqn])]
         else:
             logger.warning("statistics of layer %s hold non-finite values: its low-precision formats are marked invalid", fqn)
+    # The high-precision output Y = X W^T of each layer's sample, computed once and shared below.
+    outputs = {fqn: s.x.float() @ s.weight.float().t() for fqn, s in stats.layers.items()}
     output_errors = {
         (fqn, fmt): quantized_matmul(stats.layers[fqn].x.float(), stats.layers[fqn].weight.float(), fmt, recipe=recipe)
-        - stats.layers[fqn].x.float() @ stats.layers[fqn].weight.float().t()
+        - outputs[fqn]
         for fqn, fmts in valid.items() for fmt in fmts
     }
     if curvature_probe is CurvatureProbe.GAUSSIAN:
-        curvature = _estimate_curvature(stats, noise_draws, noise_scale, generator)
+        curvature = _estimate_curvature(stats, outputs, noise_draws, noise_scale, generator)
         second_order = {(fqn, f): 0.5 * curvature.get(fqn, 0.0) * float(dy.pow(2).sum()) for (fqn, f), dy in output_errors.items()}
     else:
         curvature = {}
@@ -159,8 +161,8 @@ def estimate_divergence(
         if fqn not in valid:
             out[fqn] = _invalid(formats)
             continue
-        out[fqn] = _layer_divergence(stats, s, valid[fqn], formats, output_errors, second_order, curvature.get(fqn, 0.0),
-                                     gain, recipe, denominator, loss_norm)
+        out[fqn] = _layer_divergence(stats, s, outputs[fqn], valid[fqn], formats, output_errors, second_order,
+                                     curvature.get(fqn, 0.0), gain, recipe, denominator, loss_norm)
     return DivergenceResult(layers=out, loss=stats.loss, used_adam=used_adam)
 
 
@@ -175,10 +177,9 @@ def _adam_scale(adam, use_adam: bool) -> tuple[float, torch.Tensor | float]:
     return adam.gradient_gain(), adam.preconditioner()
 
 
-def _layer_divergence(stats, s: LayerStats, fmts, all_formats, output_errors, second_order, kappa, gain, recipe,
+def _layer_divergence(stats, s: LayerStats, y, fmts, all_formats, output_errors, second_order, kappa, gain, recipe,
                       denominator, loss_norm) -> LayerDivergence:
     x, g, w = s.x.float(), s.g.float(), s.weight.float()
-    y = x @ w.t()
     gw_ref = g.t() @ x
     gx_ref = g @ w
     c_l, a_l = gain.get(s.fqn + ".weight", (1.0, 1.0))
@@ -224,7 +225,7 @@ def _metrics_to_divergence(metrics, kappa) -> LayerDivergence:
     )
 
 
-def _estimate_curvature(stats: Statistics, draws: int, scale: float, generator) -> dict[str, float]:
+def _estimate_curvature(stats: Statistics, outputs, draws: int, scale: float, generator) -> dict[str, float]:
     """kappa_l = <d_l, G'_l - G_l> / ||d_l||^2, averaged over ``draws`` independent noise draws.
 
     Noise goes into every layer at once: cross-layer terms vanish in expectation because the draws
@@ -232,12 +233,12 @@ def _estimate_curvature(stats: Statistics, draws: int, scale: float, generator) 
     if draws <= 0:
         return {}
     totals = {fqn: 0.0 for fqn in stats.layers}
+    noise_std = {fqn: scale * max(float(y.pow(2).mean().sqrt()), 1e-12) for fqn, y in outputs.items()}
     for _ in range(draws):
         noise = {}
         for fqn, s in stats.layers.items():
-            y_rms = float((s.x.float() @ s.weight.float().t()).pow(2).mean().sqrt())
             shape = (s.num_rows, s.weight.shape[0])
-            noise[fqn] = torch.randn(shape, generator=generator, device=s.x.device) * (scale * max(y_rms, 1e-12))
+            noise[fqn] = torch.randn(shape, generator=generator, device=s.x.device) * noise_std[fqn]
         noisy = stats.output_grads_with_noise(noise)
         for fqn, d in noise.items():
             delta_g = noisy[fqn].float() - stats.layers[fqn].g.float()
