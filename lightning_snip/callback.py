@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -192,24 +193,24 @@ class SNIPCallback(Callback):
         """Average LD and WD over data-parallel ranks (same order of layers and formats everywhere)."""
         if trainer.world_size <= 1:
             return result
-        keys = [(fqn, fmt) for fqn in self.layers for fmt in dict.fromkeys((Format.BF16, *self.config.formats))]
-        values = torch.full((2, len(keys)), float("nan"), dtype=torch.float64)
+        fqns = list(self.layers)
+        formats = list(dict.fromkeys((Format.BF16, *self.config.formats)))
+        values = torch.full((2, len(fqns), len(formats)), float("nan"), dtype=torch.float64)  # (LD/WD, layer, format)
         if result is not None:
-            for i, (fqn, fmt) in enumerate(keys):
-                values[0, i] = result.layers[fqn].loss_divergence.get(fmt, float("inf"))
-                values[1, i] = result.layers[fqn].weight_divergence.get(fmt, float("inf"))
+            values[0] = torch.tensor([[result.layers[f].loss_divergence.get(p, math.inf) for p in formats] for f in fqns])
+            values[1] = torch.tensor([[result.layers[f].weight_divergence.get(p, math.inf) for p in formats] for f in fqns])
         device = trainer.strategy.root_device
         total = trainer.strategy.reduce(values.to(device), reduce_op="sum").cpu() / trainer.world_size
         if torch.isnan(total).any():
             logger.warning("SNIP statistics failed on some rank; keeping the current plan")
             return None
-        layers = {}
-        for fqn in self.layers:
-            idx = [i for i, (f, _) in enumerate(keys) if f == fqn]
-            layers[fqn] = LayerDivergence(
-                loss_divergence={keys[i][1]: float(total[0, i]) for i in idx},
-                weight_divergence={keys[i][1]: float(total[1, i]) for i in idx},
+        layers = {
+            fqn: LayerDivergence(
+                loss_divergence=dict(zip(formats, total[0, i].tolist())),
+                weight_divergence=dict(zip(formats, total[1, i].tolist())),
             )
+            for i, fqn in enumerate(fqns)
+        }
         return DivergenceResult(layers=layers, loss=result.loss if result else float("nan"), used_adam=bool(result and result.used_adam))
 
     def _candidates(self, result: DivergenceResult) -> list[LayerCandidates]:
