@@ -1,14 +1,31 @@
-"""Fidelity of the divergence estimates (../SNIP_METHOD.md section 9) on the demo model.
+"""Fidelity of the divergence estimates out of sample (../SNIP_METHOD.md section 9).
 
-Trains the demo model briefly in high precision on the bundled corpus, then on one batch:
-  (a) ground truth for LD: the loss increase when only layer l's forward GEMM runs in format p;
-  (b) ground truth for WD: the deviation of one AdamW step's parameter update (all parameters) when
-      only layer l's backward GEMMs run in p, averaged over stochastic-rounding seeds, relative to
-      the high-precision update.
-Prints Spearman rank correlations of LD / WD with (a) / (b), beside the relative local quantization
-error, and the cost of a statistics round in training steps.
+For each model (the 4-block demo model on the stdlib corpus; an 8-block model of the same
+architecture on a second corpus, the prose of Python's own documentation, pydoc_data/topics.py):
+train briefly in high precision, then at that checkpoint (no optimizer step in between)
+  - R statistics rounds, each on a different training batch (its first max_rows token rows, as the
+    callback takes them), with the divergence estimates of lightning_snip.divergence;
+  - ground truth for LD: the mean over K held-out batches (the corpus's validation tail, which no
+    round saw) of the loss increase when only layer l's forward GEMM runs in format p;
+  - ground truth for WD: the deviation of one AdamW step's parameter update (all parameters) when only
+    layer l's backward GEMMs run in p, on a held-out batch, averaged over S stochastic-rounding seeds,
+    relative to the high-precision update.
+Every truth's own reliability is printed as its ceiling: the Spearman between its two halves (LD:
+batches 1..K/2 vs K/2+1..K; WD: seeds 1..S/2 vs the rest). In-sample numbers (truth measured on the
+statistics batch itself) are printed as a labelled aside. Estimators compared, all from the same rounds:
+LD under every LossEstimator, one round and the mean of R rounds (what the callback's aggregate plans
+from), and the local quantization error baselines, relative and absolute.
 
-    python benchmarks/divergence_fidelity.py [--quick] [--seed 0]
+Last lines, per model and format (the spearman values are rank correlations with the truth; a fifth
+field names the model, demo or deep):
+    spearman_out <estimator> <format> <value>   (loss_divergence, weight_divergence, rel_error_vs_loss,
+                                                 rel_error_vs_weights, abs_error_vs_loss,
+                                                 abs_error_vs_weights, loss_divergence_<estimator>,
+                                                 loss_divergence_mean<R>, weight_divergence_mean<R>)
+    ceiling <truth> <format> <value>            (loss, weights)
+    round_agreement <estimator> <format> <value> (two rounds on two batches)
+
+    python benchmarks/divergence_fidelity.py [--quick] [--models demo deep] [--seed 0]
 """
 
 from __future__ import annotations
@@ -16,19 +33,23 @@ from __future__ import annotations
 import argparse
 import copy
 import platform
+import sysconfig
 import time
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from scipy.stats import spearmanr
 
 from lightning_snip.convert import convert_linears
 from lightning_snip.demo.data import ByteWindows, load_corpus, split_corpus
 from lightning_snip.demo.model import LlamaConfig, TinyLlama
-from lightning_snip.divergence import estimate_divergence
+from lightning_snip.divergence import LossEstimator, estimate_divergence
 from lightning_snip.formats import Format
-from lightning_snip.stats import collect_stats
+from lightning_snip.stats import collect_stats, slice_batch
 
 FORMATS = (Format.MXFP4, Format.NVFP4)
+DEFAULT_ESTIMATOR = LossEstimator.MOMENTUM  # estimate_divergence's default
 
 
 def batches(dataset, batch_size, generator):
@@ -38,80 +59,53 @@ def batches(dataset, batch_size, generator):
         yield torch.stack([a for a, _ in items]), torch.stack([b for _, b in items])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="smaller model and fewer steps (< 1 minute)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sr-seeds", type=int, default=3)
-    parser.add_argument("--noise-draws", type=int, default=2)
-    parser.add_argument("--noise-scale", type=float, default=0.1)
-    parser.add_argument("--probe", choices=["error", "gaussian"], default="error")
-    parser.add_argument("--skip-weights", action="store_true", help="skip the WD ground truth (LD study only)")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    torch.manual_seed(args.seed)
-    if args.quick:
-        cfg, train_steps, batch_size, seq_len, sr_seeds = LlamaConfig(dim=64, num_layers=2, hidden_dim=160), 60, 8, 64, 2
-    else:
-        cfg, train_steps, batch_size, seq_len, sr_seeds = LlamaConfig(), 300, 16, 128, args.sr_seeds
-    print(f"# machine: {platform.machine()} python {platform.python_version()} torch {torch.__version__}")
-    print(f"# model {cfg}, train_steps={train_steps}, batch {batch_size}x{seq_len}, seed={args.seed}, sr_seeds={sr_seeds}")
+def spearman(a, b) -> float:
+    return float(spearmanr(a, b).statistic)
 
-    train, _ = split_corpus(load_corpus(None), 0.05)
-    data = batches(ByteWindows(train, seq_len), batch_size, torch.Generator().manual_seed(args.seed))
-    model = TinyLlama(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    for _ in range(train_steps):
-        loss = model.loss(next(data))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    print(f"# trained: loss {loss.item():.3f}")
 
-    layers = convert_linears(model)
-    batch = next(data)
+def second_corpus() -> str:
+    return str(Path(sysconfig.get_paths()["stdlib"], "pydoc_data", "topics.py"))
 
-    def train_step_seconds(repeats=5):
-        m, o = copy.deepcopy(model), copy.deepcopy(opt)
-        start = 0.0
-        for i in range(repeats + 1):  # the first step warms up (lazy imports, allocator)
-            if i == 1:
-                start = time.perf_counter()
-            loss = m.loss(batch)
-            o.zero_grad()
-            loss.backward()
-            o.step()
-        return (time.perf_counter() - start) / repeats
 
-    step_seconds = train_step_seconds()
-    # On this machine a training step in low precision is emulated (quantize, dequantize, matmul):
-    # the step SNIP's plans actually run. Measured with every layer in mxfp4.
-    for layer in layers.values():
-        layer.format = Format.MXFP4
-    emulated_step_seconds = train_step_seconds(repeats=3)
-    for layer in layers.values():
-        layer.format = Format.BF16
-    warmup = collect_stats(model, lambda: model.loss(batch), layers=layers, optimizer=opt)  # one-time costs
-    estimate_divergence(warmup, FORMATS, noise_draws=1, curvature_probe=args.probe)
-    warmup.release()
-    start = time.perf_counter()
-    stats = collect_stats(model, lambda: model.loss(batch), layers=layers, optimizer=opt)
-    result = estimate_divergence(stats, FORMATS, noise_draws=args.noise_draws, noise_scale=args.noise_scale,
-                                 curvature_probe=args.probe, generator=torch.Generator().manual_seed(args.seed))
-    stats.release()
-    round_seconds = time.perf_counter() - start
+def block_of(fqn: str, num_blocks: int) -> int:
+    """Index of the first block whose input the layer's output depends on (the head: num_blocks)."""
+    return int(fqn.split(".")[1]) if fqn.startswith("layers.") else num_blocks
 
-    # (a) one layer's forward in p
-    with torch.no_grad():
-        base = model.loss(batch).item()
-        loss_increase = {}
-        for fqn, layer in layers.items():
-            for fmt in FORMATS:
-                layer.format, layer.backward_format = fmt, Format.BF16
-                loss_increase[fqn, fmt] = model.loss(batch).item() - base
-            layer.format, layer.backward_format = Format.BF16, None
 
-    # (b) one layer's backward in p: deviation of one AdamW update
+def forward_from(model: TinyLlama, block: int, h: torch.Tensor, targets: torch.Tensor) -> float:
+    """The loss from block ``block``'s input ``h`` on (the rest of the model)."""
+    T = h.shape[1]
+    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
+    for b in model.layers[block:]:
+        h = b(h, cos, sin)
+    logits = model.lm_head(model.norm(h))
+    return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)))
+
+
+@torch.no_grad()
+def loss_increase(model: TinyLlama, layers, batch) -> dict:
+    """(fqn, fmt) -> loss with only that layer's forward in fmt, minus the high-precision loss."""
+    inputs, targets = batch
+    T = inputs.shape[1]
+    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
+    h = model.embed(inputs)
+    block_inputs = [h]
+    for b in model.layers:
+        h = b(h, cos, sin)
+        block_inputs.append(h)
+    base = forward_from(model, len(model.layers), block_inputs[-1], targets)
+    out = {}
+    for fqn, layer in layers.items():
+        start = block_of(fqn, len(model.layers))
+        for fmt in FORMATS:
+            layer.format, layer.backward_format = fmt, Format.BF16
+            out[fqn, fmt] = forward_from(model, start, block_inputs[start], targets) - base
+        layer.format, layer.backward_format = Format.BF16, None
+    return out
+
+
+def update_deviation(model, opt, layers, batch, sr_seeds: int) -> dict:
+    """(fqn, fmt) -> [relative one-step update deviation per stochastic-rounding seed]."""
     model_state, opt_state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     before = [p.detach().clone() for p in model.parameters()]
 
@@ -119,62 +113,163 @@ def main() -> None:
         model.load_state_dict(model_state)
         opt.load_state_dict(copy.deepcopy(opt_state))
         torch.manual_seed(seed)
-        l = model.loss(batch)
+        loss = model.loss(batch)
         opt.zero_grad()
-        l.backward()
+        loss.backward()
         opt.step()
         return [p.detach() - b for p, b in zip(model.parameters(), before)]
 
     ref = update(0)
     ref_norm = sum(float(r.pow(2).sum()) for r in ref)
-    update_deviation = {}
-    for fqn, layer in layers.items() if not args.skip_weights else ():
+    out = {}
+    for fqn, layer in layers.items():
         for fmt in FORMATS:
             layer.backward_format = fmt
-            devs = []
+            out[fqn, fmt] = []
             for seed in range(sr_seeds):
                 u = update(1000 + seed)
-                devs.append(sum(float((a - b).pow(2).sum()) for a, b in zip(u, ref)) / ref_norm)
-            update_deviation[fqn, fmt] = sum(devs) / len(devs)
+                out[fqn, fmt].append(sum(float((a - b).pow(2).sum()) for a, b in zip(u, ref)) / ref_norm)
         layer.backward_format = None
     model.load_state_dict(model_state)
+    opt.load_state_dict(opt_state)
+    return out
 
+
+def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool) -> list[str]:
+    train_steps, batch_size, seq_len = (60, 8, 64) if quick else (args.train_steps, 16, 128)
+    rounds, held_out, sr_seeds = (2, 8, 2) if quick else (args.rounds, args.held_out, args.sr_seeds)
+    max_rows = 256 if quick else args.max_rows
+    torch.manual_seed(args.seed)
+    train, val = split_corpus(load_corpus(corpus), 0.05)
+    gen = torch.Generator().manual_seed(args.seed)
+    data = batches(ByteWindows(train, seq_len), batch_size, gen)
+    held = batches(ByteWindows(val, seq_len), batch_size, torch.Generator().manual_seed(args.seed + 1))
+    model = TinyLlama(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    start = time.perf_counter()
+    for _ in range(train_steps):
+        loss = model.loss(next(data))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    print(f"# [{name}] model {cfg}, corpus {corpus or 'stdlib'}, trained {train_steps} steps "
+          f"({time.perf_counter() - start:.0f} s): loss {loss.item():.3f}; batch {batch_size}x{seq_len}, "
+          f"max_rows {max_rows}, rounds {rounds}, held-out batches {held_out}, sr seeds {sr_seeds}", flush=True)
+    layers = convert_linears(model)
     fqns = list(layers)
-    if args.skip_weights:
-        update_deviation = {key: float("nan") for key in loss_increase}
-    print(f"# curvature probe {args.probe}, noise_draws={args.noise_draws} noise_scale={args.noise_scale}")
-    print(f"{'layer':<22} {'fmt':<6} {'LD':>10} {'loss_inc':>10} {'WD':>10} {'upd_dev':>10} {'WDdirect':>9} {'WDprop':>9}")
-    for fqn in fqns:
-        d = result.layers[fqn]
-        for fmt in FORMATS:
-            print(f"{fqn:<22} {fmt.value:<6} {d.loss_divergence[fmt] * result.loss:10.3e} {loss_increase[fqn, fmt]:10.3e} "
-                  f"{d.weight_divergence[fmt]:10.3e} {update_deviation[fqn, fmt]:10.3e} {d.wd_direct[fmt]:9.2e} {d.wd_propagated[fmt]:9.2e}")
-    print(f"# statistics round {round_seconds:.2f} s = {round_seconds / step_seconds:.2f} high-precision training steps "
-          f"({step_seconds * 1000:.0f} ms/step) = {round_seconds / emulated_step_seconds:.2f} emulated mxfp4 training steps "
-          f"({emulated_step_seconds * 1000:.0f} ms/step); limit 2 + {len(fqns)}/4 = {2 + len(fqns) / 4:.2f}")
-    extra = {}
+
+    # R statistics rounds on R training batches, at the same checkpoint.
+    results, slices, round_seconds = [], [], []
+    for r in range(rounds):
+        sliced = slice_batch(next(data), max_rows)
+        start = time.perf_counter()
+        stats = collect_stats(model, lambda: model.loss(sliced), layers=layers, optimizer=opt)
+        results.append(estimate_divergence(stats, FORMATS, noise_draws=args.noise_draws,
+                                           generator=torch.Generator().manual_seed(args.seed + r)))
+        stats.release()
+        round_seconds.append(time.perf_counter() - start)
+        slices.append(sliced)
+    print(f"# [{name}] statistics round {min(round_seconds[1:] or round_seconds):.2f} s", flush=True)
+
+    start = time.perf_counter()
+    per_batch = [loss_increase(model, layers, next(held)) for _ in range(held_out)]
+    in_sample = loss_increase(model, layers, slices[0])
+    print(f"# [{name}] LD truth: {held_out} held-out batches in {time.perf_counter() - start:.0f} s", flush=True)
+    start = time.perf_counter()
+    devs = update_deviation(model, opt, layers, next(held), sr_seeds)
+    print(f"# [{name}] WD truth: {sr_seeds} seeds in {time.perf_counter() - start:.0f} s", flush=True)
+
+    lines = []
     for fmt in FORMATS:
-        truth_a = [loss_increase[f, fmt] for f in fqns]
-        truth_b = [update_deviation[f, fmt] for f in fqns]
-        d = result.layers
-        extra[fmt] = {
-            "first_order_only": spearmanr([d[f].first_order[fmt] for f in fqns], truth_a).statistic,
-            "wd_direct_only": spearmanr([d[f].wd_direct[fmt] for f in fqns], truth_b).statistic,
-            "wd_propagated_only": spearmanr([d[f].wd_propagated[fmt] for f in fqns], truth_b).statistic,
+        def truth_ld(part):
+            return [sum(b[f, fmt] for b in part) / len(part) for f in fqns]
+
+        truth = truth_ld(per_batch)
+        half = len(per_batch) // 2
+        wd_truth = [sum(devs[f, fmt]) / len(devs[f, fmt]) for f in fqns]
+        wd_half = sr_seeds // 2
+        ceiling_wd = spearman([sum(devs[f, fmt][:wd_half]) for f in fqns], [sum(devs[f, fmt][wd_half:]) for f in fqns])
+
+        def ld(r, est=DEFAULT_ESTIMATOR):
+            return [results[r].layers[f].loss_divergence_as(est)[fmt] for f in fqns]
+
+        def wd(r):
+            return [results[r].layers[f].weight_divergence[fmt] for f in fqns]
+
+        def mean_rounds(fn):
+            vals = [fn(r) for r in range(rounds)]
+            return [sum(v[i] for v in vals) / rounds for i in range(len(fqns))]
+
+        d0 = results[0].layers
+        out = {
+            "loss_divergence": spearman(ld(0), truth),
+            "weight_divergence": spearman(wd(0), wd_truth),
+            "rel_error_vs_loss": spearman([d0[f].rel_error_forward[fmt] for f in fqns], truth),
+            "rel_error_vs_weights": spearman([d0[f].rel_error_wgrad[fmt] for f in fqns], wd_truth),
+            "abs_error_vs_loss": spearman([d0[f].abs_error_forward[fmt] for f in fqns], truth),
+            "abs_error_vs_weights": spearman([d0[f].abs_error_wgrad[fmt] for f in fqns], wd_truth),
         }
-        print(f"# {fmt.value}: " + ", ".join(f"{k} {v:.3f}" for k, v in extra[fmt].items()))
-    for fmt in FORMATS:
-        truth_a = [loss_increase[f, fmt] for f in fqns]
-        truth_b = [update_deviation[f, fmt] for f in fqns]
-        d = result.layers
-        rows = {
-            "loss_divergence": spearmanr([d[f].loss_divergence[fmt] for f in fqns], truth_a).statistic,
-            "weight_divergence": spearmanr([d[f].weight_divergence[fmt] for f in fqns], truth_b).statistic,
-            "rel_error_vs_loss": spearmanr([d[f].rel_error_forward[fmt] for f in fqns], truth_a).statistic,
-            "rel_error_vs_weights": spearmanr([d[f].rel_error_wgrad[fmt] for f in fqns], truth_b).statistic,
+        for est in LossEstimator:
+            out[f"loss_divergence_{est.value}"] = spearman(ld(0, est), truth)
+            out[f"loss_divergence_{est.value}_mean{rounds}"] = spearman(mean_rounds(lambda r: ld(r, est)), truth)
+        out[f"loss_divergence_mean{rounds}"] = spearman(mean_rounds(ld), truth)
+        out[f"weight_divergence_mean{rounds}"] = spearman(mean_rounds(wd), wd_truth)
+        parts = {
+            "first_order_batch": [d0[f].first_order[fmt] for f in fqns],
+            "first_order_weight_part": [d0[f].first_weight[fmt] for f in fqns],
+            "first_order_activation_part": [d0[f].first_activation[fmt] for f in fqns],
+            "first_order_weight_momentum": [d0[f].first_weight_momentum.get(fmt, float("nan")) for f in fqns],
+            "second_order": [d0[f].second_order[fmt] for f in fqns],
         }
-        for name, value in rows.items():
-            print(f"spearman {name} {fmt.value} {value:.3f}")
+        for part, values in parts.items():
+            out[f"part_{part}"] = spearman(values, truth)
+        in_sample_truth = [in_sample[f, fmt] for f in fqns]
+        noisy = sum(abs(d0[f].first_order[fmt]) < d0[f].first_stderr[fmt] for f in fqns)
+        negative = sum(d0[f].first_order[fmt] + d0[f].second_order[fmt] < 0 for f in fqns)
+        lines.append(f"# [{name}] {fmt.value}: in sample (truth on the round-0 slice itself): "
+                     f"loss_divergence_batch {spearman(ld(0, LossEstimator.BATCH), in_sample_truth):.3f}, "
+                     f"loss_divergence {spearman(ld(0), in_sample_truth):.3f}; held-out truth vs in-sample truth "
+                     f"{spearman(truth, in_sample_truth):.3f}; layers whose |first-order| < its standard error: "
+                     f"{noisy}/{len(fqns)}; negative batch LD: {negative}/{len(fqns)}")
+        for est in LossEstimator:
+            lines.append(f"round_agreement loss_divergence_{est.value} {fmt.value} {spearman(ld(0, est), ld(1, est)):.3f}")
+        lines.append(f"round_agreement weight_divergence {fmt.value} {spearman(wd(0), wd(1)):.3f}")
+        lines.append(f"round_agreement loss_divergence {fmt.value} {spearman(ld(0), ld(1)):.3f}")
+        for key, value in out.items():
+            lines.append(f"spearman_out {key} {fmt.value} {value:.3f}")
+        lines.append(f"ceiling loss {fmt.value} {spearman(truth_ld(per_batch[:half]), truth_ld(per_batch[half:])):.3f}")
+        lines.append(f"ceiling weights {fmt.value} {ceiling_wd:.3f}")
+    return [line if line.startswith("#") else f"{line} {name}" for line in lines]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="small models, few batches (about 2 minutes)")
+    parser.add_argument("--models", nargs="+", choices=["demo", "deep"], default=["demo", "deep"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--held-out", type=int, default=72)
+    parser.add_argument("--sr-seeds", type=int, default=4)
+    parser.add_argument("--max-rows", type=int, default=1024)
+    parser.add_argument("--noise-draws", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"# machine: {platform.machine()} python {platform.python_version()} torch {torch.__version__}; "
+          f"seed {args.seed}; default LD estimator {DEFAULT_ESTIMATOR.value}")
+    models = {
+        "demo": (LlamaConfig(), None),
+        "deep": (LlamaConfig(num_layers=8), second_corpus()),
+    }
+    if args.quick:
+        models = {"demo": (LlamaConfig(dim=64, num_layers=2, hidden_dim=160), None),
+                  "deep": (LlamaConfig(dim=64, num_layers=3, hidden_dim=160), second_corpus())}
+    lines = []
+    for name in args.models:
+        cfg, corpus = models[name]
+        lines += run_model(name, cfg, corpus, args, args.quick)
+    comments = [line for line in lines if line.startswith("#")]
+    print("\n".join(comments + [line for line in lines if not line.startswith("#")]))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,15 @@ with A_k = 1/(sqrt(v_hat_k) + eps), c_k = lr (1 - beta1)/(1 - beta1^t) and u_k =
 (AdamW's update) from the optimizer state, k over every trainable parameter upstream of l (embeddings
 and norms too). Without Adam moments A = 1, c = 1 and u = g (plain gradient errors). LD is normalized by the loss (a relative
 loss increase) so LD + lambda * WD adds two dimensionless numbers.
+
+Where LD departs from the method text (LossEstimator): a plan needs the *expected* loss increase,
+and the statistics batch's first-order term <G, dY> is mostly that batch's noise (signed, with a
+sampling error larger than its mean; benchmarks/results/divergence_fidelity_*.md). dY splits into a
+weight part X (Q(W) - W)^T, whose first-order term <G^T X, Q(W) - W> is the batch gradient against
+the weight's rounding error, and an activation part. The default estimator takes the weight part in
+expectation from AdamW's first moment (m_hat, a running mean of many batches' gradients), shrinks the
+activation part by its own sampling error measured over the batch's sequences (James-Stein), and
+keeps the second-order term; the sum is clamped at 0, so no format looks better than high precision.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_snip.formats import Format, QuantRecipe
+from lightning_snip.formats import Format, QuantRecipe, fake_quantize
 from lightning_snip.linear import quantized_matmul
 from lightning_snip.stats import LayerStats, Statistics
 
@@ -45,6 +54,29 @@ class LayerDivergence:
     rel_error_forward: Mapping[Format, float] = field(default_factory=dict)
     rel_error_wgrad: Mapping[Format, float] = field(default_factory=dict)
     curvature: float = 0.0
+    # Parts of the first-order term (relative to the loss), their sampling errors over the batch's
+    # samples, the momentum form of the weight part, and absolute local error energies.
+    first_weight: Mapping[Format, float] = field(default_factory=dict)
+    first_activation: Mapping[Format, float] = field(default_factory=dict)
+    first_stderr: Mapping[Format, float] = field(default_factory=dict)
+    first_activation_stderr: Mapping[Format, float] = field(default_factory=dict)
+    first_weight_momentum: Mapping[Format, float] = field(default_factory=dict)
+    abs_error_forward: Mapping[Format, float] = field(default_factory=dict)
+    abs_error_wgrad: Mapping[Format, float] = field(default_factory=dict)
+
+    def loss_divergence_as(self, estimator: "LossEstimator") -> dict[Format, float]:
+        """LD of every format under ``estimator`` from this round's parts (see LossEstimator)."""
+        estimator = LossEstimator(estimator)
+        out = {}
+        for fmt, ld in self.loss_divergence.items():
+            if fmt is Format.BF16 or not math.isfinite(ld) or fmt not in self.second_order:
+                out[fmt] = ld
+                continue
+            out[fmt] = _combine_loss_divergence(
+                estimator, first=self.first_order[fmt], first_stderr=self.first_stderr[fmt],
+                first_activation=self.first_activation[fmt], first_activation_stderr=self.first_activation_stderr[fmt],
+                first_weight_momentum=self.first_weight_momentum.get(fmt), second=self.second_order[fmt])
+        return out
 
 
 @dataclass(frozen=True)
@@ -97,6 +129,45 @@ class CurvatureProbe(enum.Enum):
     ERROR = "error"
 
 
+class LossEstimator(enum.Enum):
+    """How LD combines its first-order term F = <G, dY> and second-order term S = 1/2 dY^T H dY.
+
+    BATCH: F + S of the statistics batch (the method text read literally).
+    SECOND_ORDER: S alone.
+    SHRUNK: F shrunk towards 0 by its sampling error over the batch's samples, F * max(0, 1 - se^2/F^2)
+        (positive-part James-Stein), + S.
+    MOMENTUM: the weight part of F taken in expectation, <m_hat, Q(W) - W> with AdamW's first moment
+        m_hat (a running mean of recent batches' gradients), + the activation part of F shrunk as in
+        SHRUNK, + S. Without Adam moments it falls back to SHRUNK.
+    Every estimator is clamped at 0: a negative estimate never makes a layer look better than
+    high precision.
+    """
+
+    BATCH = "batch"
+    SECOND_ORDER = "second_order"
+    SHRUNK = "shrunk"
+    MOMENTUM = "momentum"
+
+
+def _shrink(value: float, stderr: float) -> float:
+    if value == 0.0 or not math.isfinite(stderr):
+        return 0.0
+    return value * max(0.0, 1.0 - (stderr / value) ** 2)
+
+
+def _combine_loss_divergence(estimator: LossEstimator, *, first: float, first_stderr: float, first_activation: float,
+                             first_activation_stderr: float, first_weight_momentum: float | None, second: float) -> float:
+    if estimator is LossEstimator.BATCH:
+        value = first + second
+    elif estimator is LossEstimator.SECOND_ORDER:
+        value = second
+    elif estimator is LossEstimator.SHRUNK or first_weight_momentum is None:
+        value = _shrink(first, first_stderr) + second
+    else:
+        value = first_weight_momentum + _shrink(first_activation, first_activation_stderr) + second
+    return max(0.0, value)
+
+
 def estimate_divergence(
     stats: Statistics,
     formats: Iterable[Format],
@@ -105,6 +176,7 @@ def estimate_divergence(
     noise_draws: int = 2,
     noise_scale: float = 0.1,
     curvature_probe: CurvatureProbe = CurvatureProbe.ERROR,
+    loss_estimator: LossEstimator = LossEstimator.MOMENTUM,
     allowed: Mapping[str, Iterable[Format]] | None = None,
     generator: torch.Generator | None = None,
 ) -> DivergenceResult:
@@ -117,6 +189,8 @@ def estimate_divergence(
         noise_scale: (GAUSSIAN probe) noise std relative to each layer output's RMS.
         curvature_probe: see CurvatureProbe; ERROR ranked layers better on the demo model
             (benchmarks/results/divergence_fidelity_*.md).
+        loss_estimator: how LD combines its terms (see LossEstimator); every part is kept in the
+            result, so ``LayerDivergence.loss_divergence_as`` gives the others from the same round.
         allowed: fqn -> formats the layer supports; others get +inf (never chosen).
 
     A layer whose sample holds NaN/Inf, or whose metric comes out non-finite, gets +inf for its
@@ -125,6 +199,7 @@ def estimate_divergence(
     global _warned_no_adam
     formats = [f for f in dict.fromkeys(formats) if f is not Format.BF16]
     curvature_probe = CurvatureProbe(curvature_probe)
+    loss_estimator = LossEstimator(loss_estimator)
     valid = {}
     for fqn, s in stats.layers.items():
         if torch.isfinite(s.x).all() and torch.isfinite(s.g).all() and torch.isfinite(s.weight).all():
@@ -153,17 +228,33 @@ def estimate_divergence(
         denominator = sum(float(a.update().pow(2).sum()) for a in stats.param_adam.values())
     else:
         denominator = sum(float(g.float().pow(2).sum()) for g in stats.param_grads.values())
-    denominator = denominator if denominator > 0 else 1.0
-    loss_norm = abs(stats.loss) if stats.loss else 1.0
-
+    round_inputs = _RoundInputs(
+        stats=stats, formats=tuple(formats), recipe=recipe, output_errors=output_errors, second_order=second_order,
+        gain=gain, denominator=denominator if denominator > 0 else 1.0,
+        loss_norm=abs(stats.loss) if stats.loss else 1.0, loss_estimator=loss_estimator,
+    )
     out: dict[str, LayerDivergence] = {}
     for fqn, s in stats.layers.items():
         if fqn not in valid:
             out[fqn] = _invalid(formats)
             continue
-        out[fqn] = _layer_divergence(stats, s, outputs[fqn], valid[fqn], formats, output_errors, second_order,
-                                     curvature.get(fqn, 0.0), gain, recipe, denominator, loss_norm)
+        out[fqn] = _layer_divergence(round_inputs, s, outputs[fqn], valid[fqn], curvature.get(fqn, 0.0))
     return DivergenceResult(layers=out, loss=stats.loss, used_adam=used_adam)
+
+
+@dataclass(frozen=True)
+class _RoundInputs:
+    """What every layer's divergence of one round shares."""
+
+    stats: Statistics
+    formats: tuple[Format, ...]
+    recipe: QuantRecipe
+    output_errors: Mapping[tuple[str, Format], torch.Tensor]  # dY per (fqn, format)
+    second_order: Mapping[tuple[str, Format], float]
+    gain: Mapping[str, tuple]  # parameter name -> (c_k, A_k)
+    denominator: float  # sum_k ||u_k||^2 (or ||g_k||^2 without Adam)
+    loss_norm: float
+    loss_estimator: LossEstimator
 
 
 def _invalid(formats) -> LayerDivergence:
@@ -177,43 +268,74 @@ def _adam_scale(adam, use_adam: bool) -> tuple[float, torch.Tensor | float]:
     return adam.gradient_gain(), adam.preconditioner()
 
 
-def _layer_divergence(stats, s: LayerStats, y, fmts, all_formats, output_errors, second_order, kappa, gain, recipe,
-                      denominator, loss_norm) -> LayerDivergence:
+def _sum_and_stderr(per_row: torch.Tensor, num_samples: int) -> tuple[float, float]:
+    """The sum of per-row contributions and its standard error, estimated from the spread of the
+    per-sample sums (rows of a sample are contiguous and correlated; samples are independent)."""
+    units = num_samples if 2 <= num_samples <= per_row.numel() and per_row.numel() % num_samples == 0 else per_row.numel()
+    per_unit = per_row.double().reshape(units, -1).sum(1)
+    if units < 2:
+        return float(per_unit.sum()), math.inf
+    return float(per_unit.sum()), math.sqrt(units * float(per_unit.var()))
+
+
+_METRICS = ("ld", "wd", "first", "second", "direct", "prop", "rel_y", "rel_w", "first_w", "first_x", "first_se",
+            "first_x_se", "first_mom", "abs_y", "abs_w")
+
+
+def _layer_divergence(r: _RoundInputs, s: LayerStats, y, fmts, kappa) -> LayerDivergence:
     x, g, w = s.x.float(), s.g.float(), s.weight.float()
     gw_ref = g.t() @ x
     gx_ref = g @ w
-    c_l, a_l = gain.get(s.fqn + ".weight", (1.0, 1.0))
-    metrics: dict[str, dict[Format, float]] = {k: {Format.BF16: 0.0} for k in
-                                               ("ld", "wd", "first", "second", "direct", "prop", "rel_y", "rel_w")}
-    for fmt in all_formats:
+    c_l, a_l = r.gain.get(s.fqn + ".weight", (1.0, 1.0))
+    metrics: dict[str, dict[Format, float]] = {k: {Format.BF16: 0.0} for k in _METRICS}
+    for fmt in r.formats:
         if fmt not in fmts:
             for k in ("ld", "wd"):
                 metrics[k][fmt] = math.inf
     if not fmts:
         return _metrics_to_divergence(metrics, kappa)
-    e_x = {fmt: quantized_matmul(g, w.t(), fmt, recipe=recipe, a_is_grad=True) - gx_ref for fmt in fmts}
+    e_x = {fmt: quantized_matmul(g, w.t(), fmt, recipe=r.recipe, a_is_grad=True) - gx_ref for fmt in fmts}
     # One batched vector-Jacobian product carries every format's dgrad error upstream.
-    upstream = stats.propagate_input_grad(s.fqn, torch.stack([e_x[f] for f in fmts]))
+    upstream = r.stats.propagate_input_grad(s.fqn, torch.stack([e_x[f] for f in fmts]))
+    m_hat = None if s.adam is None else s.adam.exp_avg.float() / (1 - s.adam.beta1**s.adam.step)
+    norm = r.loss_norm
     for i, fmt in enumerate(fmts):
-        dy = output_errors[s.fqn, fmt]
-        first = float((g * dy).sum())
-        second = second_order[s.fqn, fmt]
-        e_w = quantized_matmul(g.t(), x.t(), fmt, recipe=recipe, a_is_grad=True) - gw_ref
+        dy = r.output_errors[s.fqn, fmt]
+        # The weight part of dY: X (Q(W) - W)^T; its first-order term is <G^T X, Q(W) - W>.
+        dw_fwd = fake_quantize(w, fmt, axis=1, recipe=r.recipe) - w
+        per_row = (g * dy).sum(1)
+        per_row_w = (g * (x @ dw_fwd.t())).sum(1)
+        first, first_se = _sum_and_stderr(per_row, s.num_samples)
+        first_x, first_x_se = _sum_and_stderr(per_row - per_row_w, s.num_samples)
+        first_mom = None if m_hat is None else float((m_hat * dw_fwd).sum())
+        second = r.second_order[s.fqn, fmt]
+        e_w = quantized_matmul(g.t(), x.t(), fmt, recipe=r.recipe, a_is_grad=True) - gw_ref
         direct = float((c_l * a_l * e_w).pow(2).sum())
         propagated = 0.0
         for name, deltas in upstream.items():
-            c_k, a_k = gain[name]
+            c_k, a_k = r.gain[name]
             propagated += float((c_k * a_k * deltas[i].float()).pow(2).sum())
-        ld = (first + second) / loss_norm
-        wd = (direct + propagated) / denominator
+        ld = _combine_loss_divergence(
+            r.loss_estimator, first=first / norm, first_stderr=first_se / norm, first_activation=first_x / norm,
+            first_activation_stderr=first_x_se / norm,
+            first_weight_momentum=None if first_mom is None else first_mom / norm, second=second / norm)
+        wd = (direct + propagated) / r.denominator
         if not (math.isfinite(ld) and math.isfinite(wd)):
             logger.warning("layer %s: non-finite divergence for %s; format marked invalid", s.fqn, fmt.value)
             ld = wd = math.inf
         metrics["ld"][fmt], metrics["wd"][fmt] = ld, wd
-        metrics["first"][fmt], metrics["second"][fmt] = first / loss_norm, second / loss_norm
-        metrics["direct"][fmt], metrics["prop"][fmt] = direct / denominator, propagated / denominator
+        metrics["first"][fmt], metrics["second"][fmt] = first / norm, second / norm
+        metrics["first_w"][fmt], metrics["first_x"][fmt] = (first - first_x) / norm, first_x / norm
+        metrics["first_se"][fmt], metrics["first_x_se"][fmt] = first_se / norm, first_x_se / norm
+        if first_mom is not None:
+            metrics["first_mom"][fmt] = first_mom / norm
+        metrics["direct"][fmt], metrics["prop"][fmt] = direct / r.denominator, propagated / r.denominator
         metrics["rel_y"][fmt] = float(dy.norm() / y.norm().clamp_min(1e-30))
         metrics["rel_w"][fmt] = float(e_w.norm() / gw_ref.norm().clamp_min(1e-30))
+        metrics["abs_y"][fmt] = float(dy.pow(2).sum())
+        metrics["abs_w"][fmt] = float(e_w.pow(2).sum())
+    if m_hat is None:
+        metrics["first_mom"] = {}
     return _metrics_to_divergence(metrics, kappa)
 
 
@@ -222,6 +344,9 @@ def _metrics_to_divergence(metrics, kappa) -> LayerDivergence:
         loss_divergence=metrics["ld"], weight_divergence=metrics["wd"], first_order=metrics["first"],
         second_order=metrics["second"], wd_direct=metrics["direct"], wd_propagated=metrics["prop"],
         rel_error_forward=metrics["rel_y"], rel_error_wgrad=metrics["rel_w"], curvature=kappa,
+        first_weight=metrics["first_w"], first_activation=metrics["first_x"], first_stderr=metrics["first_se"],
+        first_activation_stderr=metrics["first_x_se"], first_weight_momentum=metrics["first_mom"],
+        abs_error_forward=metrics["abs_y"], abs_error_wgrad=metrics["abs_w"],
     )
 
 

@@ -74,13 +74,18 @@ def read_adam_state(optimizer: torch.optim.Optimizer | None, weight: nn.Paramete
 
 @dataclass
 class LayerStats:
-    """One layer's record: X (rows x k), G (rows x m) of the same rows, W (m x k), Adam state."""
+    """One layer's record: X (rows x k), G (rows x m) of the same rows, W (m x k), Adam state.
+
+    ``num_samples``: how many independent samples (sequences) the rows come from, in order (rows of
+    one sample are contiguous). Divergence estimates use it to measure their own sampling error:
+    tokens of one sequence are correlated, sequences are not."""
 
     fqn: str
     x: torch.Tensor
     g: torch.Tensor
     weight: torch.Tensor
     adam: AdamState | None
+    num_samples: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -181,6 +186,8 @@ def collect_stats(
             g=out_grads[fqn],
             weight=layers[fqn].weight.detach(),
             adam=read_adam_state(optimizer, layers[fqn].weight),
+            # (batch, ..., features) inputs: the leading dimension indexes samples; 2-D: each row is one.
+            num_samples=int(inputs[fqn].shape[0]),
         )
         for fqn in layers
     }
