@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from typing_extensions import override
 
+from lightning_snip.aggregate import DivergenceAggregate
 from lightning_snip.config import SNIPConfig
 from lightning_snip.convert import apply_plan, convert_linears, glob_filter
 from lightning_snip.divergence import DivergenceResult, LayerDivergence, estimate_divergence
@@ -49,9 +50,12 @@ class SNIPCallback(Callback):
     ``config.initial_format``, pinned layers in their pin. Every ``interval`` steps from
     ``warmup_steps`` on, a statistics round runs on the first ``max_rows`` token rows of the batch
     (high precision, see lightning_snip.stats), its divergences are averaged over data-parallel ranks,
-    and rank 0 solves the ILP in a background thread. ``apply_delay`` steps later rank 0 joins the
-    thread, broadcasts the plan, and every rank applies it before that step's forward pass. A failed
-    statistics round or solve logs a warning and training continues on the last good plan.
+    and folded into an exponential moving average over rounds (``aggregate_decay``; see
+    lightning_snip.aggregate), and rank 0 solves the ILP on that aggregate in a background thread.
+    ``apply_delay`` steps later rank 0 joins the thread, broadcasts the plan, and every rank applies it
+    before that step's forward pass. A failed statistics round or solve logs a warning and training
+    continues on the last good plan. The aggregate, and a solve still pending, are part of the
+    checkpoint: a resumed run plans exactly as the uninterrupted one.
 
     The statistics loss is ``pl_module.snip_loss(batch)`` if the module defines it, else the loss
     returned by ``training_step(batch, batch_idx)``.
@@ -64,6 +68,7 @@ class SNIPCallback(Callback):
         ``snip/fp4_fraction``: FP4 share of the switched layers' linear FLOPs under the applied plan.
         ``snip/relative_gemm_cost``: GEMM cost of the applied plan relative to all-bf16.
         ``snip/plan_changes``: layers whose format the applied plan changed.
+        ``snip/plan_agreement``: share of the switched layers whose format the new plan keeps.
         ``snip/plan`` (image): blocks x layer types colored by format.
         ``snip/plan_table`` (text): the plan as a table.
 
@@ -88,7 +93,9 @@ class SNIPCallback(Callback):
         self.history: list[dict] = []
         self.num_stats_rounds = 0
         self.num_plans_applied = 0
+        self.aggregate = DivergenceAggregate(self.config.aggregate_decay)
         self._pending: _PendingSolve | None = None
+        self._restored_pending: tuple[int, int] | None = None  # (stats_step, apply_step) from a checkpoint
         self._flops: dict[str, float] = {}
 
     # ------------------------------------------------------------------ hooks
@@ -122,6 +129,12 @@ class SNIPCallback(Callback):
         if self.plan is not None:  # given, or restored from a checkpoint
             apply_plan(pl_module, self.plan)
             logger.info("SNIP: applied the plan held at train start (%d layers)", len(self.plan))
+        if self._restored_pending is not None:
+            # The checkpoint was saved between a statistics round and its apply step: the round is in
+            # the restored aggregate, so solving it again gives the plan the uninterrupted run applies.
+            stats_step, apply_step = self._restored_pending
+            self._restored_pending = None
+            self._start_solve(trainer, stats_step, apply_step)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
@@ -142,6 +155,8 @@ class SNIPCallback(Callback):
             "history": json.dumps(self.history),
             "num_stats_rounds": self.num_stats_rounds,
             "num_plans_applied": self.num_plans_applied,
+            "aggregate": self.aggregate.state_dict(),
+            "pending": None if self._pending is None else [self._pending.stats_step, self._pending.apply_step],
         }
 
     @override
@@ -150,6 +165,10 @@ class SNIPCallback(Callback):
         self.history = json.loads(state_dict.get("history", "[]"))
         self.num_stats_rounds = int(state_dict.get("num_stats_rounds", 0))
         self.num_plans_applied = int(state_dict.get("num_plans_applied", 0))
+        if state_dict.get("aggregate"):
+            self.aggregate.load_state_dict(state_dict["aggregate"])
+        pending = state_dict.get("pending")
+        self._restored_pending = (int(pending[0]), int(pending[1])) if pending else None
 
     # ------------------------------------------------------------------ helpers
 
@@ -168,7 +187,9 @@ class SNIPCallback(Callback):
             try:
                 result = estimate_divergence(
                     stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws, noise_scale=cfg.noise_scale,
+                    loss_estimator=cfg.loss_estimator,
                     allowed={fqn: layer.allowed_formats for fqn, layer in self.layers.items()},
+                    generator=_round_generator(pl_module.device, step, trainer.global_rank),
                 )
             finally:
                 stats.release()
@@ -182,9 +203,17 @@ class SNIPCallback(Callback):
             return
         log_to_loggers(trainer.loggers, step, {**divergence_scalars(result), "snip/stats_seconds": seconds})
         self.history.append({"step": step, "divergence": result.as_dict()})
-        pending = _PendingSolve(stats_step=step, apply_step=step + self.config.apply_delay)
+        self.aggregate.update({
+            "loss_divergence": {fqn: {f.value: v for f, v in d.loss_divergence.items()} for fqn, d in result.layers.items()},
+            "weight_divergence": {fqn: {f.value: v for f, v in d.weight_divergence.items()} for fqn, d in result.layers.items()},
+        })
+        self._start_solve(trainer, step, step + self.config.apply_delay)
+
+    def _start_solve(self, trainer, stats_step: int, apply_step: int) -> None:
+        """Rank 0 solves the plan on the current aggregate in a background thread."""
+        pending = _PendingSolve(stats_step=stats_step, apply_step=apply_step)
         if trainer.is_global_zero:
-            candidates = self._candidates(result)
+            candidates = self._candidates()
             pending.thread = threading.Thread(target=self._solve, args=(pending, candidates), daemon=True, name="snip-solver")
             pending.thread.start()
         self._pending = pending
@@ -213,18 +242,18 @@ class SNIPCallback(Callback):
         }
         return DivergenceResult(layers=layers, loss=result.loss if result else float("nan"), used_adam=bool(result and result.used_adam))
 
-    def _candidates(self, result: DivergenceResult) -> list[LayerCandidates]:
-        """The planner's choices: the configured candidate formats the layer's shape allows (bf16 only
-        if listed, or where none fits)."""
+    def _candidates(self) -> list[LayerCandidates]:
+        """The planner's choices, valued by the aggregate over rounds: the configured candidate formats
+        the layer's shape allows (bf16 only if listed, or where none fits)."""
+        ld, wd = self.aggregate.values("loss_divergence"), self.aggregate.values("weight_divergence")
         out = []
         for fqn, layer in self.layers.items():
             formats = [f for f in self.config.formats if f in layer.allowed_formats] or [Format.BF16]
-            d = result.layers[fqn]
             out.append(LayerCandidates(
                 fqn=fqn,
                 flops=self._flops[fqn],
-                loss_divergence={f: d.loss_divergence[f] for f in formats},
-                weight_divergence={f: d.weight_divergence[f] for f in formats},
+                loss_divergence={f: _value(ld, fqn, f) for f in formats},
+                weight_divergence={f: _value(wd, fqn, f) for f in formats},
                 pinned=layer.pinned,
             ))
         return out
@@ -254,6 +283,7 @@ class SNIPCallback(Callback):
         if message is None:
             return
         plan = Plan.from_json(message)
+        before = {fqn: layer.format for fqn, layer in self.layers.items()}
         try:
             apply_plan(pl_module, plan)
         except ValueError as err:
@@ -263,10 +293,31 @@ class SNIPCallback(Callback):
         self.num_plans_applied += 1
         if self.history and self.history[-1]["step"] == pending.stats_step:
             self.history[-1]["plan"] = json.loads(message)
-        scalars = {**plan_scalars(plan, previous), "snip/solver_seconds": plan.solve_seconds}
+        scalars = {**plan_scalars(plan, previous), "snip/solver_seconds": plan.solve_seconds,
+                   "snip/plan_agreement": _plan_agreement(plan, before, self.layers)}
         log_to_loggers(trainer.loggers, step, scalars, plan)
         if plan.status is not SolveStatus.OPTIMAL:
             logger.info("SNIP plan at step %d is %s", step, plan.status.value)
+
+
+def _round_generator(device: torch.device, step: int, rank: int) -> torch.Generator:
+    """The curvature probes' random source for one round: a function of (step, rank) only, so a
+    resumed run draws what the uninterrupted one drew, and ranks draw independently."""
+    return torch.Generator(device=device).manual_seed(0x5A1B + 1_000_003 * step + rank)
+
+
+def _value(aggregated: dict, fqn: str, fmt: Format) -> float:
+    if fmt is Format.BF16:
+        return 0.0
+    return aggregated.get(fqn, {}).get(fmt.value, math.inf)
+
+
+def _plan_agreement(plan: Plan, before: dict, layers) -> float:
+    """Share of the switched (unpinned) layers whose format ``plan`` keeps from ``before``."""
+    unpinned = [fqn for fqn, layer in layers.items() if layer.pinned is None]
+    if not unpinned:
+        return 1.0
+    return sum(1 for fqn in unpinned if plan[fqn] is before[fqn]) / len(unpinned)
 
 
 def _loss(pl_module: pl.LightningModule, batch, batch_idx: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from lightning_snip.demo.model import LlamaConfig
+from lightning_snip.divergence import LossEstimator
 from lightning_snip.formats import CostModel, Format, QuantRecipe
 
 
@@ -36,6 +37,10 @@ class SNIPConfig:
         pins: fqn glob -> format kept fixed (the LM head in bf16 by default).
         max_rows: token rows in a statistics round (bounds its memory and time).
         noise_draws / noise_scale: curvature probes of the loss divergence.
+        loss_estimator: how LD combines its first- and second-order terms (batch | second_order |
+            shrunk | momentum; lightning_snip.divergence.LossEstimator).
+        aggregate_decay: EMA decay of LD and WD over statistics rounds, in [0, 1); plans are solved on
+            the aggregate (0: the last round alone). See lightning_snip.aggregate.
         weight_divergence_weight: lambda in LD + lambda * WD.
         time_limit_seconds: ILP solver limit; the best feasible plan is used after it.
         fp8_scaling: rowwise | tensorwise. fp4_grad_rounding: stochastic | nearest.
@@ -57,6 +62,8 @@ class SNIPConfig:
     max_rows: int = 1024
     noise_draws: int = 2
     noise_scale: float = 0.1
+    loss_estimator: str = "momentum"
+    aggregate_decay: float = 0.5
     weight_divergence_weight: float = 1.0
     time_limit_seconds: float = 10.0
     fp8_scaling: str = "rowwise"
@@ -84,6 +91,10 @@ class SNIPConfig:
         for name in ("noise_scale", "time_limit_seconds"):
             value = getattr(self, name)
             _check(value > 0, f"snip.{name}", value, "a number > 0")
+        _check(self.loss_estimator in {e.value for e in LossEstimator}, "snip.loss_estimator", self.loss_estimator,
+               ", ".join(e.value for e in LossEstimator))
+        _check(isinstance(self.aggregate_decay, (int, float)) and 0.0 <= self.aggregate_decay < 1.0,
+               "snip.aggregate_decay", self.aggregate_decay, "a number in [0, 1)")
         _check(self.weight_divergence_weight >= 0, "snip.weight_divergence_weight", self.weight_divergence_weight, "a number >= 0")
         object.__setattr__(self, "candidate_formats", tuple(self.candidate_formats))
         object.__setattr__(self, "include", tuple(self.include))

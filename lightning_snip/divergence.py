@@ -382,7 +382,8 @@ def _error_probe_second_order(stats: Statistics, output_errors, formats, draws: 
         if not keys:
             continue
         for _ in range(draws):
-            signs = {fqn: 1.0 if float(torch.rand((), generator=generator)) < 0.5 else -1.0 for fqn, _ in keys}
+            device = generator.device if generator is not None else None
+            signs = {fqn: 1.0 if float(torch.rand((), generator=generator, device=device)) < 0.5 else -1.0 for fqn, _ in keys}
             noisy = stats.output_grads_with_noise({fqn: signs[fqn] * output_errors[fqn, f] for fqn, f in keys})
             for fqn, f in keys:
                 delta_g = noisy[fqn].float() - stats.layers[fqn].g.float()

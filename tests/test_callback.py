@@ -187,3 +187,104 @@ def test_frozen_given_plan_holds_and_bad_plan_fails_at_setup(tmp_path):
     bad = Plan({"model.nothing": "fp8"}, {"model.nothing": 1.0})
     with pytest.raises(ValueError, match="not a converted layer"):
         _fit(tmp_path, SNIPCallback(_snip(), plan=bad), max_steps=1)
+
+
+class _FixedBatches(pl.LightningDataModule):
+    """The same batch at every step (an epoch is one batch): a resumed run sees the data the
+    uninterrupted run saw, whatever the dataloader's position."""
+
+    def __init__(self, seq_len=32, batch_size=8):
+        super().__init__()
+        generator = torch.Generator().manual_seed(7)
+        tokens = torch.randint(0, 256, (batch_size, seq_len + 1), generator=generator)
+        self.data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+        self.batch_size = batch_size
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.data, batch_size=self.batch_size)
+
+
+def _fit_fixed(tmp_path, snip, max_steps, ckpt_path=None, callbacks=()):
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        max_steps=max_steps, default_root_dir=tmp_path, logger=False, callbacks=[snip, *callbacks],
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(callbacks),
+        accelerator="cpu",
+    )
+    trainer.fit(DemoLM(SMALL), datamodule=_FixedBatches(), ckpt_path=ckpt_path)
+    return trainer
+
+
+class _PlanRecorder(pl.Callback):
+    def __init__(self, snip):
+        self.snip, self.plans = snip, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.snip.plan is not None:
+            self.plans[trainer.global_step] = dict(self.snip.plan)
+
+
+def test_plans_are_solved_on_the_aggregate_over_rounds(tmp_path):
+    from lightning_snip.planner import LayerCandidates, solve_plan
+
+    snip = SNIPCallback(_snip(aggregate_decay=0.5))
+    _fit(tmp_path, snip, max_steps=12)  # rounds at 2, 6, 10
+    assert snip.aggregate.num_rounds == 3
+    # The aggregate is the EMA of the logged rounds, recomputed independently from the history.
+    weights = [0.25, 0.5, 1.0]
+    for fqn in ("model.layers.0.attn.q", "model.layers.1.mlp.down"):
+        for metric in ("loss_divergence", "weight_divergence"):
+            rounds = [h["divergence"]["layers"][fqn][metric]["mxfp4"] for h in snip.history]
+            expected = sum(w * v for w, v in zip(weights, rounds)) / sum(weights)
+            assert snip.aggregate.values(metric)[fqn]["mxfp4"] == pytest.approx(expected, rel=1e-9)
+    # The applied plan is the ILP's answer on the aggregate, not on the last round.
+    ld, wd = snip.aggregate.values("loss_divergence"), snip.aggregate.values("weight_divergence")
+    cands = [LayerCandidates(fqn=f, flops=6.0 * l.in_features * l.out_features, pinned=l.pinned,
+                             loss_divergence={Format(k): v for k, v in ld[f].items() if k in ("fp8", "mxfp4")},
+                             weight_divergence={Format(k): v for k, v in wd[f].items() if k in ("fp8", "mxfp4")})
+             for f, l in snip.layers.items()]
+    expected_plan = solve_plan(cands, fp4_fraction=0.6)
+    assert dict(snip.plan) == dict(expected_plan)
+
+
+def test_plan_agreement_is_logged(tmp_path):
+    snip = SNIPCallback(_snip())
+    _fit(tmp_path, snip, max_steps=8)
+    events = EventAccumulator(glob.glob(str(tmp_path / "tb" / "*"))[0]).Reload()
+    agreement = events.Scalars("snip/plan_agreement")
+    assert [e.step for e in agreement] == [3, 7]
+    unpinned = [f for f, l in snip.layers.items() if l.pinned is None]
+    first, second = (h["plan"]["formats"] for h in snip.history)
+    # The first plan against the initial format (fp8), the second against the first.
+    assert agreement[0].value == pytest.approx(sum(first[f] == "fp8" for f in unpinned) / len(unpinned))
+    assert agreement[1].value == pytest.approx(sum(second[f] == first[f] for f in unpinned) / len(unpinned))
+
+
+# A checkpoint at global_step n is written after n steps, before step n's hooks: at 6 nothing is
+# pending (round 6 not yet run); at 8 the round of step 6 is pending, due at step 8.
+@pytest.mark.parametrize("save_step", [6, 8])
+def test_resumed_run_plans_exactly_as_the_uninterrupted_run(tmp_path, save_step):
+    cfg = dict(warmup_steps=2, interval=4, apply_delay=2, fp4_fraction=0.6, max_rows=128, noise_draws=1,
+               fp4_grad_rounding="nearest")  # deterministic GEMMs: the runs differ only by the resume
+    full = SNIPCallback(_snip(**cfg))
+    full_plans = _PlanRecorder(full)
+    _fit_fixed(tmp_path / "full", full, max_steps=16, callbacks=[full_plans])
+
+    first = SNIPCallback(_snip(**cfg))
+    ckpt_cb = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=save_step, save_top_k=-1)
+    _fit_fixed(tmp_path / "first", first, max_steps=save_step, callbacks=[ckpt_cb])
+    ckpt = glob.glob(str(tmp_path / "ckpt" / "*.ckpt"))[0]
+    resumed = SNIPCallback(_snip(**cfg))
+    resumed_plans = _PlanRecorder(resumed)
+    _fit_fixed(tmp_path / "resumed", resumed, max_steps=16, ckpt_path=ckpt, callbacks=[resumed_plans])
+
+    assert full.num_plans_applied == 3 and resumed.num_plans_applied == 3  # rounds at 2, 6, 10, 14; applied at 4, 8, 12
+    assert set(resumed_plans.plans) == set(range(save_step + 1, 17))  # global_step after each step
+    for step, plan in resumed_plans.plans.items():
+        assert plan == full_plans.plans[step], step
+    assert resumed.aggregate.num_rounds == full.aggregate.num_rounds
+    for metric in ("loss_divergence", "weight_divergence"):
+        a, b = full.aggregate.values(metric), resumed.aggregate.values(metric)
+        for fqn in a:
+            for fmt in a[fqn]:
+                assert b[fqn][fmt] == pytest.approx(a[fqn][fmt], rel=1e-5, abs=1e-12), (metric, fqn, fmt)
