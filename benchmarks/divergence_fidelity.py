@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import platform
 import sysconfig
 import time
@@ -44,12 +45,14 @@ from scipy.stats import spearmanr
 from lightning_snip.convert import convert_linears
 from lightning_snip.demo.data import ByteWindows, load_corpus, split_corpus
 from lightning_snip.demo.model import LlamaConfig, TinyLlama
-from lightning_snip.divergence import LossEstimator, estimate_divergence
+from lightning_snip.aggregate import DivergenceAggregate
+from lightning_snip.config import SNIPConfig
+from lightning_snip.divergence import LossEstimator, estimate_divergence, first_order_samples
 from lightning_snip.formats import Format
-from lightning_snip.stats import collect_stats, slice_batch
+from lightning_snip.stats import FirstOrderSampler, collect_stats, slice_batch
 
 FORMATS = (Format.MXFP4, Format.NVFP4)
-DEFAULT_ESTIMATOR = LossEstimator.MOMENTUM  # estimate_divergence's default
+DEFAULT_ESTIMATOR = LossEstimator(SNIPConfig().loss_estimator)  # what the callback uses
 
 
 def batches(dataset, batch_size, generator):
@@ -158,18 +161,34 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
     layers = convert_linears(model)
     fqns = list(layers)
 
-    # R statistics rounds on R training batches, at the same checkpoint.
-    results, slices, round_seconds = [], [], []
+    # R statistics rounds on R training batches, at the same checkpoint. Before each, the first-order
+    # term is sampled on its own first_order_steps training batches (what the callback samples in the
+    # steps before a round; here at the same checkpoint, no optimizer step).
+    results, slices, round_seconds, sample_seconds = [], [], [], []
+    sampler = FirstOrderSampler(layers, max_rows)
+    weights = {fqn: layer.weight for fqn, layer in layers.items()}
+    first_steps = 4 if quick else args.first_order_steps
     for r in range(rounds):
+        start = time.perf_counter()
+        history: dict = {}
+        for _ in range(first_steps):
+            with sampler.recording():
+                model.loss(next(data)).backward()
+            model.zero_grad(set_to_none=True)
+            for key, values in first_order_samples(sampler.take(), weights, FORMATS).items():
+                history.setdefault(key, []).extend(values)
+        sample_seconds.append((time.perf_counter() - start) / max(first_steps, 1))
         sliced = slice_batch(next(data), max_rows)
         start = time.perf_counter()
         stats = collect_stats(model, lambda: model.loss(sliced), layers=layers, optimizer=opt)
-        results.append(estimate_divergence(stats, FORMATS, noise_draws=args.noise_draws,
+        results.append(estimate_divergence(stats, FORMATS, noise_draws=args.noise_draws, first_order_history=history,
                                            generator=torch.Generator().manual_seed(args.seed + r)))
         stats.release()
         round_seconds.append(time.perf_counter() - start)
         slices.append(sliced)
-    print(f"# [{name}] statistics round {min(round_seconds[1:] or round_seconds):.2f} s", flush=True)
+    print(f"# [{name}] statistics round {min(round_seconds[1:] or round_seconds):.2f} s; first-order sample "
+          f"{min(sample_seconds):.2f} s per step (incl. the step's own forward/backward), {first_steps} steps per round",
+          flush=True)
 
     start = time.perf_counter()
     per_batch = [loss_increase(model, layers, next(held)) for _ in range(held_out)]
@@ -213,12 +232,19 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
             out[f"loss_divergence_{est.value}"] = spearman(ld(0, est), truth)
             out[f"loss_divergence_{est.value}_mean{rounds}"] = spearman(mean_rounds(lambda r: ld(r, est)), truth)
         out[f"loss_divergence_mean{rounds}"] = spearman(mean_rounds(ld), truth)
+        for decay in (0.5, 0.8):
+            agg = DivergenceAggregate(decay)
+            for r in range(rounds):
+                agg.update({"loss_divergence": {f: {fmt.value: v} for f, v in zip(fqns, ld(r))},
+                            "weight_divergence": {f: {fmt.value: v} for f, v in zip(fqns, wd(r))}})
+            out[f"loss_divergence_ema{decay}"] = spearman([agg.values("loss_divergence")[f][fmt.value] for f in fqns], truth)
         out[f"weight_divergence_mean{rounds}"] = spearman(mean_rounds(wd), wd_truth)
         parts = {
             "first_order_batch": [d0[f].first_order[fmt] for f in fqns],
             "first_order_weight_part": [d0[f].first_weight[fmt] for f in fqns],
             "first_order_activation_part": [d0[f].first_activation[fmt] for f in fqns],
             "first_order_weight_momentum": [d0[f].first_weight_momentum.get(fmt, float("nan")) for f in fqns],
+            "first_order_accumulated": [d0[f].first_accumulated[fmt] for f in fqns],
             "second_order": [d0[f].second_order[fmt] for f in fqns],
         }
         for part, values in parts.items():
@@ -239,7 +265,20 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
             lines.append(f"spearman_out {key} {fmt.value} {value:.3f}")
         lines.append(f"ceiling loss {fmt.value} {spearman(truth_ld(per_batch[:half]), truth_ld(per_batch[half:])):.3f}")
         lines.append(f"ceiling weights {fmt.value} {ceiling_wd:.3f}")
-    return [line if line.startswith("#") else f"{line} {name}" for line in lines]
+    raw = {
+        "fqns": fqns,
+        "loss_increase": {fmt.value: [[b[f, fmt] for f in fqns] for b in per_batch] for fmt in FORMATS},
+        "update_deviation": {fmt.value: [devs[f, fmt] for f in fqns] for fmt in FORMATS},
+        "rounds": [
+            {fqn: {k: {f.value: v for f, v in getattr(d, k).items()} for k in (
+                "loss_divergence", "weight_divergence", "first_order", "second_order", "first_stderr", "first_weight",
+                "first_activation", "first_activation_stderr", "first_weight_momentum", "first_weight_momentum_stderr",
+                "first_accumulated", "first_accumulated_stderr", "wd_direct", "wd_propagated", "rel_error_forward",
+                "abs_error_forward")} for fqn, d in res.layers.items()}
+            for res in results
+        ],
+    }
+    return [line if line.startswith("#") else f"{line} {name}" for line in lines], raw
 
 
 def main() -> None:
@@ -253,21 +292,27 @@ def main() -> None:
     parser.add_argument("--sr-seeds", type=int, default=4)
     parser.add_argument("--max-rows", type=int, default=1024)
     parser.add_argument("--noise-draws", type=int, default=2)
+    parser.add_argument("--first-order-steps", type=int, default=16,
+                        help="training batches whose first-order term each round averages (snip.first_order_steps)")
+    parser.add_argument("--dump", help="write the raw per-layer values to this JSON file")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"# machine: {platform.machine()} python {platform.python_version()} torch {torch.__version__}; "
           f"seed {args.seed}; default LD estimator {DEFAULT_ESTIMATOR.value}")
     models = {
         "demo": (LlamaConfig(), None),
-        "deep": (LlamaConfig(num_layers=8), second_corpus()),
+        "deep": (LlamaConfig(dim=64, num_layers=8, hidden_dim=192), second_corpus()),
     }
     if args.quick:
         models = {"demo": (LlamaConfig(dim=64, num_layers=2, hidden_dim=160), None),
                   "deep": (LlamaConfig(dim=64, num_layers=3, hidden_dim=160), second_corpus())}
-    lines = []
+    lines, raw = [], {}
     for name in args.models:
         cfg, corpus = models[name]
-        lines += run_model(name, cfg, corpus, args, args.quick)
+        model_lines, raw[name] = run_model(name, cfg, corpus, args, args.quick)
+        lines += model_lines
+    if args.dump:
+        Path(args.dump).write_text(json.dumps(raw))
     comments = [line for line in lines if line.startswith("#")]
     print("\n".join(comments + [line for line in lines if not line.startswith("#")]))
 

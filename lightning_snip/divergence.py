@@ -18,10 +18,10 @@ Where LD departs from the method text (LossEstimator): a plan needs the *expecte
 and the statistics batch's first-order term <G, dY> is mostly that batch's noise (signed, with a
 sampling error larger than its mean; benchmarks/results/divergence_fidelity_*.md). dY splits into a
 weight part X (Q(W) - W)^T, whose first-order term <G^T X, Q(W) - W> is the batch gradient against
-the weight's rounding error, and an activation part. The default estimator takes the weight part in
-expectation from AdamW's first moment (m_hat, a running mean of many batches' gradients), shrinks the
-activation part by its own sampling error measured over the batch's sequences (James-Stein), and
-keeps the second-order term; the sum is clamped at 0, so no format looks better than high precision.
+the weight's rounding error, and an activation part. The MOMENTUM estimator takes the weight part in
+expectation from AdamW's first moment (m_hat, a running mean of many batches' gradients), shrinks it
+and the activation part each by its own noise (James-Stein), and keeps the second-order term; every
+estimator is clamped at 0, so no format looks better than high precision.
 """
 
 from __future__ import annotations
@@ -61,6 +61,9 @@ class LayerDivergence:
     first_stderr: Mapping[Format, float] = field(default_factory=dict)
     first_activation_stderr: Mapping[Format, float] = field(default_factory=dict)
     first_weight_momentum: Mapping[Format, float] = field(default_factory=dict)
+    first_weight_momentum_stderr: Mapping[Format, float] = field(default_factory=dict)
+    first_accumulated: Mapping[Format, float] = field(default_factory=dict)
+    first_accumulated_stderr: Mapping[Format, float] = field(default_factory=dict)
     abs_error_forward: Mapping[Format, float] = field(default_factory=dict)
     abs_error_wgrad: Mapping[Format, float] = field(default_factory=dict)
 
@@ -75,7 +78,11 @@ class LayerDivergence:
             out[fmt] = _combine_loss_divergence(
                 estimator, first=self.first_order[fmt], first_stderr=self.first_stderr[fmt],
                 first_activation=self.first_activation[fmt], first_activation_stderr=self.first_activation_stderr[fmt],
-                first_weight_momentum=self.first_weight_momentum.get(fmt), second=self.second_order[fmt])
+                first_weight_momentum=self.first_weight_momentum.get(fmt),
+                first_weight_momentum_stderr=self.first_weight_momentum_stderr.get(fmt, math.inf),
+                first_accumulated=self.first_accumulated.get(fmt),
+                first_accumulated_stderr=self.first_accumulated_stderr.get(fmt, math.inf),
+                second=self.second_order[fmt])
         return out
 
 
@@ -137,8 +144,13 @@ class LossEstimator(enum.Enum):
     SHRUNK: F shrunk towards 0 by its sampling error over the batch's samples, F * max(0, 1 - se^2/F^2)
         (positive-part James-Stein), + S.
     MOMENTUM: the weight part of F taken in expectation, <m_hat, Q(W) - W> with AdamW's first moment
-        m_hat (a running mean of recent batches' gradients), + the activation part of F shrunk as in
-        SHRUNK, + S. Without Adam moments it falls back to SHRUNK.
+        m_hat (a running mean of recent batches' gradients), shrunk by its own noise (per element
+        Var(m_hat) = (v_hat - m_hat^2) (1 - b1)(1 - b1^2t) / ((1 + b1)(1 - b1^t)^2), the variance of an
+        EMA of independent gradients), + the activation part of F shrunk as in SHRUNK, + S. Without
+        Adam moments it falls back to SHRUNK.
+    ACCUMULATED: F averaged over the statistics batch and the batches of the training steps before
+        the round (FirstOrderSampler), shrunk by the standard error of that mean across batches,
+        + S. With no sampled steps it falls back to SHRUNK.
     Every estimator is clamped at 0: a negative estimate never makes a layer look better than
     high precision.
     """
@@ -147,6 +159,7 @@ class LossEstimator(enum.Enum):
     SECOND_ORDER = "second_order"
     SHRUNK = "shrunk"
     MOMENTUM = "momentum"
+    ACCUMULATED = "accumulated"
 
 
 def _shrink(value: float, stderr: float) -> float:
@@ -156,15 +169,20 @@ def _shrink(value: float, stderr: float) -> float:
 
 
 def _combine_loss_divergence(estimator: LossEstimator, *, first: float, first_stderr: float, first_activation: float,
-                             first_activation_stderr: float, first_weight_momentum: float | None, second: float) -> float:
+                             first_activation_stderr: float, first_weight_momentum: float | None,
+                             first_weight_momentum_stderr: float, first_accumulated: float | None = None,
+                             first_accumulated_stderr: float = math.inf, second: float) -> float:
     if estimator is LossEstimator.BATCH:
         value = first + second
     elif estimator is LossEstimator.SECOND_ORDER:
         value = second
-    elif estimator is LossEstimator.SHRUNK or first_weight_momentum is None:
+    elif estimator is LossEstimator.ACCUMULATED and first_accumulated is not None:
+        value = _shrink(first_accumulated, first_accumulated_stderr) + second
+    elif estimator in (LossEstimator.SHRUNK, LossEstimator.ACCUMULATED) or first_weight_momentum is None:
         value = _shrink(first, first_stderr) + second
     else:
-        value = first_weight_momentum + _shrink(first_activation, first_activation_stderr) + second
+        value = (_shrink(first_weight_momentum, first_weight_momentum_stderr)
+                 + _shrink(first_activation, first_activation_stderr) + second)
     return max(0.0, value)
 
 
@@ -177,6 +195,7 @@ def estimate_divergence(
     noise_scale: float = 0.1,
     curvature_probe: CurvatureProbe = CurvatureProbe.ERROR,
     loss_estimator: LossEstimator = LossEstimator.MOMENTUM,
+    first_order_history: Mapping[tuple[str, Format], list[float]] | None = None,
     allowed: Mapping[str, Iterable[Format]] | None = None,
     generator: torch.Generator | None = None,
 ) -> DivergenceResult:
@@ -191,6 +210,8 @@ def estimate_divergence(
             (benchmarks/results/divergence_fidelity_*.md).
         loss_estimator: how LD combines its terms (see LossEstimator); every part is kept in the
             result, so ``LayerDivergence.loss_divergence_as`` gives the others from the same round.
+        first_order_history: (fqn, format) -> the first-order terms of other batches (from
+            ``first_order_samples``), averaged with this round's for the ACCUMULATED estimator.
         allowed: fqn -> formats the layer supports; others get +inf (never chosen).
 
     A layer whose sample holds NaN/Inf, or whose metric comes out non-finite, gets +inf for its
@@ -232,6 +253,7 @@ def estimate_divergence(
         stats=stats, formats=tuple(formats), recipe=recipe, output_errors=output_errors, second_order=second_order,
         gain=gain, denominator=denominator if denominator > 0 else 1.0,
         loss_norm=abs(stats.loss) if stats.loss else 1.0, loss_estimator=loss_estimator,
+        first_order_history=first_order_history or {},
     )
     out: dict[str, LayerDivergence] = {}
     for fqn, s in stats.layers.items():
@@ -255,6 +277,35 @@ class _RoundInputs:
     denominator: float  # sum_k ||u_k||^2 (or ||g_k||^2 without Adam)
     loss_norm: float
     loss_estimator: LossEstimator
+    first_order_history: Mapping[tuple[str, Format], list[float]]
+
+
+def first_order_samples(
+    records: Mapping[str, list[tuple[torch.Tensor, torch.Tensor, int]]],
+    weights: Mapping[str, torch.Tensor],
+    formats: Iterable[Format],
+    *,
+    recipe: QuantRecipe = QuantRecipe(),
+    grad_scale: float = 1.0,
+) -> dict[tuple[str, Format], list[float]]:
+    """The first-order term <G, dY> of each recorded batch (FirstOrderSampler), per (fqn, format).
+
+    A record holds the first rows of a batch of ``total_rows`` rows; the sum over them is scaled by
+    total_rows / rows, an unbiased estimate of the whole batch's term when rows are exchangeable.
+    ``grad_scale`` divides out a factor the recorded gradients carry (e.g. 1/accumulate_grad_batches).
+    """
+    formats = [f for f in dict.fromkeys(formats) if f is not Format.BF16]
+    out: dict[tuple[str, Format], list[float]] = {}
+    with torch.no_grad():
+        for fqn, batches in records.items():
+            w = weights[fqn].detach().float()
+            for x, g, total_rows in batches:
+                y = x @ w.t()
+                for fmt in formats:
+                    dy = quantized_matmul(x, w, fmt, recipe=recipe) - y
+                    value = float((g * dy).sum()) * total_rows / x.shape[0] / grad_scale
+                    out.setdefault((fqn, fmt), []).append(value)
+    return out
 
 
 def _invalid(formats) -> LayerDivergence:
@@ -279,7 +330,7 @@ def _sum_and_stderr(per_row: torch.Tensor, num_samples: int) -> tuple[float, flo
 
 
 _METRICS = ("ld", "wd", "first", "second", "direct", "prop", "rel_y", "rel_w", "first_w", "first_x", "first_se",
-            "first_x_se", "first_mom", "abs_y", "abs_w")
+            "first_x_se", "first_mom", "first_mom_se", "first_acc", "first_acc_se", "abs_y", "abs_w")
 
 
 def _layer_divergence(r: _RoundInputs, s: LayerStats, y, fmts, kappa) -> LayerDivergence:
@@ -297,7 +348,12 @@ def _layer_divergence(r: _RoundInputs, s: LayerStats, y, fmts, kappa) -> LayerDi
     e_x = {fmt: quantized_matmul(g, w.t(), fmt, recipe=r.recipe, a_is_grad=True) - gx_ref for fmt in fmts}
     # One batched vector-Jacobian product carries every format's dgrad error upstream.
     upstream = r.stats.propagate_input_grad(s.fqn, torch.stack([e_x[f] for f in fmts]))
-    m_hat = None if s.adam is None else s.adam.exp_avg.float() / (1 - s.adam.beta1**s.adam.step)
+    m_hat = m_var = None
+    if s.adam is not None:
+        b1, t = s.adam.beta1, s.adam.step
+        m_hat = s.adam.exp_avg.float() / (1 - b1**t)
+        v_hat = s.adam.exp_avg_sq.float() / (1 - s.adam.beta2**t)
+        m_var = (v_hat - m_hat.pow(2)).clamp_min(0) * ((1 - b1) * (1 - b1 ** (2 * t)) / ((1 + b1) * (1 - b1**t) ** 2))
     norm = r.loss_norm
     for i, fmt in enumerate(fmts):
         dy = r.output_errors[s.fqn, fmt]
@@ -308,7 +364,13 @@ def _layer_divergence(r: _RoundInputs, s: LayerStats, y, fmts, kappa) -> LayerDi
         first, first_se = _sum_and_stderr(per_row, s.num_samples)
         first_x, first_x_se = _sum_and_stderr(per_row - per_row_w, s.num_samples)
         first_mom = None if m_hat is None else float((m_hat * dw_fwd).sum())
+        first_mom_se = math.inf if m_var is None else math.sqrt(float((m_var * dw_fwd.pow(2)).sum()))
         second = r.second_order[s.fqn, fmt]
+        # This batch and the sampled batches before the round: independent draws of the first-order term.
+        batch_values = [*r.first_order_history.get((s.fqn, fmt), ()), first]
+        first_acc = sum(batch_values) / len(batch_values)
+        first_acc_se = (math.sqrt(sum((v - first_acc) ** 2 for v in batch_values) / (len(batch_values) - 1) / len(batch_values))
+                        if len(batch_values) > 1 else first_se)
         e_w = quantized_matmul(g.t(), x.t(), fmt, recipe=r.recipe, a_is_grad=True) - gw_ref
         direct = float((c_l * a_l * e_w).pow(2).sum())
         propagated = 0.0
@@ -318,7 +380,9 @@ def _layer_divergence(r: _RoundInputs, s: LayerStats, y, fmts, kappa) -> LayerDi
         ld = _combine_loss_divergence(
             r.loss_estimator, first=first / norm, first_stderr=first_se / norm, first_activation=first_x / norm,
             first_activation_stderr=first_x_se / norm,
-            first_weight_momentum=None if first_mom is None else first_mom / norm, second=second / norm)
+            first_weight_momentum=None if first_mom is None else first_mom / norm,
+            first_weight_momentum_stderr=first_mom_se / norm, first_accumulated=first_acc / norm,
+            first_accumulated_stderr=first_acc_se / norm, second=second / norm)
         wd = (direct + propagated) / r.denominator
         if not (math.isfinite(ld) and math.isfinite(wd)):
             logger.warning("layer %s: non-finite divergence for %s; format marked invalid", s.fqn, fmt.value)
@@ -328,14 +392,15 @@ def _layer_divergence(r: _RoundInputs, s: LayerStats, y, fmts, kappa) -> LayerDi
         metrics["first_w"][fmt], metrics["first_x"][fmt] = (first - first_x) / norm, first_x / norm
         metrics["first_se"][fmt], metrics["first_x_se"][fmt] = first_se / norm, first_x_se / norm
         if first_mom is not None:
-            metrics["first_mom"][fmt] = first_mom / norm
+            metrics["first_mom"][fmt], metrics["first_mom_se"][fmt] = first_mom / norm, first_mom_se / norm
+        metrics["first_acc"][fmt], metrics["first_acc_se"][fmt] = first_acc / norm, first_acc_se / norm
         metrics["direct"][fmt], metrics["prop"][fmt] = direct / r.denominator, propagated / r.denominator
         metrics["rel_y"][fmt] = float(dy.norm() / y.norm().clamp_min(1e-30))
         metrics["rel_w"][fmt] = float(e_w.norm() / gw_ref.norm().clamp_min(1e-30))
         metrics["abs_y"][fmt] = float(dy.pow(2).sum())
         metrics["abs_w"][fmt] = float(e_w.pow(2).sum())
     if m_hat is None:
-        metrics["first_mom"] = {}
+        metrics["first_mom"], metrics["first_mom_se"] = {}, {}
     return _metrics_to_divergence(metrics, kappa)
 
 
@@ -346,6 +411,8 @@ def _metrics_to_divergence(metrics, kappa) -> LayerDivergence:
         rel_error_forward=metrics["rel_y"], rel_error_wgrad=metrics["rel_w"], curvature=kappa,
         first_weight=metrics["first_w"], first_activation=metrics["first_x"], first_stderr=metrics["first_se"],
         first_activation_stderr=metrics["first_x_se"], first_weight_momentum=metrics["first_mom"],
+        first_weight_momentum_stderr=metrics["first_mom_se"], first_accumulated=metrics["first_acc"],
+        first_accumulated_stderr=metrics["first_acc_se"],
         abs_error_forward=metrics["abs_y"], abs_error_wgrad=metrics["abs_w"],
     )
 

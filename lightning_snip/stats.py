@@ -248,3 +248,49 @@ def _map_tensors(batch, fn):
     if isinstance(batch, (list, tuple)):
         return type(batch)(_map_tensors(v, fn) for v in batch)
     return batch
+
+
+class FirstOrderSampler:
+    """Records, during ordinary training steps, each layer's input rows X and output-gradient rows G
+    (the first ``max_rows`` token rows of the step's batch), so the first-order term <G, dY> of the
+    loss divergence can be averaged over many batches instead of one (lightning_snip.divergence).
+
+    Use as ``with sampler.recording(): <one training step's forward and backward>``; then
+    ``take()`` returns and clears what was recorded: fqn -> list of (x, g, total_rows).
+    The step runs in the layers' current formats: G is the gradient at the point training is at.
+    """
+
+    def __init__(self, layers: Mapping[str, SNIPLinear], max_rows: int) -> None:
+        self.layers = layers
+        self.max_rows = max_rows
+        self._records: dict[str, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
+
+    @contextlib.contextmanager
+    def recording(self):
+        handles = [layer.register_forward_hook(self._make_hook(fqn)) for fqn, layer in self.layers.items()]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _make_hook(self, fqn: str):
+        def hook(module, args, output):
+            if not (torch.is_grad_enabled() and output.requires_grad):
+                return None
+            x = args[0].detach().reshape(-1, module.in_features)
+            rows = min(self.max_rows, x.shape[0])
+            sampled_x = x[:rows].float().clone()
+
+            def grad_hook(grad):
+                g = grad.detach().reshape(-1, module.out_features)[:rows].float().clone()
+                self._records.setdefault(fqn, []).append((sampled_x, g, x.shape[0]))
+
+            output.register_hook(grad_hook)
+            return None
+
+        return hook
+
+    def take(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor, int]]]:
+        records, self._records = self._records, {}
+        return records

@@ -49,7 +49,9 @@ def test_dominant_layer_ranks_first():
     result = estimate_divergence(stats, [Format.MXFP4])
     stats.release()
     d = result.layers
-    assert abs(d["second"].loss_divergence[Format.MXFP4]) > 3 * abs(d["first"].loss_divergence[Format.MXFP4])
+    # The outlier was set after the optimizer's history: only this batch's terms describe it.
+    batch_ld = {f: d[f].first_order[Format.MXFP4] + d[f].second_order[Format.MXFP4] for f in d}
+    assert abs(batch_ld["second"]) > 3 * abs(batch_ld["first"])
     assert d["first"].loss_divergence[Format.BF16] == 0.0 == d["first"].weight_divergence[Format.BF16]
 
 
