@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -18,12 +19,12 @@ from typing_extensions import override
 from lightning_snip.aggregate import DivergenceAggregate
 from lightning_snip.config import SNIPConfig
 from lightning_snip.convert import apply_plan, convert_linears, glob_filter
-from lightning_snip.divergence import DivergenceResult, LayerDivergence, estimate_divergence
+from lightning_snip.divergence import DivergenceResult, LayerDivergence, estimate_divergence, first_order_samples
 from lightning_snip.formats import Format
 from lightning_snip.plan import Plan, SolveStatus
 from lightning_snip.planner import LayerCandidates, solve_plan
 from lightning_snip.reporting import divergence_scalars, log_to_loggers, plan_scalars
-from lightning_snip.stats import collect_stats, slice_batch
+from lightning_snip.stats import FirstOrderSampler, collect_stats, slice_batch
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,10 @@ class SNIPCallback(Callback):
         self._pending: _PendingSolve | None = None
         self._restored_pending: tuple[int, int] | None = None  # (stats_step, apply_step) from a checkpoint
         self._flops: dict[str, float] = {}
+        self._sampler: FirstOrderSampler | None = None
+        self._recording: contextlib.ExitStack | None = None
+        # (fqn, format) -> first-order terms of the batches sampled since the last round.
+        self._first_order_history: dict[tuple[str, Format], list[float]] = {}
 
     # ------------------------------------------------------------------ hooks
 
@@ -120,6 +125,7 @@ class SNIPCallback(Callback):
         )
         # Relative FLOPs per step: every layer sees the same tokens, so 6 * m * k orders them.
         self._flops = {fqn: 6.0 * layer.in_features * layer.out_features for fqn, layer in self.layers.items()}
+        self._sampler = FirstOrderSampler(self.layers, cfg.max_rows)
         if self.plan is not None:
             apply_plan(pl_module, self.plan)  # a given plan that does not fit the model fails here
         logger.info("SNIP: %d switchable layers, initial format %s", len(self.layers), cfg.initial_format)
@@ -143,6 +149,16 @@ class SNIPCallback(Callback):
             self._apply_pending(trainer, pl_module, step)
         if self._is_stats_step(step):
             self._statistics_round(trainer, pl_module, batch, batch_idx, step)
+        elif self._is_first_order_step(step) and self._recording is None:
+            self._recording = contextlib.ExitStack()
+            self._recording.enter_context(self._sampler.recording())
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
+        if self._recording is not None:
+            self._recording.close()
+            self._recording = None
+            self._add_first_order_samples(trainer)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -157,6 +173,7 @@ class SNIPCallback(Callback):
             "num_plans_applied": self.num_plans_applied,
             "aggregate": self.aggregate.state_dict(),
             "pending": None if self._pending is None else [self._pending.stats_step, self._pending.apply_step],
+            "first_order_history": [[fqn, fmt.value, values] for (fqn, fmt), values in self._first_order_history.items()],
         }
 
     @override
@@ -169,12 +186,36 @@ class SNIPCallback(Callback):
             self.aggregate.load_state_dict(state_dict["aggregate"])
         pending = state_dict.get("pending")
         self._restored_pending = (int(pending[0]), int(pending[1])) if pending else None
+        self._first_order_history = {(fqn, Format(fmt)): [float(v) for v in values]
+                                     for fqn, fmt, values in state_dict.get("first_order_history", [])}
 
     # ------------------------------------------------------------------ helpers
 
     def _is_stats_step(self, step: int) -> bool:
         cfg = self.config
         return cfg.replan and step >= cfg.warmup_steps and (step - cfg.warmup_steps) % cfg.interval == 0
+
+    def _is_first_order_step(self, step: int) -> bool:
+        """Whether ``step`` is one of the ``first_order_steps`` steps before a statistics round."""
+        cfg = self.config
+        if not cfg.replan or cfg.first_order_steps == 0:
+            return False
+        next_round = cfg.warmup_steps if step < cfg.warmup_steps else (
+            cfg.warmup_steps + ((step - cfg.warmup_steps) // cfg.interval + 1) * cfg.interval)
+        return 1 <= next_round - step <= cfg.first_order_steps
+
+    def _add_first_order_samples(self, trainer) -> None:
+        try:
+            values = first_order_samples(
+                self._sampler.take(), {fqn: layer.weight for fqn, layer in self.layers.items()}, self.config.formats,
+                recipe=self.config.recipe, grad_scale=1.0 / trainer.accumulate_grad_batches,
+            )
+        except Exception as err:  # noqa: BLE001 - a failed sample must not take training down
+            logger.warning("SNIP first-order sample at step %d failed (%s: %s); the round uses the others",
+                           trainer.global_step, type(err).__name__, err)
+            return
+        for key, batch_values in values.items():
+            self._first_order_history.setdefault(key, []).extend(batch_values)
 
     def _statistics_round(self, trainer, pl_module, batch, batch_idx, step) -> None:
         cfg = self.config
@@ -187,7 +228,7 @@ class SNIPCallback(Callback):
             try:
                 result = estimate_divergence(
                     stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws, noise_scale=cfg.noise_scale,
-                    loss_estimator=cfg.loss_estimator,
+                    loss_estimator=cfg.loss_estimator, first_order_history=self._first_order_history,
                     allowed={fqn: layer.allowed_formats for fqn, layer in self.layers.items()},
                     generator=_round_generator(pl_module.device, step, trainer.global_rank),
                 )
@@ -195,6 +236,7 @@ class SNIPCallback(Callback):
                 stats.release()
         except Exception as err:  # noqa: BLE001 - a failed round must not take training down
             logger.warning("SNIP statistics at step %d failed (%s: %s); keeping the current plan", step, type(err).__name__, err)
+        self._first_order_history = {}
         # Every rank reaches the reduction (a failed rank contributes NaN, which invalidates the round).
         result = self._reduce(trainer, result)
         self.num_stats_rounds += 1

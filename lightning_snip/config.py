@@ -39,6 +39,9 @@ class SNIPConfig:
         noise_draws / noise_scale: curvature probes of the loss divergence.
         loss_estimator: how LD combines its first- and second-order terms (batch | second_order |
             shrunk | momentum; lightning_snip.divergence.LossEstimator).
+        first_order_steps: training steps before each statistics round whose batches also sample LD's
+            first-order term (the ``accumulated`` estimator averages them with the round's own); at
+            most the interval - 1 steps since the previous round.
         aggregate_decay: EMA decay of LD and WD over statistics rounds, in [0, 1); plans are solved on
             the aggregate (0: the last round alone). See lightning_snip.aggregate.
         weight_divergence_weight: lambda in LD + lambda * WD.
@@ -63,6 +66,7 @@ class SNIPConfig:
     noise_draws: int = 2
     noise_scale: float = 0.1
     loss_estimator: str = "momentum"
+    first_order_steps: int = 16
     aggregate_decay: float = 0.5
     weight_divergence_weight: float = 1.0
     time_limit_seconds: float = 10.0
@@ -75,7 +79,7 @@ class SNIPConfig:
         for name in ("interval", "max_rows"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value > 0, f"snip.{name}", value, "an integer > 0")
-        for name in ("warmup_steps", "apply_delay", "noise_draws"):
+        for name in ("warmup_steps", "apply_delay", "noise_draws", "first_order_steps"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value >= 0, f"snip.{name}", value, "an integer >= 0")
         _check(self.apply_delay < self.interval, "snip.apply_delay", self.apply_delay, f"an integer < snip.interval ({self.interval})")

@@ -164,3 +164,110 @@ def test_result_round_trip_and_slice_batch():
     sliced = slice_batch(batch, 40)
     assert sliced[0].shape == (2, 16) and isinstance(sliced, tuple)
     assert slice_batch({"x": torch.zeros(8, 16)}, 1)["x"].shape == (1, 16)
+
+
+def test_first_order_sampler_matches_autograd_inner_product():
+    # A training step's G (gradient of the mean loss w.r.t. the layer output) and X, sampled on the
+    # first rows and scaled to the whole batch, against an independent autograd computation.
+    from lightning_snip.divergence import first_order_samples
+    from lightning_snip.stats import FirstOrderSampler
+
+    torch.manual_seed(0)
+    model = TwoLayer()
+    layers = convert_linears(model)
+    x, target = torch.randn(4, 16, 64), torch.randn(4, 16, 64)
+    sampler = FirstOrderSampler(layers, max_rows=64)  # the whole batch: exact, no scaling
+    with sampler.recording():
+        nn.functional.mse_loss(model(x), target).backward()
+    records = sampler.take()
+    assert sampler.take() == {}  # take() clears
+    assert not layers["first"]._forward_hooks  # hooks removed after the step
+    values = first_order_samples(records, {f: l.weight for f, l in layers.items()}, [Format.MXFP4])
+    h = torch.tanh(model.first(x)).detach().requires_grad_()
+    y = model.second(h)
+    y.retain_grad()
+    nn.functional.mse_loss(y, target).backward()
+    w = model.second.weight.detach()
+    hx = h.detach().reshape(-1, 64)
+    dy = quantized_matmul(hx, w, Format.MXFP4, recipe=QuantRecipe()) - hx @ w.t()
+    expected = float((y.grad.reshape(-1, 64) * dy).sum())
+    assert values["second", Format.MXFP4] == [pytest.approx(expected, rel=1e-4)]
+    # Half the rows, scaled by 2: an estimate of the same term with the right scale.
+    half = FirstOrderSampler(layers, max_rows=32)
+    with half.recording():
+        nn.functional.mse_loss(model(x), target).backward()
+    partial = first_order_samples(half.take(), {f: l.weight for f, l in layers.items()}, [Format.MXFP4])
+    rows_first_half = float((y.grad.reshape(-1, 64)[:32] * dy[:32]).sum())
+    assert partial["second", Format.MXFP4] == [pytest.approx(2 * rows_first_half, rel=1e-4)]
+    # No recording outside a training step with gradients.
+    with sampler.recording(), torch.no_grad():
+        model(x)
+    assert sampler.take() == {}
+
+
+class _Parallel(nn.Module):
+    """Four independent layers. The loss of a batch is, per layer, a random linear term in the
+    output (zero mean, new every sample: the batch's first-order term is large and random) plus a
+    quadratic term of curvature KAPPA[l] whose minimum is the current output (zero expected
+    gradient). The expected loss increase of a format is therefore 1/2 KAPPA[l] ||dY||^2 / n: the
+    sharp layer (KAPPA 20) ranks first in expectation, whatever one batch says."""
+
+    KAPPA = (1.0, 1.0, 20.0, 1.0)
+    SIGMA = 100.0  # the random linear term: per batch about twice the sharp layer's expected increase
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32, bias=False) for _ in range(4))
+
+    def forward(self, xs):
+        return [layer(x) for layer, x in zip(self.layers, xs)]
+
+    def batch(self, generator):
+        xs = [torch.randn(16, 8, 32, generator=generator) for _ in range(4)]
+        cs = [torch.randn(16, 8, 32, generator=generator) * self.SIGMA for _ in range(4)]
+        with torch.no_grad():
+            targets = self(xs)
+        return xs, cs, targets
+
+    def loss(self, batch):
+        xs, cs, targets = batch
+        n = 16 * 8
+        terms = [((c * y).sum() + 0.5 * k * (y - t).pow(2).sum()) / n
+                 for c, y, t, k in zip(cs, self(xs), targets, self.KAPPA)]
+        return sum(terms) + 1e4  # an offset keeps the loss (LD's normalizer) positive
+
+
+def test_estimate_ranks_the_expected_loss_increase_not_one_batch():
+    from lightning_snip.config import SNIPConfig
+    from lightning_snip.divergence import LossEstimator, first_order_samples
+    from lightning_snip.stats import FirstOrderSampler
+
+    torch.manual_seed(0)
+    model = _Parallel()
+    layers = convert_linears(model)
+    cfg = SNIPConfig()
+    default = LossEstimator(cfg.loss_estimator)
+    generator = torch.Generator().manual_seed(1)
+    sampler = FirstOrderSampler(layers, max_rows=128)
+    firsts = {est: 0 for est in (default, LossEstimator.BATCH)}
+    num_rounds = 6
+    for trial in range(num_rounds):
+        history: dict = {}
+        for _ in range(32):  # the training steps before a round (snip.first_order_steps)
+            with sampler.recording():
+                model.loss(model.batch(generator)).backward()
+            model.zero_grad()
+            for key, values in first_order_samples(sampler.take(), {f: l.weight for f, l in layers.items()},
+                                                   [Format.MXFP4]).items():
+                history.setdefault(key, []).extend(values)
+        batch = model.batch(generator)
+        stats = collect_stats(model, lambda: model.loss(batch), layers=layers)
+        result = estimate_divergence(stats, [Format.MXFP4], noise_draws=2, first_order_history=history,
+                                     generator=torch.Generator().manual_seed(trial))
+        stats.release()
+        for est in firsts:
+            ld = {fqn: d.loss_divergence_as(est)[Format.MXFP4] for fqn, d in result.layers.items()}
+            assert min(ld.values()) >= 0.0  # never better than high precision
+            firsts[est] += max(ld, key=ld.get) == "layers.2"
+    assert firsts[default] == num_rounds, firsts
+    assert firsts[LossEstimator.BATCH] <= num_rounds // 2, firsts
