@@ -4,9 +4,13 @@ For each model (the 4-block demo model on the stdlib corpus; an 8-block model of
 architecture on a second corpus, the prose of Python's own documentation, pydoc_data/topics.py):
 train briefly in high precision, then at that checkpoint (no optimizer step in between)
   - R statistics rounds, each on a different training batch (its first max_rows token rows, as the
-    callback takes them), with the divergence estimates of lightning_snip.divergence;
-  - ground truth for LD: the mean over K held-out batches (the corpus's validation tail, which no
-    round saw) of the loss increase when only layer l's forward GEMM runs in format p;
+    callback takes them), with the divergence estimates of lightning_snip.divergence; before each,
+    LD's first-order term sampled on first_order_steps other training batches, as the callback
+    samples it in the steps before a round;
+  - ground truth for LD: the mean over K held-out batches of the loss increase when only layer l's
+    forward GEMM runs in format p. Held out: 20% of the corpus's 4 KiB chunks drawn at random, which
+    neither training nor any round sees (same distribution); ``--tail`` uses the corpus's last 5%
+    instead (other files: the truth then includes a distribution shift);
   - ground truth for WD: the deviation of one AdamW step's parameter update (all parameters) when only
     layer l's backward GEMMs run in p, on a held-out batch, averaged over S stochastic-rounding seeds,
     relative to the high-precision update.
@@ -68,6 +72,16 @@ def spearman(a, b) -> float:
 
 def second_corpus() -> str:
     return str(Path(sysconfig.get_paths()["stdlib"], "pydoc_data", "topics.py"))
+
+
+def interleaved_split(data: torch.Tensor, fraction: float, seed: int, chunk: int = 4096):
+    """(train, held-out): ``fraction`` of the corpus's 4 KiB chunks, drawn at random, held out. The
+    held-out text comes from the same distribution as training (the same files, interleaved) but
+    neither training nor any statistics round sees it."""
+    num = len(data) // chunk
+    held = torch.rand(num, generator=torch.Generator().manual_seed(seed + 99)) < fraction
+    pieces = data[: num * chunk].reshape(num, chunk)
+    return pieces[~held].reshape(-1), pieces[held].reshape(-1)
 
 
 def block_of(fqn: str, num_blocks: int) -> int:
@@ -144,6 +158,8 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
     max_rows = 256 if quick else args.max_rows
     torch.manual_seed(args.seed)
     train, val = split_corpus(load_corpus(corpus), 0.05)
+    if not args.tail:
+        train, val = interleaved_split(train, 0.2, args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     data = batches(ByteWindows(train, seq_len), batch_size, gen)
     held = batches(ByteWindows(val, seq_len), batch_size, torch.Generator().manual_seed(args.seed + 1))
@@ -164,13 +180,14 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
     # R statistics rounds on R training batches, at the same checkpoint. Before each, the first-order
     # term is sampled on its own first_order_steps training batches (what the callback samples in the
     # steps before a round; here at the same checkpoint, no optimizer step).
-    results, slices, round_seconds, sample_seconds = [], [], [], []
-    sampler = FirstOrderSampler(layers, max_rows)
+    results, slices, round_seconds, sample_seconds, histories = [], [], [], [], []
+    sampler = FirstOrderSampler(layers, args.first_order_rows)
     weights = {fqn: layer.weight for fqn, layer in layers.items()}
     first_steps = 4 if quick else args.first_order_steps
     for r in range(rounds):
         start = time.perf_counter()
         history: dict = {}
+        histories.append(history)
         for _ in range(first_steps):
             with sampler.recording():
                 model.loss(next(data)).backward()
@@ -269,6 +286,8 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
         "fqns": fqns,
         "loss_increase": {fmt.value: [[b[f, fmt] for f in fqns] for b in per_batch] for fmt in FORMATS},
         "update_deviation": {fmt.value: [devs[f, fmt] for f in fqns] for fmt in FORMATS},
+        "round_loss": [res.loss for res in results],
+        "first_order_history": [{f"{fqn}|{fmt.value}": values for (fqn, fmt), values in h.items()} for h in histories],
         "rounds": [
             {fqn: {k: {f.value: v for f, v in getattr(d, k).items()} for k in (
                 "loss_divergence", "weight_divergence", "first_order", "second_order", "first_stderr", "first_weight",
@@ -292,8 +311,13 @@ def main() -> None:
     parser.add_argument("--sr-seeds", type=int, default=4)
     parser.add_argument("--max-rows", type=int, default=1024)
     parser.add_argument("--noise-draws", type=int, default=2)
-    parser.add_argument("--first-order-steps", type=int, default=16,
+    parser.add_argument("--tail", action="store_true",
+                        help="held-out truth on the corpus's last 5%% (other files: a distribution shift) "
+                             "instead of interleaved held-out chunks of the same files")
+    parser.add_argument("--first-order-steps", type=int, default=SNIPConfig().first_order_steps,
                         help="training batches whose first-order term each round averages (snip.first_order_steps)")
+    parser.add_argument("--first-order-rows", type=int, default=SNIPConfig().first_order_rows,
+                        help="token rows sampled per such batch (snip.first_order_rows)")
     parser.add_argument("--dump", help="write the raw per-layer values to this JSON file")
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -125,7 +125,7 @@ class SNIPCallback(Callback):
         )
         # Relative FLOPs per step: every layer sees the same tokens, so 6 * m * k orders them.
         self._flops = {fqn: 6.0 * layer.in_features * layer.out_features for fqn, layer in self.layers.items()}
-        self._sampler = FirstOrderSampler(self.layers, cfg.max_rows)
+        self._sampler = FirstOrderSampler(self.layers, cfg.first_order_rows)
         if self.plan is not None:
             apply_plan(pl_module, self.plan)  # a given plan that does not fit the model fails here
         logger.info("SNIP: %d switchable layers, initial format %s", len(self.layers), cfg.initial_format)

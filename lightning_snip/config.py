@@ -42,6 +42,7 @@ class SNIPConfig:
         first_order_steps: training steps before each statistics round whose batches also sample LD's
             first-order term (the ``accumulated`` estimator averages them with the round's own); at
             most the interval - 1 steps since the previous round.
+        first_order_rows: token rows of each such step's batch sampled (spread over the batch).
         aggregate_decay: EMA decay of LD and WD over statistics rounds, in [0, 1); plans are solved on
             the aggregate (0: the last round alone). See lightning_snip.aggregate.
         weight_divergence_weight: lambda in LD + lambda * WD.
@@ -65,8 +66,9 @@ class SNIPConfig:
     max_rows: int = 1024
     noise_draws: int = 2
     noise_scale: float = 0.1
-    loss_estimator: str = "momentum"
-    first_order_steps: int = 16
+    loss_estimator: str = "accumulated"
+    first_order_steps: int = 32
+    first_order_rows: int = 256
     aggregate_decay: float = 0.5
     weight_divergence_weight: float = 1.0
     time_limit_seconds: float = 10.0
@@ -76,7 +78,7 @@ class SNIPConfig:
     replan: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("interval", "max_rows"):
+        for name in ("interval", "max_rows", "first_order_rows"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value > 0, f"snip.{name}", value, "an integer > 0")
         for name in ("warmup_steps", "apply_delay", "noise_draws", "first_order_steps"):

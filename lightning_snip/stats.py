@@ -252,7 +252,7 @@ def _map_tensors(batch, fn):
 
 class FirstOrderSampler:
     """Records, during ordinary training steps, each layer's input rows X and output-gradient rows G
-    (the first ``max_rows`` token rows of the step's batch), so the first-order term <G, dY> of the
+    (``max_rows`` token rows spread evenly over the step's batch), so the first-order term <G, dY> of the
     loss divergence can be averaged over many batches instead of one (lightning_snip.divergence).
 
     Use as ``with sampler.recording(): <one training step's forward and backward>``; then
@@ -279,11 +279,12 @@ class FirstOrderSampler:
             if not (torch.is_grad_enabled() and output.requires_grad):
                 return None
             x = args[0].detach().reshape(-1, module.in_features)
-            rows = min(self.max_rows, x.shape[0])
-            sampled_x = x[:rows].float().clone()
+            # Rows spread evenly over the batch (more sequences, less correlated than whole ones).
+            stride = max(1, x.shape[0] // self.max_rows)
+            sampled_x = x[::stride][: self.max_rows].float().clone()
 
             def grad_hook(grad):
-                g = grad.detach().reshape(-1, module.out_features)[:rows].float().clone()
+                g = grad.detach().reshape(-1, module.out_features)[::stride][: self.max_rows].float().clone()
                 self._records.setdefault(fqn, []).append((sampled_x, g, x.shape[0]))
 
             output.register_hook(grad_hook)

@@ -197,8 +197,8 @@ def test_first_order_sampler_matches_autograd_inner_product():
     with half.recording():
         nn.functional.mse_loss(model(x), target).backward()
     partial = first_order_samples(half.take(), {f: l.weight for f, l in layers.items()}, [Format.MXFP4])
-    rows_first_half = float((y.grad.reshape(-1, 64)[:32] * dy[:32]).sum())
-    assert partial["second", Format.MXFP4] == [pytest.approx(2 * rows_first_half, rel=1e-4)]
+    every_other_row = float((y.grad.reshape(-1, 64)[::2] * dy[::2]).sum())
+    assert partial["second", Format.MXFP4] == [pytest.approx(2 * every_other_row, rel=1e-4)]
     # No recording outside a training step with gradients.
     with sampler.recording(), torch.no_grad():
         model(x)
