@@ -51,7 +51,7 @@ from lightning_snip.demo.data import ByteWindows, load_corpus, split_corpus
 from lightning_snip.demo.model import LlamaConfig, TinyLlama
 from lightning_snip.aggregate import DivergenceAggregate
 from lightning_snip.config import SNIPConfig
-from lightning_snip.divergence import LossEstimator, estimate_divergence, first_order_samples
+from lightning_snip.divergence import FirstOrderTerms, LossEstimator, estimate_divergence
 from lightning_snip.formats import Format
 from lightning_snip.stats import FirstOrderSampler, collect_stats, slice_batch
 
@@ -181,19 +181,17 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
     # term is sampled on its own first_order_steps training batches (what the callback samples in the
     # steps before a round; here at the same checkpoint, no optimizer step).
     results, slices, round_seconds, sample_seconds, histories = [], [], [], [], []
-    sampler = FirstOrderSampler(layers, args.first_order_rows)
-    weights = {fqn: layer.weight for fqn, layer in layers.items()}
+    terms = FirstOrderTerms(FORMATS)
+    sampler = FirstOrderSampler(layers, args.first_order_rows, terms.add)
     first_steps = 4 if quick else args.first_order_steps
     for r in range(rounds):
         start = time.perf_counter()
-        history: dict = {}
-        histories.append(history)
-        for _ in range(first_steps):
-            with sampler.recording():
+        for step in range(first_steps):
+            with sampler.recording(offset=step):
                 model.loss(next(data)).backward()
             model.zero_grad(set_to_none=True)
-            for key, values in first_order_samples(sampler.take(), weights, FORMATS).items():
-                history.setdefault(key, []).extend(values)
+        history = terms.take()
+        histories.append(history)
         sample_seconds.append((time.perf_counter() - start) / max(first_steps, 1))
         sliced = slice_batch(next(data), max_rows)
         start = time.perf_counter()
@@ -300,6 +298,35 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
     return [line if line.startswith("#") else f"{line} {name}" for line in lines], raw
 
 
+def history_study(raw: dict) -> list[str]:
+    """From a --dump file: how the accumulated estimator's fidelity grows with the number of sampled
+    batches n (the first n of each round's history), clamped at 0 (as planned) and unclamped.
+    Lines ``history <model> <format> <n> <spearman_out clamped> <unclamped> <round_agreement clamped>``."""
+    lines = []
+    for model, d in raw.items():
+        fqns = d["fqns"]
+        for fmt in d["loss_increase"]:
+            per_batch = d["loss_increase"][fmt]
+            truth = [sum(b[i] for b in per_batch) / len(per_batch) for i in range(len(fqns))]
+            max_n = min(len(h.get(f"{fqns[0]}|{fmt}", [])) for h in d["first_order_history"])
+
+            def estimate(r, n, clamp):
+                out = []
+                for f in fqns:
+                    layer = d["rounds"][r][f]
+                    values = [v / d["round_loss"][r] for v in d["first_order_history"][r][f"{f}|{fmt}"][:n]]
+                    values.append(layer["first_order"][fmt])
+                    value = sum(values) / len(values) + layer["second_order"][fmt]
+                    out.append(max(0.0, value) if clamp else value)
+                return out
+
+            for n in sorted({0, 1, 2, 4, 8, 16, max_n} - {m for m in (1, 2, 4, 8, 16) if m > max_n}):
+                lines.append(f"history {model} {fmt} {n} {spearman(estimate(0, n, True), truth):.3f} "
+                             f"{spearman(estimate(0, n, False), truth):.3f} "
+                             f"{spearman(estimate(0, n, True), estimate(1, n, True)):.3f}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small models, few batches (about 2 minutes)")
@@ -319,7 +346,13 @@ def main() -> None:
     parser.add_argument("--first-order-rows", type=int, default=SNIPConfig().first_order_rows,
                         help="token rows sampled per such batch (snip.first_order_rows)")
     parser.add_argument("--dump", help="write the raw per-layer values to this JSON file")
+    parser.add_argument("--history-study", metavar="DUMP",
+                        help="print the accumulated estimator's fidelity vs the number of sampled batches from a --dump file, and exit")
     args = parser.parse_args()
+    if args.history_study:
+        print("# history <model> <format> <sampled batches> <spearman_out clamped> <unclamped> <round_agreement clamped>")
+        print("\n".join(history_study(json.loads(Path(args.history_study).read_text()))))
+        return
     torch.set_num_threads(1)
     print(f"# machine: {platform.machine()} python {platform.python_version()} torch {torch.__version__}; "
           f"seed {args.seed}; default LD estimator {DEFAULT_ESTIMATOR.value}")

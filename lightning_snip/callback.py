@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -19,7 +20,8 @@ from typing_extensions import override
 from lightning_snip.aggregate import DivergenceAggregate
 from lightning_snip.config import SNIPConfig
 from lightning_snip.convert import apply_plan, convert_linears, glob_filter
-from lightning_snip.divergence import DivergenceResult, LayerDivergence, estimate_divergence, first_order_samples
+from lightning_snip.divergence import (DivergenceResult, FirstOrderTerms, LayerDivergence, LossEstimator,
+                                       estimate_divergence)
 from lightning_snip.formats import Format
 from lightning_snip.plan import Plan, SolveStatus
 from lightning_snip.planner import LayerCandidates, solve_plan
@@ -62,7 +64,8 @@ class SNIPCallback(Callback):
     returned by ``training_step(batch, batch_idx)``.
 
     Logged metrics (every Lightning logger; image and text to TensorBoard only):
-        ``snip/ld/<fqn>/<format>``: forward loss divergence (relative loss increase), per layer/format.
+        ``snip/ld/<fqn>/<format>``: forward loss divergence (relative loss increase) of the round,
+            per layer/format, before the clamp at 0 that planning applies.
         ``snip/wd/<fqn>/<format>``: backward weight divergence (relative update deviation).
         ``snip/stats_seconds``: wall time of the statistics round (statistics step).
         ``snip/solver_seconds``: ILP solve time (apply step).
@@ -99,6 +102,8 @@ class SNIPCallback(Callback):
         self._restored_pending: tuple[int, int] | None = None  # (stats_step, apply_step) from a checkpoint
         self._flops: dict[str, float] = {}
         self._sampler: FirstOrderSampler | None = None
+        self._first_order_terms: FirstOrderTerms | None = None
+        self._last_round_step: int | None = None  # one round per optimizer step (not per micro-batch)
         self._recording: contextlib.ExitStack | None = None
         # (fqn, format) -> first-order terms of the batches sampled since the last round.
         self._first_order_history: dict[tuple[str, Format], list[float]] = {}
@@ -125,7 +130,10 @@ class SNIPCallback(Callback):
         )
         # Relative FLOPs per step: every layer sees the same tokens, so 6 * m * k orders them.
         self._flops = {fqn: 6.0 * layer.in_features * layer.out_features for fqn, layer in self.layers.items()}
-        self._sampler = FirstOrderSampler(self.layers, cfg.first_order_rows)
+        self._first_order_terms = FirstOrderTerms(cfg.formats, recipe=cfg.recipe)
+        # Pinned layers never change format: their LD is never used, so they are not sampled.
+        self._sampler = FirstOrderSampler({fqn: layer for fqn, layer in self.layers.items() if layer.pinned is None},
+                                          cfg.first_order_rows, self._first_order_terms.add)
         if self.plan is not None:
             apply_plan(pl_module, self.plan)  # a given plan that does not fit the model fails here
         logger.info("SNIP: %d switchable layers, initial format %s", len(self.layers), cfg.initial_format)
@@ -148,17 +156,32 @@ class SNIPCallback(Callback):
         if self._pending is not None and step >= self._pending.apply_step:
             self._apply_pending(trainer, pl_module, step)
         if self._is_stats_step(step):
-            self._statistics_round(trainer, pl_module, batch, batch_idx, step)
+            if step != self._last_round_step:  # with gradient accumulation, the step's first micro-batch
+                self._last_round_step = step
+                self._statistics_round(trainer, pl_module, batch, batch_idx, step)
         elif self._is_first_order_step(step) and self._recording is None:
+            self._first_order_terms.grad_scale = _gradient_scale(trainer)
             self._recording = contextlib.ExitStack()
-            self._recording.enter_context(self._sampler.recording())
+            self._recording.enter_context(self._sampler.recording(offset=step))
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
+        self._stop_recording()
+        for key, values in self._first_order_terms.take().items():
+            self._first_order_history.setdefault(key, []).extend(values)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop_recording()  # no hooks left on the user's model
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop_recording()
+
+    def _stop_recording(self) -> None:
         if self._recording is not None:
             self._recording.close()
             self._recording = None
-            self._add_first_order_samples(trainer)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -184,6 +207,11 @@ class SNIPCallback(Callback):
         self.num_plans_applied = int(state_dict.get("num_plans_applied", 0))
         if state_dict.get("aggregate"):
             self.aggregate.load_state_dict(state_dict["aggregate"])
+        else:  # a checkpoint from before the aggregate existed: rebuild it from the rounds it kept
+            for entry in self.history:
+                layers = entry["divergence"]["layers"]
+                self.aggregate.update({metric: {fqn: d[metric] for fqn, d in layers.items()}
+                                       for metric in ("loss_divergence", "weight_divergence")})
         pending = state_dict.get("pending")
         self._restored_pending = (int(pending[0]), int(pending[1])) if pending else None
         self._first_order_history = {(fqn, Format(fmt)): [float(v) for v in values]
@@ -198,24 +226,11 @@ class SNIPCallback(Callback):
     def _is_first_order_step(self, step: int) -> bool:
         """Whether ``step`` is one of the ``first_order_steps`` steps before a statistics round."""
         cfg = self.config
-        if not cfg.replan or cfg.first_order_steps == 0:
+        if not cfg.replan or cfg.first_order_steps == 0 or LossEstimator(cfg.loss_estimator) is not LossEstimator.ACCUMULATED:
             return False
         next_round = cfg.warmup_steps if step < cfg.warmup_steps else (
             cfg.warmup_steps + ((step - cfg.warmup_steps) // cfg.interval + 1) * cfg.interval)
         return 1 <= next_round - step <= cfg.first_order_steps
-
-    def _add_first_order_samples(self, trainer) -> None:
-        try:
-            values = first_order_samples(
-                self._sampler.take(), {fqn: layer.weight for fqn, layer in self.layers.items()}, self.config.formats,
-                recipe=self.config.recipe, grad_scale=1.0 / trainer.accumulate_grad_batches,
-            )
-        except Exception as err:  # noqa: BLE001 - a failed sample must not take training down
-            logger.warning("SNIP first-order sample at step %d failed (%s: %s); the round uses the others",
-                           trainer.global_step, type(err).__name__, err)
-            return
-        for key, batch_values in values.items():
-            self._first_order_history.setdefault(key, []).extend(batch_values)
 
     def _statistics_round(self, trainer, pl_module, batch, batch_idx, step) -> None:
         cfg = self.config
@@ -234,6 +249,12 @@ class SNIPCallback(Callback):
                 )
             finally:
                 stats.release()
+            # Rounds and ranks are averaged before the clamp at 0 (in _candidates): clamping each one
+            # first would bias noisy layers upwards.
+            result = DivergenceResult(
+                layers={fqn: dataclasses.replace(d, loss_divergence=d.loss_divergence_as(cfg.loss_estimator, clamp=False))
+                        for fqn, d in result.layers.items()},
+                loss=result.loss, used_adam=result.used_adam)
         except Exception as err:  # noqa: BLE001 - a failed round must not take training down
             logger.warning("SNIP statistics at step %d failed (%s: %s); keeping the current plan", step, type(err).__name__, err)
         self._first_order_history = {}
@@ -348,10 +369,22 @@ def _round_generator(device: torch.device, step: int, rank: int) -> torch.Genera
     return torch.Generator(device=device).manual_seed(0x5A1B + 1_000_003 * step + rank)
 
 
+def _gradient_scale(trainer) -> float:
+    """The factor the gradients of a training step carry: 1 / accumulate_grad_batches (Lightning
+    divides the loss), times the loss scale of AMP's GradScaler (16-mixed)."""
+    scale = 1.0 / trainer.accumulate_grad_batches
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None and scaler.is_enabled():
+        scale *= float(scaler.get_scale())
+    return scale
+
+
 def _value(aggregated: dict, fqn: str, fmt: Format) -> float:
+    """The aggregated value; never below 0, the value of high precision (a negative estimate must
+    not make a format look better than bf16)."""
     if fmt is Format.BF16:
         return 0.0
-    return aggregated.get(fqn, {}).get(fmt.value, math.inf)
+    return max(0.0, aggregated.get(fqn, {}).get(fmt.value, math.inf))
 
 
 def _plan_agreement(plan: Plan, before: dict, layers) -> float:

@@ -10,7 +10,8 @@
     WD     = ( c_l^2 ||A_l * E_W||^2 + sum_k c_k^2 ||A_k * J_kl(E_X)||^2 ) / sum_k ||u_k||^2
 
 with A_k = 1/(sqrt(v_hat_k) + eps), c_k = lr (1 - beta1)/(1 - beta1^t) and u_k = lr m_hat_k A_k
-(AdamW's update) from the optimizer state, k over every trainable parameter upstream of l (embeddings
+(AdamW's update) from the optimizer state advanced by the statistics batch's own gradient (the next
+step's moments, AdamState.after), k over every trainable parameter upstream of l (embeddings
 and norms too). Without Adam moments A = 1, c = 1 and u = g (plain gradient errors). LD is normalized by the loss (a relative
 loss increase) so LD + lambda * WD adds two dimensionless numbers.
 
@@ -67,8 +68,10 @@ class LayerDivergence:
     abs_error_forward: Mapping[Format, float] = field(default_factory=dict)
     abs_error_wgrad: Mapping[Format, float] = field(default_factory=dict)
 
-    def loss_divergence_as(self, estimator: "LossEstimator") -> dict[Format, float]:
-        """LD of every format under ``estimator`` from this round's parts (see LossEstimator)."""
+    def loss_divergence_as(self, estimator: "LossEstimator", *, clamp: bool = True) -> dict[Format, float]:
+        """LD of every format under ``estimator`` from this round's parts (see LossEstimator).
+        ``clamp=False`` keeps negative values: averages over rounds or ranks must be taken before
+        the clamp, which would otherwise bias noisy layers upwards."""
         estimator = LossEstimator(estimator)
         out = {}
         for fmt, ld in self.loss_divergence.items():
@@ -82,7 +85,7 @@ class LayerDivergence:
                 first_weight_momentum_stderr=self.first_weight_momentum_stderr.get(fmt, math.inf),
                 first_accumulated=self.first_accumulated.get(fmt),
                 first_accumulated_stderr=self.first_accumulated_stderr.get(fmt, math.inf),
-                second=self.second_order[fmt])
+                second=self.second_order[fmt], clamp=clamp)
         return out
 
 
@@ -172,7 +175,7 @@ def _shrink(value: float, stderr: float) -> float:
 def _combine_loss_divergence(estimator: LossEstimator, *, first: float, first_stderr: float, first_activation: float,
                              first_activation_stderr: float, first_weight_momentum: float | None,
                              first_weight_momentum_stderr: float, first_accumulated: float | None = None,
-                             first_accumulated_stderr: float = math.inf, second: float) -> float:
+                             first_accumulated_stderr: float = math.inf, second: float, clamp: bool = True) -> float:
     if estimator is LossEstimator.BATCH:
         value = first + second
     elif estimator is LossEstimator.SECOND_ORDER:
@@ -184,7 +187,7 @@ def _combine_loss_divergence(estimator: LossEstimator, *, first: float, first_st
     else:
         value = (_shrink(first_weight_momentum, first_weight_momentum_stderr)
                  + _shrink(first_activation, first_activation_stderr) + second)
-    return max(0.0, value)
+    return max(0.0, value) if clamp else value
 
 
 def estimate_divergence(
@@ -212,7 +215,7 @@ def estimate_divergence(
         loss_estimator: how LD combines its terms (see LossEstimator); every part is kept in the
             result, so ``LayerDivergence.loss_divergence_as`` gives the others from the same round.
         first_order_history: (fqn, format) -> the first-order terms of other batches (from
-            ``first_order_samples``), averaged with this round's for the ACCUMULATED estimator.
+            ``FirstOrderTerms``), averaged with this round's for the ACCUMULATED estimator.
         allowed: fqn -> formats the layer supports; others get +inf (never chosen).
 
     A layer whose sample holds NaN/Inf, or whose metric comes out non-finite, gets +inf for its
@@ -245,9 +248,13 @@ def estimate_divergence(
     if not used_adam and not _warned_no_adam:
         logger.warning("weight divergence: optimizer keeps no Adam moments for every parameter; using plain gradient errors (A = 1)")
         _warned_no_adam = True
-    gain = {name: _adam_scale(stats.param_adam.get(name), used_adam) for name in stats.param_grads}
+    # WD perturbs the next AdamW step, the one that takes this batch's gradient: its moments include
+    # that gradient (SNIP_METHOD section 5 reads them before it; measured, that let one batch with
+    # unusually large gradients dominate a round: WD's two-round agreement fell to 0.16-0.36).
+    next_adam = {name: a.after(stats.param_grads.get(name)) for name, a in stats.param_adam.items() if a is not None}
+    gain = {name: _adam_scale(next_adam.get(name), used_adam) for name in stats.param_grads}
     if used_adam:  # relative to the size of AdamW's actual update
-        denominator = sum(float(a.update().pow(2).sum()) for a in stats.param_adam.values())
+        denominator = sum(float(a.update().pow(2).sum()) for a in next_adam.values())
     else:
         denominator = sum(float(g.float().pow(2).sum()) for g in stats.param_grads.values())
     round_inputs = _RoundInputs(
@@ -281,32 +288,36 @@ class _RoundInputs:
     first_order_history: Mapping[tuple[str, Format], list[float]]
 
 
-def first_order_samples(
-    records: Mapping[str, list[tuple[torch.Tensor, torch.Tensor, int]]],
-    weights: Mapping[str, torch.Tensor],
-    formats: Iterable[Format],
-    *,
-    recipe: QuantRecipe = QuantRecipe(),
-    grad_scale: float = 1.0,
-) -> dict[tuple[str, Format], list[float]]:
-    """The first-order term <G, dY> of each recorded batch (FirstOrderSampler), per (fqn, format).
+class FirstOrderTerms:
+    """LD's first-order term <G, dY> of sampled training batches, per (fqn, format): the evidence of
+    the ACCUMULATED estimator. Its ``add`` is a FirstOrderSampler's ``measure``.
 
-    A record holds the first rows of a batch of ``total_rows`` rows; the sum over them is scaled by
-    total_rows / rows, an unbiased estimate of the whole batch's term when rows are exchangeable.
-    ``grad_scale`` divides out a factor the recorded gradients carry (e.g. 1/accumulate_grad_batches).
+    A sample holds ``rows`` of a batch of ``total_rows`` rows; the sum over them is scaled by
+    total_rows / rows, an estimate of the whole batch's term. ``grad_scale`` is divided out of the
+    recorded gradients (1 / accumulate_grad_batches, times an AMP loss scale). A non-finite sample
+    (an overflowing fp16 step) is dropped.
     """
-    formats = [f for f in dict.fromkeys(formats) if f is not Format.BF16]
-    out: dict[tuple[str, Format], list[float]] = {}
-    with torch.no_grad():
-        for fqn, batches in records.items():
-            w = weights[fqn].detach().float()
-            for x, g, total_rows in batches:
-                y = x @ w.t()
-                for fmt in formats:
-                    dy = quantized_matmul(x, w, fmt, recipe=recipe) - y
-                    value = float((g * dy).sum()) * total_rows / x.shape[0] / grad_scale
-                    out.setdefault((fqn, fmt), []).append(value)
-    return out
+
+    def __init__(self, formats: Iterable[Format], *, recipe: QuantRecipe = QuantRecipe()) -> None:
+        self.formats = [f for f in dict.fromkeys(formats) if f is not Format.BF16]
+        self.recipe = recipe
+        self.grad_scale = 1.0
+        self.values: dict[tuple[str, Format], list[float]] = {}
+
+    def add(self, fqn: str, x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, total_rows: int) -> None:
+        with torch.no_grad():
+            w = weight.float()
+            y = x @ w.t()
+            for fmt in self.formats:
+                dy = quantized_matmul(x, w, fmt, recipe=self.recipe) - y
+                value = float((g * dy).sum()) * total_rows / x.shape[0] / self.grad_scale
+                if math.isfinite(value):
+                    self.values.setdefault((fqn, fmt), []).append(value)
+
+    def take(self) -> dict[tuple[str, Format], list[float]]:
+        """The values collected so far, and a fresh start."""
+        values, self.values = self.values, {}
+        return values
 
 
 def _invalid(formats) -> LayerDivergence:
@@ -368,7 +379,8 @@ def _layer_divergence(r: _RoundInputs, s: LayerStats, y, fmts, kappa) -> LayerDi
         first_mom_se = math.inf if m_var is None else math.sqrt(float((m_var * dw_fwd.pow(2)).sum()))
         second = r.second_order[s.fqn, fmt]
         # This batch and the sampled batches before the round: independent draws of the first-order term.
-        batch_values = [*r.first_order_history.get((s.fqn, fmt), ()), first]
+        history = r.first_order_history.get((s.fqn, fmt), ())
+        batch_values = [*history, first]
         first_acc = sum(batch_values) / len(batch_values)
         first_acc_se = (math.sqrt(sum((v - first_acc) ** 2 for v in batch_values) / (len(batch_values) - 1) / len(batch_values))
                         if len(batch_values) > 1 else first_se)
@@ -382,7 +394,7 @@ def _layer_divergence(r: _RoundInputs, s: LayerStats, y, fmts, kappa) -> LayerDi
             r.loss_estimator, first=first / norm, first_stderr=first_se / norm, first_activation=first_x / norm,
             first_activation_stderr=first_x_se / norm,
             first_weight_momentum=None if first_mom is None else first_mom / norm,
-            first_weight_momentum_stderr=first_mom_se / norm, first_accumulated=first_acc / norm,
+            first_weight_momentum_stderr=first_mom_se / norm, first_accumulated=first_acc / norm if history else None,
             first_accumulated_stderr=first_acc_se / norm, second=second / norm)
         wd = (direct + propagated) / r.denominator
         if not (math.isfinite(ld) and math.isfinite(wd)):
@@ -394,7 +406,8 @@ def _layer_divergence(r: _RoundInputs, s: LayerStats, y, fmts, kappa) -> LayerDi
         metrics["first_se"][fmt], metrics["first_x_se"][fmt] = first_se / norm, first_x_se / norm
         if first_mom is not None:
             metrics["first_mom"][fmt], metrics["first_mom_se"][fmt] = first_mom / norm, first_mom_se / norm
-        metrics["first_acc"][fmt], metrics["first_acc_se"][fmt] = first_acc / norm, first_acc_se / norm
+        if history:
+            metrics["first_acc"][fmt], metrics["first_acc_se"][fmt] = first_acc / norm, first_acc_se / norm
         metrics["direct"][fmt], metrics["prop"][fmt] = direct / r.denominator, propagated / r.denominator
         metrics["rel_y"][fmt] = float(dy.norm() / y.norm().clamp_min(1e-30))
         metrics["rel_w"][fmt] = float(e_w.norm() / gw_ref.norm().clamp_min(1e-30))

@@ -9,6 +9,7 @@ error propagated upstream) and noise-injected passes (the curvature) on the same
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -45,6 +46,22 @@ class AdamState:
     def update(self) -> torch.Tensor:
         """AdamW's step (without weight decay): lr * m_hat / (sqrt(v_hat) + eps)."""
         return self.lr * self.exp_avg.float() / (1 - self.beta1**self.step) * self.preconditioner()
+
+    def after(self, grad: torch.Tensor | None) -> "AdamState":
+        """The state after one more step with gradient ``grad`` (None: unchanged moments, step + 1).
+
+        The update that a gradient error perturbs is the *next* one, whose moments already hold the
+        step's own gradient: v grows with an unusually large gradient, which damps both the update's
+        sensitivity and (through m) enlarges the update the deviation is measured against."""
+        if grad is None:
+            return dataclasses.replace(self, step=self.step + 1)
+        g = grad.float()
+        return dataclasses.replace(
+            self,
+            exp_avg=self.beta1 * self.exp_avg.float() + (1 - self.beta1) * g,
+            exp_avg_sq=self.beta2 * self.exp_avg_sq.float() + (1 - self.beta2) * g * g,
+            step=self.step + 1,
+        )
 
     def gradient_gain(self) -> float:
         """lr * (1 - beta1) / (1 - beta1^t): how much of a gradient change reaches this step's update."""
@@ -251,47 +268,48 @@ def _map_tensors(batch, fn):
 
 
 class FirstOrderSampler:
-    """Records, during ordinary training steps, each layer's input rows X and output-gradient rows G
-    (``max_rows`` token rows spread evenly over the step's batch), so the first-order term <G, dY> of the
-    loss divergence can be averaged over many batches instead of one (lightning_snip.divergence).
+    """Hooks on ordinary training steps that hand each layer's input rows X and output-gradient rows G
+    (``max_rows`` token rows spread over the step's batch) to ``measure`` while the backward pass
+    runs, so LD's first-order term <G, dY> can be averaged over many batches instead of one
+    (lightning_snip.divergence.FirstOrderTerms). ``measure(fqn, x, g, weight, total_rows)`` sees the
+    weight the forward pass used: the optimizer has not stepped yet.
 
-    Use as ``with sampler.recording(): <one training step's forward and backward>``; then
-    ``take()`` returns and clears what was recorded: fqn -> list of (x, g, total_rows).
-    The step runs in the layers' current formats: G is the gradient at the point training is at.
+    Use as ``with sampler.recording(offset): <one training step's forward and backward>``. The step
+    runs in the layers' current formats: G is the gradient at the point training is at.
     """
 
-    def __init__(self, layers: Mapping[str, SNIPLinear], max_rows: int) -> None:
+    def __init__(self, layers: Mapping[str, SNIPLinear], max_rows: int,
+                 measure: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor, int], None]) -> None:
         self.layers = layers
         self.max_rows = max_rows
-        self._records: dict[str, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
+        self.measure = measure
 
     @contextlib.contextmanager
-    def recording(self):
-        handles = [layer.register_forward_hook(self._make_hook(fqn)) for fqn, layer in self.layers.items()]
+    def recording(self, offset: int = 0):
+        """Hooks for the steps inside the block. ``offset`` shifts the rows sampled (a stride's phase),
+        so successive steps sample all token positions, not every stride-th one alone."""
+        handles = [layer.register_forward_hook(self._make_hook(fqn, offset)) for fqn, layer in self.layers.items()]
         try:
             yield self
         finally:
             for handle in handles:
                 handle.remove()
 
-    def _make_hook(self, fqn: str):
+    def _make_hook(self, fqn: str, offset: int):
         def hook(module, args, output):
             if not (torch.is_grad_enabled() and output.requires_grad):
                 return None
             x = args[0].detach().reshape(-1, module.in_features)
-            # Rows spread evenly over the batch (more sequences, less correlated than whole ones).
-            stride = max(1, x.shape[0] // self.max_rows)
-            sampled_x = x[::stride][: self.max_rows].float().clone()
+            total_rows = x.shape[0]
+            stride = max(1, -(-total_rows // self.max_rows))  # ceil: the samples cover the whole batch
+            rows = slice(offset % stride, None, stride)
+            sampled_x = x[rows].float().clone()
 
             def grad_hook(grad):
-                g = grad.detach().reshape(-1, module.out_features)[::stride][: self.max_rows].float().clone()
-                self._records.setdefault(fqn, []).append((sampled_x, g, x.shape[0]))
+                g = grad.detach().reshape(-1, module.out_features)[rows].float()
+                self.measure(fqn, sampled_x, g, module.weight.detach(), total_rows)
 
             output.register_hook(grad_hook)
             return None
 
         return hook
-
-    def take(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor, int]]]:
-        records, self._records = self._records, {}
-        return records

@@ -240,7 +240,7 @@ def test_plans_are_solved_on_the_aggregate_over_rounds(tmp_path):
     # The applied plan is the ILP's answer on the aggregate, not on the last round.
     ld, wd = snip.aggregate.values("loss_divergence"), snip.aggregate.values("weight_divergence")
     cands = [LayerCandidates(fqn=f, flops=6.0 * l.in_features * l.out_features, pinned=l.pinned,
-                             loss_divergence={Format(k): v for k, v in ld[f].items() if k in ("fp8", "mxfp4")},
+                             loss_divergence={Format(k): max(0.0, v) for k, v in ld[f].items() if k in ("fp8", "mxfp4")},
                              weight_divergence={Format(k): v for k, v in wd[f].items() if k in ("fp8", "mxfp4")})
              for f, l in snip.layers.items()]
     expected_plan = solve_plan(cands, fp4_fraction=0.6)
@@ -288,3 +288,60 @@ def test_resumed_run_plans_exactly_as_the_uninterrupted_run(tmp_path, save_step)
         for fqn in a:
             for fmt in a[fqn]:
                 assert b[fqn][fmt] == pytest.approx(a[fqn][fmt], rel=1e-5, abs=1e-12), (metric, fqn, fmt)
+
+
+def test_first_order_terms_are_sampled_in_the_window_before_each_round(tmp_path, monkeypatch):
+    import lightning_snip.callback as cb
+
+    seen = []
+    real = cb.estimate_divergence
+
+    def spy(*a, **k):
+        seen.append({key: list(values) for key, values in k["first_order_history"].items()})
+        return real(*a, **k)
+
+    monkeypatch.setattr(cb, "estimate_divergence", spy)
+    snip = SNIPCallback(_snip(first_order_steps=2, first_order_rows=16))  # rounds at 2, 6: windows 0-1, 4-5
+    _fit(tmp_path, snip, max_steps=8)
+    unpinned = {f for f, l in snip.layers.items() if l.pinned is None}
+    assert len(seen) == 2
+    for history in seen:
+        assert {fqn for fqn, _ in history} == unpinned  # the pinned lm_head is never sampled
+        assert {fmt for _, fmt in history} == {Format.FP8, Format.MXFP4}
+        assert all(len(values) == 2 for values in history.values())  # two steps, reset after each round
+    assert snip._first_order_history == {}
+
+
+def test_gradient_accumulation_runs_one_round_per_step_and_samples_every_micro_batch(tmp_path, monkeypatch):
+    import lightning_snip.callback as cb
+
+    seen = []
+    real = cb.estimate_divergence
+
+    def spy(*a, **k):
+        seen.append(k["first_order_history"])
+        return real(*a, **k)
+
+    monkeypatch.setattr(cb, "estimate_divergence", spy)
+    snip = SNIPCallback(_snip(first_order_steps=2, first_order_rows=16))
+    _fit(tmp_path, snip, max_steps=4, accumulate_grad_batches=2)  # round at step 2 only
+    assert snip.num_stats_rounds == 1 and snip.aggregate.num_rounds == 1
+    assert all(len(values) == 4 for values in seen[0].values())  # 2 steps x 2 micro-batches
+
+
+def test_failing_training_step_leaves_no_hooks(tmp_path):
+    class Failing(DemoLM):
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 1:
+                raise RuntimeError("injected step failure")
+            return super().training_step(batch, batch_idx)
+
+    snip = SNIPCallback(_snip(first_order_steps=2))
+    pl.seed_everything(0)
+    module = Failing(SMALL)
+    trainer = pl.Trainer(max_steps=4, logger=False, callbacks=[snip], enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, accelerator="cpu",
+                         default_root_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="injected step failure"):
+        trainer.fit(module, datamodule=ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1))
+    assert all(not layer._forward_hooks for layer in snip.layers.values())

@@ -1,3 +1,4 @@
+import copy
 import logging
 import math
 
@@ -167,42 +168,64 @@ def test_result_round_trip_and_slice_batch():
 
 
 def test_first_order_sampler_matches_autograd_inner_product():
-    # A training step's G (gradient of the mean loss w.r.t. the layer output) and X, sampled on the
-    # first rows and scaled to the whole batch, against an independent autograd computation.
-    from lightning_snip.divergence import first_order_samples
+    # A training step's G (gradient of the mean loss w.r.t. the layer output) and X, sampled on
+    # strided rows and scaled to the whole batch, against an independent autograd computation, with
+    # the weight the forward pass used (the optimizer steps before the values are read).
+    from lightning_snip.divergence import FirstOrderTerms
     from lightning_snip.stats import FirstOrderSampler
 
     torch.manual_seed(0)
     model = TwoLayer()
     layers = convert_linears(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     x, target = torch.randn(4, 16, 64), torch.randn(4, 16, 64)
-    sampler = FirstOrderSampler(layers, max_rows=64)  # the whole batch: exact, no scaling
-    with sampler.recording():
-        nn.functional.mse_loss(model(x), target).backward()
-    records = sampler.take()
-    assert sampler.take() == {}  # take() clears
-    assert not layers["first"]._forward_hooks  # hooks removed after the step
-    values = first_order_samples(records, {f: l.weight for f, l in layers.items()}, [Format.MXFP4])
+    w = model.second.weight.detach().clone()
     h = torch.tanh(model.first(x)).detach().requires_grad_()
     y = model.second(h)
     y.retain_grad()
     nn.functional.mse_loss(y, target).backward()
-    w = model.second.weight.detach()
-    hx = h.detach().reshape(-1, 64)
+    model.zero_grad()
+    hx, gy = h.detach().reshape(-1, 64), y.grad.reshape(-1, 64)
     dy = quantized_matmul(hx, w, Format.MXFP4, recipe=QuantRecipe()) - hx @ w.t()
-    expected = float((y.grad.reshape(-1, 64) * dy).sum())
-    assert values["second", Format.MXFP4] == [pytest.approx(expected, rel=1e-4)]
-    # Half the rows, scaled by 2: an estimate of the same term with the right scale.
-    half = FirstOrderSampler(layers, max_rows=32)
-    with half.recording():
-        nn.functional.mse_loss(model(x), target).backward()
-    partial = first_order_samples(half.take(), {f: l.weight for f, l in layers.items()}, [Format.MXFP4])
-    every_other_row = float((y.grad.reshape(-1, 64)[::2] * dy[::2]).sum())
-    assert partial["second", Format.MXFP4] == [pytest.approx(2 * every_other_row, rel=1e-4)]
-    # No recording outside a training step with gradients.
-    with sampler.recording(), torch.no_grad():
+
+    def sampled_step(max_rows, offset, grad_scale=1.0, loss_factor=1.0):
+        terms = FirstOrderTerms([Format.MXFP4])
+        terms.grad_scale = grad_scale
+        sampler = FirstOrderSampler(layers, max_rows, terms.add)
+        state = copy.deepcopy(model.state_dict())
+        with sampler.recording(offset=offset):
+            (loss_factor * nn.functional.mse_loss(model(x), target)).backward()
+        opt.step()  # moves the weights before the values are read
+        opt.zero_grad()
+        model.load_state_dict(state)
+        assert not layers["second"]._forward_hooks  # hooks removed after the step
+        values = terms.take()
+        assert terms.take() == {}  # take() clears
+        return values["second", Format.MXFP4]
+
+    exact = float((gy * dy).sum())
+    assert sampled_step(64, 0) == [pytest.approx(exact, rel=1e-4)]  # the whole batch: no scaling
+    # Every other row, phase 1, scaled by 2: an estimate of the same term with the right scale.
+    assert sampled_step(32, 1) == [pytest.approx(2 * float((gy[1::2] * dy[1::2]).sum()), rel=1e-4)]
+    # Gradients that carry a factor (accumulation, a loss scale) are divided by it.
+    assert sampled_step(64, 0, grad_scale=0.25, loss_factor=0.25) == [pytest.approx(exact, rel=1e-4)]
+    # Nothing is recorded outside a step with gradients.
+    terms = FirstOrderTerms([Format.MXFP4])
+    with FirstOrderSampler(layers, 64, terms.add).recording(), torch.no_grad():
         model(x)
-    assert sampler.take() == {}
+    assert terms.take() == {}
+
+
+def test_accumulated_without_history_is_the_shrunk_estimate():
+    from lightning_snip.divergence import LossEstimator
+
+    model, layers, opt, loss_fn, _ = _setup()
+    stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
+    result = estimate_divergence(stats, [Format.MXFP4], loss_estimator=LossEstimator.ACCUMULATED)
+    stats.release()
+    for d in result.layers.values():
+        assert d.loss_divergence == d.loss_divergence_as(LossEstimator.SHRUNK)
+        assert Format.MXFP4 not in d.first_accumulated
 
 
 class _Parallel(nn.Module):
@@ -239,7 +262,7 @@ class _Parallel(nn.Module):
 
 def test_estimate_ranks_the_expected_loss_increase_not_one_batch():
     from lightning_snip.config import SNIPConfig
-    from lightning_snip.divergence import LossEstimator, first_order_samples
+    from lightning_snip.divergence import FirstOrderTerms, LossEstimator
     from lightning_snip.stats import FirstOrderSampler
 
     torch.manual_seed(0)
@@ -248,18 +271,16 @@ def test_estimate_ranks_the_expected_loss_increase_not_one_batch():
     cfg = SNIPConfig()
     default = LossEstimator(cfg.loss_estimator)
     generator = torch.Generator().manual_seed(1)
-    sampler = FirstOrderSampler(layers, max_rows=128)
+    terms = FirstOrderTerms([Format.MXFP4])
+    sampler = FirstOrderSampler(layers, 128, terms.add)
     firsts = {est: 0 for est in (default, LossEstimator.BATCH)}
     num_rounds = 6
     for trial in range(num_rounds):
-        history: dict = {}
-        for _ in range(32):  # the training steps before a round (snip.first_order_steps)
-            with sampler.recording():
+        for step in range(32):  # the training steps before a round (snip.first_order_steps)
+            with sampler.recording(offset=step):
                 model.loss(model.batch(generator)).backward()
             model.zero_grad()
-            for key, values in first_order_samples(sampler.take(), {f: l.weight for f, l in layers.items()},
-                                                   [Format.MXFP4]).items():
-                history.setdefault(key, []).extend(values)
+        history = terms.take()
         batch = model.batch(generator)
         stats = collect_stats(model, lambda: model.loss(batch), layers=layers)
         result = estimate_divergence(stats, [Format.MXFP4], noise_draws=2, first_order_history=history,
