@@ -37,8 +37,8 @@ class SNIPConfig:
         pins: fqn glob -> format kept fixed (the LM head in bf16 by default).
         max_rows: token rows in a statistics round (bounds its memory and time).
         noise_draws / noise_scale: curvature probes of the loss divergence.
-        loss_estimator: how LD combines its first- and second-order terms (batch | second_order |
-            shrunk | momentum; lightning_snip.divergence.LossEstimator).
+        loss_estimator: how LD combines its first- and second-order terms (accumulated | batch |
+            second_order | shrunk | momentum; lightning_snip.divergence.LossEstimator).
         first_order_steps: training steps before each statistics round whose batches also sample LD's
             first-order term (the ``accumulated`` estimator averages them with the round's own); at
             most the interval - 1 steps since the previous round.
@@ -80,10 +80,10 @@ class SNIPConfig:
     def __post_init__(self) -> None:
         for name in ("interval", "max_rows", "first_order_rows"):
             value = getattr(self, name)
-            _check(isinstance(value, int) and value > 0, f"snip.{name}", value, "an integer > 0")
+            _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, f"snip.{name}", value, "an integer > 0")
         for name in ("warmup_steps", "apply_delay", "noise_draws", "first_order_steps"):
             value = getattr(self, name)
-            _check(isinstance(value, int) and value >= 0, f"snip.{name}", value, "an integer >= 0")
+            _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, f"snip.{name}", value, "an integer >= 0")
         _check(self.apply_delay < self.interval, "snip.apply_delay", self.apply_delay, f"an integer < snip.interval ({self.interval})")
         if (self.fp4_fraction is None) == (self.cost_budget is None):
             raise ValueError(

@@ -150,6 +150,10 @@ def test_slow_solver_thread_never_blocks_exit(tmp_path, monkeypatch):
         ({"candidate_formats": ("fp8", "int4")}, "snip.candidate_formats"),
         ({"fp8_scaling": "blockwise"}, "snip.fp8_scaling"),
         ({"fp4_fraction": None}, "snip.fp4_fraction / snip.cost_budget"),
+        ({"loss_estimator": "median"}, "snip.loss_estimator"),
+        ({"aggregate_decay": 1.0}, "snip.aggregate_decay"),
+        ({"first_order_rows": 0}, "snip.first_order_rows"),
+        ({"first_order_steps": True}, "snip.first_order_steps"),
     ],
 )
 def test_invalid_config_names_the_field(kw, field):
