@@ -52,13 +52,16 @@ class SNIPCallback(Callback):
     On fit setup the selected ``nn.Linear`` layers become SNIPLinear (same Parameters) in
     ``config.initial_format``, pinned layers in their pin. Every ``interval`` steps from
     ``warmup_steps`` on, a statistics round runs on the first ``max_rows`` token rows of the batch
-    (high precision, see lightning_snip.stats), its divergences are averaged over data-parallel ranks,
-    and folded into an exponential moving average over rounds (``aggregate_decay``; see
+    (high precision, see lightning_snip.stats). In the ``first_order_steps`` training steps before
+    it, hooks sample LD's first-order term on the live steps (FirstOrderSampler, ``first_order_rows``
+    rows each), which the ``accumulated`` estimator averages with the round's own. The round's
+    divergences are averaged over data-parallel ranks (unclamped), and folded into an exponential moving average over rounds (``aggregate_decay``; see
     lightning_snip.aggregate), and rank 0 solves the ILP on that aggregate in a background thread.
     ``apply_delay`` steps later rank 0 joins the thread, broadcasts the plan, and every rank applies it
     before that step's forward pass. A failed statistics round or solve logs a warning and training
-    continues on the last good plan. The aggregate, and a solve still pending, are part of the
-    checkpoint: a resumed run plans exactly as the uninterrupted one.
+    continues on the last good plan. The aggregate, the first-order samples since the last round and a
+    solve still pending are part of the checkpoint: a resumed run plans exactly as the uninterrupted
+    one (given the same data and deterministic GEMMs).
 
     The statistics loss is ``pl_module.snip_loss(batch)`` if the module defines it, else the loss
     returned by ``training_step(batch, batch_idx)``.
