@@ -149,8 +149,9 @@ class LossEstimator(enum.Enum):
     MOMENTUM: the weight part of F taken in expectation, <m_hat, Q(W) - W> with AdamW's first moment
         m_hat (a running mean of recent batches' gradients), shrunk by its own noise (per element
         Var(m_hat) = (v_hat - m_hat^2) (1 - b1)(1 - b1^2t) / ((1 + b1)(1 - b1^t)^2), the variance of an
-        EMA of independent gradients), + the activation part of F shrunk as in SHRUNK, + S. Without
-        Adam moments it falls back to SHRUNK.
+        EMA of independent gradients; a diagonal approximation: the covariance between elements is
+        ignored), + the activation part of F shrunk as in SHRUNK, + S. Without Adam moments it falls
+        back to SHRUNK.
     ACCUMULATED: F averaged over the statistics batch and the batches of the training steps before
         the round (FirstOrderSampler), + S: an unbiased estimate of the expected increase, whose
         noise falls like 1/sqrt(batches). (Shrinking that mean by its standard error ranked worse

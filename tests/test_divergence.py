@@ -292,3 +292,16 @@ def test_estimate_ranks_the_expected_loss_increase_not_one_batch():
             firsts[est] += max(ld, key=ld.get) == "layers.2"
     assert firsts[default] == num_rounds, firsts
     assert firsts[LossEstimator.BATCH] <= num_rounds // 2, firsts
+
+
+def test_first_order_standard_error_is_over_samples_not_rows():
+    from lightning_snip.divergence import _sum_and_stderr
+
+    # 4 samples of 2 rows each; per-sample sums 1, 2, 3, 4: total 10, Var(sum) = 4 * var(1, 2, 3, 4).
+    per_row = torch.tensor([0.5, 0.5, 1.5, 0.5, 1.0, 2.0, 4.0, 0.0])
+    total, stderr = _sum_and_stderr(per_row, num_samples=4)
+    assert total == pytest.approx(10.0)
+    assert stderr == pytest.approx(math.sqrt(4 * torch.tensor([1.0, 2.0, 3.0, 4.0]).var().item()))
+    # Rows that do not split into the samples are treated as independent units; one unit has no spread.
+    assert _sum_and_stderr(per_row, num_samples=3)[1] == pytest.approx(math.sqrt(8 * per_row.var().item()))
+    assert _sum_and_stderr(torch.tensor([2.0]), num_samples=1) == (2.0, math.inf)
