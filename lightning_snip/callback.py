@@ -212,9 +212,7 @@ class SNIPCallback(Callback):
             self.aggregate.load_state_dict(state_dict["aggregate"])
         else:  # a checkpoint from before the aggregate existed: rebuild it from the rounds it kept
             for entry in self.history:
-                layers = entry["divergence"]["layers"]
-                self.aggregate.update({metric: {fqn: d[metric] for fqn, d in layers.items()}
-                                       for metric in ("loss_divergence", "weight_divergence")})
+                self._fold_into_aggregate(entry["divergence"])
         pending = state_dict.get("pending")
         self._restored_pending = (int(pending[0]), int(pending[1])) if pending else None
         self._first_order_history = {(fqn, Format(fmt)): [float(v) for v in values]
@@ -269,11 +267,14 @@ class SNIPCallback(Callback):
             return
         log_to_loggers(trainer.loggers, step, {**divergence_scalars(result), "snip/stats_seconds": seconds})
         self.history.append({"step": step, "divergence": result.as_dict()})
-        self.aggregate.update({
-            "loss_divergence": {fqn: {f.value: v for f, v in d.loss_divergence.items()} for fqn, d in result.layers.items()},
-            "weight_divergence": {fqn: {f.value: v for f, v in d.weight_divergence.items()} for fqn, d in result.layers.items()},
-        })
+        self._fold_into_aggregate(self.history[-1]["divergence"])
         self._start_solve(trainer, step, step + self.config.apply_delay)
+
+    def _fold_into_aggregate(self, divergence: dict) -> None:
+        """One round, as ``DivergenceResult.as_dict()`` keeps it in ``history``, into the aggregate."""
+        layers = divergence["layers"]
+        self.aggregate.update({metric: {fqn: d[metric] for fqn, d in layers.items()}
+                               for metric in ("loss_divergence", "weight_divergence")})
 
     def _start_solve(self, trainer, stats_step: int, apply_step: int) -> None:
         """Rank 0 solves the plan on the current aggregate in a background thread."""

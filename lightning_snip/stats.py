@@ -303,7 +303,8 @@ class FirstOrderSampler:
             total_rows = x.shape[0]
             stride = max(1, -(-total_rows // self.max_rows))  # ceil: the samples cover the whole batch
             rows = slice(offset % stride, None, stride)
-            sampled_x = x[rows].float().clone()
+            # No copy: autograd keeps X unmodified until this backward (the linear saved it).
+            sampled_x = x[rows].float()
 
             def grad_hook(grad):
                 g = grad.detach().reshape(-1, module.out_features)[rows].float()

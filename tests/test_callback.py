@@ -22,10 +22,10 @@ def _snip(**kw):
     return SNIPConfig(**{**base, **kw})
 
 
-def _fit(tmp_path, snip, max_steps=8, ckpt_path=None, callbacks=(), **trainer_kw):
+def _fit(tmp_path, snip, max_steps=8, ckpt_path=None, callbacks=(), module=None, datamodule=None, **trainer_kw):
     pl.seed_everything(0)
-    module = DemoLM(SMALL)
-    data = ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1)
+    module = module if module is not None else DemoLM(SMALL)
+    data = datamodule if datamodule is not None else ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1)
     trainer = pl.Trainer(
         max_steps=max_steps, default_root_dir=tmp_path, logger=pl.loggers.TensorBoardLogger(tmp_path, name="tb"),
         callbacks=[snip, *callbacks], enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -208,17 +208,6 @@ class _FixedBatches(pl.LightningDataModule):
         return torch.utils.data.DataLoader(self.data, batch_size=self.batch_size)
 
 
-def _fit_fixed(tmp_path, snip, max_steps, ckpt_path=None, callbacks=()):
-    pl.seed_everything(0)
-    trainer = pl.Trainer(
-        max_steps=max_steps, default_root_dir=tmp_path, logger=False, callbacks=[snip, *callbacks],
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(callbacks),
-        accelerator="cpu",
-    )
-    trainer.fit(DemoLM(SMALL), datamodule=_FixedBatches(), ckpt_path=ckpt_path)
-    return trainer
-
-
 class _PlanRecorder(pl.Callback):
     def __init__(self, snip):
         self.snip, self.plans = snip, {}
@@ -272,15 +261,16 @@ def test_resumed_run_plans_exactly_as_the_uninterrupted_run(tmp_path, save_step)
                fp4_grad_rounding="nearest")  # deterministic GEMMs: the runs differ only by the resume
     full = SNIPCallback(_snip(**cfg))
     full_plans = _PlanRecorder(full)
-    _fit_fixed(tmp_path / "full", full, max_steps=16, callbacks=[full_plans])
+    _fit(tmp_path / "full", full, max_steps=16, callbacks=[full_plans], datamodule=_FixedBatches(), enable_checkpointing=False)
 
     first = SNIPCallback(_snip(**cfg))
     ckpt_cb = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=save_step, save_top_k=-1)
-    _fit_fixed(tmp_path / "first", first, max_steps=save_step, callbacks=[ckpt_cb])
+    _fit(tmp_path / "first", first, max_steps=save_step, callbacks=[ckpt_cb], datamodule=_FixedBatches())
     ckpt = glob.glob(str(tmp_path / "ckpt" / "*.ckpt"))[0]
     resumed = SNIPCallback(_snip(**cfg))
     resumed_plans = _PlanRecorder(resumed)
-    _fit_fixed(tmp_path / "resumed", resumed, max_steps=16, ckpt_path=ckpt, callbacks=[resumed_plans])
+    _fit(tmp_path / "resumed", resumed, max_steps=16, ckpt_path=ckpt, callbacks=[resumed_plans], datamodule=_FixedBatches(),
+         enable_checkpointing=False)
 
     assert full.num_plans_applied == 3 and resumed.num_plans_applied == 3  # rounds at 2, 6, 10, 14; applied at 4, 8, 12
     assert set(resumed_plans.plans) == set(range(save_step + 1, 17))  # global_step after each step
@@ -341,11 +331,6 @@ def test_failing_training_step_leaves_no_hooks(tmp_path):
             return super().training_step(batch, batch_idx)
 
     snip = SNIPCallback(_snip(first_order_steps=2))
-    pl.seed_everything(0)
-    module = Failing(SMALL)
-    trainer = pl.Trainer(max_steps=4, logger=False, callbacks=[snip], enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, accelerator="cpu",
-                         default_root_dir=tmp_path)
     with pytest.raises(RuntimeError, match="injected step failure"):
-        trainer.fit(module, datamodule=ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1))
+        _fit(tmp_path, snip, max_steps=4, module=Failing(SMALL))
     assert all(not layer._forward_hooks for layer in snip.layers.values())
