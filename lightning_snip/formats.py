@@ -198,9 +198,13 @@ def _fp8_fake_quantize(rows: torch.Tensor, recipe: QuantRecipe, is_grad: bool) -
 
     dtype = recipe.fp8_grad_dtype.torch_dtype if is_grad else torch.float8_e4m3fn
     if recipe.fp8_scaling is Fp8Scaling.ROWWISE:
-        scale = tensor_to_scale(rows, dtype, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1)
+        # torchao's ROWWISE recipe rounds each row's scale down to a power of two: scaling and
+        # unscaling are then exact, and a bf16 operand holds the dequantized values exactly. This
+        # keeps the emulation bit-identical to Float8Linear(emulate=True) (tests/test_numerics.py).
+        scale = tensor_to_scale(rows, dtype, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1,
+                                round_scales_to_power_of_2=True)
     else:
-        scale = tensor_to_scale(rows, dtype)
+        scale = tensor_to_scale(rows, dtype)  # torchao's TENSORWISE recipe: the exact amax scale
     return to_fp8_saturated(rows * scale, dtype).float() / scale
 
 

@@ -44,14 +44,19 @@ def quantized_matmul(
     recipe: QuantRecipe,
     a_is_grad: bool = False,
     b_is_grad: bool = False,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Return Q(a) @ Q(b)^T, both operands quantized along dim 1 (the contraction axis)."""
+    """Return Q(a) @ Q(b)^T, both operands quantized along dim 1 (the contraction axis).
+
+    ``generator``: the random source of stochastic rounding (the global one when None)."""
     if fmt is Format.BF16:
         return a @ b.t()
     if has_native_kernel(fmt, a.device) and a.shape[1] % 16 == 0 and a.shape[0] % 16 == 0 and b.shape[0] % 16 == 0:
         return _fp8_scaled_mm(a, b, recipe, a_is_grad, b_is_grad)
-    qa = fake_quantize(a, fmt, axis=1, rounding=_rounding(fmt, recipe, a_is_grad), recipe=recipe, is_grad=a_is_grad)
-    qb = fake_quantize(b, fmt, axis=1, rounding=_rounding(fmt, recipe, b_is_grad), recipe=recipe, is_grad=b_is_grad)
+    qa = fake_quantize(a, fmt, axis=1, rounding=_rounding(fmt, recipe, a_is_grad), recipe=recipe, is_grad=a_is_grad,
+                       generator=generator)
+    qb = fake_quantize(b, fmt, axis=1, rounding=_rounding(fmt, recipe, b_is_grad), recipe=recipe, is_grad=b_is_grad,
+                       generator=generator)
     return qa @ qb.t()
 
 
@@ -69,7 +74,9 @@ def _fp8_scaled_mm(a, b, recipe: QuantRecipe, a_is_grad: bool, b_is_grad: bool) 
     def cast(t, is_grad):
         dtype = recipe.fp8_grad_dtype.torch_dtype if is_grad else torch.float8_e4m3fn
         if recipe.fp8_scaling is Fp8Scaling.ROWWISE:
-            scale = tensor_to_scale(t, dtype, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1)
+            # torchao's rowwise recipe rounds scales to powers of 2 (as formats._fp8_fake_quantize)
+            scale = tensor_to_scale(t, dtype, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1,
+                                    round_scales_to_power_of_2=True)
         else:
             scale = tensor_to_scale(t, dtype)
         return to_fp8_saturated(t.float() * scale, dtype), scale.float().reciprocal()
@@ -84,10 +91,11 @@ def _fp8_scaled_mm(a, b, recipe: QuantRecipe, a_is_grad: bool, b_is_grad: bool) 
 
 class _SNIPLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, fmt: Format, backward_fmt: Format, recipe: QuantRecipe):
+    def forward(ctx, x, weight, bias, fmt: Format, backward_fmt: Format, recipe: QuantRecipe, generator):
         x2d = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x2d, weight)
         ctx.fmt, ctx.recipe, ctx.x_shape, ctx.has_bias = backward_fmt, recipe, x.shape, bias is not None
+        ctx.generator = generator
         y = quantized_matmul(x2d, weight, fmt, recipe=recipe)
         if bias is not None:
             y = y + bias
@@ -96,18 +104,20 @@ class _SNIPLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x2d, weight = ctx.saved_tensors
-        fmt, recipe = ctx.fmt, ctx.recipe
+        fmt, recipe, generator = ctx.fmt, ctx.recipe, ctx.generator
         g = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             # dX (N x k) = G (N x m) @ W (m x k): contraction over m.
-            grad_x = quantized_matmul(g, weight.t(), fmt, recipe=recipe, a_is_grad=True).reshape(ctx.x_shape)
+            grad_x = quantized_matmul(g, weight.t(), fmt, recipe=recipe, a_is_grad=True,
+                                      generator=generator).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             # dW (m x k) = G^T (m x N) @ X (N x k): contraction over tokens.
-            grad_w = quantized_matmul(g.t(), x2d.t(), fmt, recipe=recipe, a_is_grad=True).to(weight.dtype)
+            grad_w = quantized_matmul(g.t(), x2d.t(), fmt, recipe=recipe, a_is_grad=True,
+                                      generator=generator).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 class SNIPLinear(nn.Linear):
@@ -139,6 +149,9 @@ class SNIPLinear(nn.Linear):
         # dgrad/wgrad format when it should differ from the forward's (None: same as ``format``);
         # used to measure one direction's effect alone (benchmarks/divergence_fidelity.py).
         self.backward_format: Format | None = None
+        # Random source of the stochastic rounding of gradient operands; None: torch's global one.
+        # SNIPCallback gives every layer one generator per rank, seeded per step from the run's seed.
+        self.generator: torch.Generator | None = None
         self._format = Format.BF16
         self.format = format
 
@@ -171,7 +184,17 @@ class SNIPLinear(nn.Linear):
         backward_format = self.backward_format or self._format
         if self._format is Format.BF16 and backward_format is Format.BF16:
             return F.linear(x, self.weight, self.bias)
-        return _SNIPLinearFunction.apply(x, self.weight, self.bias, self._format, backward_format, self.recipe)
+        weight, bias = self.weight, self.bias
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            # As torch's own linear under autocast: operands cast to the autocast dtype (the weight
+            # cast is differentiable, so dW reaches the fp32 master weight), output in that dtype.
+            dtype = torch.get_autocast_dtype(device_type)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+            with torch.autocast(device_type, enabled=False):
+                return _SNIPLinearFunction.apply(x, weight, bias, self._format, backward_format, self.recipe, self.generator)
+        return _SNIPLinearFunction.apply(x, weight, bias, self._format, backward_format, self.recipe, self.generator)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, format={self._format.value}"
