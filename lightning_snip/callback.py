@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from typing_extensions import override
 
 from lightning_snip.aggregate import DivergenceAggregate
@@ -31,8 +31,10 @@ from lightning_snip.stats import FirstOrderSampler, collect_stats, slice_batch
 logger = logging.getLogger(__name__)
 
 # Strategies that keep every parameter whole on every rank (what convert/apply_plan need).
-# FSDP, DeepSpeed and model-parallel strategies are not among them.
+# FSDP, DeepSpeed and model-parallel strategies are not among them; DeepSpeedStrategy subclasses
+# DDPStrategy, so it is excluded by name.
 SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
+UNSUPPORTED_STRATEGIES = (DeepSpeedStrategy,)
 
 
 @dataclass
@@ -110,6 +112,9 @@ class SNIPCallback(Callback):
         self._recording: contextlib.ExitStack | None = None
         # (fqn, format) -> first-order terms of the batches sampled since the last round.
         self._first_order_history: dict[tuple[str, Format], list[float]] = {}
+        self._sr_generator: torch.Generator | None = None
+        self._sr_seed = 0
+        self.num_consecutive_failures = 0  # statistics rounds or solves in a row that gave no plan
 
     # ------------------------------------------------------------------ hooks
 
@@ -118,11 +123,16 @@ class SNIPCallback(Callback):
         if stage != "fit":
             return
         strategy = trainer.strategy
-        if not isinstance(strategy, SUPPORTED_STRATEGIES):
+        if not isinstance(strategy, SUPPORTED_STRATEGIES) or isinstance(strategy, UNSUPPORTED_STRATEGIES):
             raise ValueError(
                 f"trainer.strategy: {type(strategy).__name__} is not supported by SNIPCallback; "
                 "allowed: single device, DDP (ddp, ddp_spawn, ddp_find_unused_parameters_*)"
             )
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Converted here, not in setup: layers built (or compiled) in ``configure_model`` exist only
+        # after setup, and the strategy has moved the model to its device.
         cfg = self.config
         self.layers = convert_linears(
             pl_module,
@@ -139,6 +149,13 @@ class SNIPCallback(Callback):
                                           cfg.first_order_rows, self._first_order_terms.add)
         if self.plan is not None:
             apply_plan(pl_module, self.plan)  # a given plan that does not fit the model fails here
+        # Stochastic rounding draws from one generator per rank, reseeded every micro-batch from
+        # (the run's seed, rank, step, batch index): ranks round independently, a rerun or a resumed
+        # run draws the same numbers, and the global RNG (dropout) is left alone.
+        self._sr_generator = torch.Generator(device=pl_module.device)
+        self._sr_seed = torch.initial_seed()
+        for layer in self.layers.values():
+            layer.generator = self._sr_generator
         logger.info("SNIP: %d switchable layers, initial format %s", len(self.layers), cfg.initial_format)
 
     @override
@@ -156,6 +173,7 @@ class SNIPCallback(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
         step = trainer.global_step
+        self._sr_generator.manual_seed(_stream_seed(self._sr_seed, trainer.global_rank, step, batch_idx))
         if self._pending is not None and step >= self._pending.apply_step:
             self._apply_pending(trainer, pl_module, step)
         if self._is_stats_step(step):
@@ -240,7 +258,17 @@ class SNIPCallback(Callback):
         try:
             sliced = slice_batch(batch, cfg.max_rows)
             optimizer = trainer.optimizers[0] if trainer.optimizers else None
-            stats = collect_stats(pl_module, lambda: _loss(pl_module, sliced, batch_idx), layers=self.layers, optimizer=optimizer)
+            precision = trainer.precision_plugin
+
+            def loss_fn():
+                # The strategy's precision context (autocast under *-mixed), as in the training step;
+                # compiled code runs eagerly: the round's hooks and noise must not be traced, guarded
+                # on or recompiled for.
+                with precision.train_step_context(), torch.compiler.set_stance("force_eager"):
+                    return _loss(pl_module, sliced, batch_idx)
+
+            stats = collect_stats(pl_module, loss_fn, layers=self.layers, optimizer=optimizer,
+                                  loss_scale=_amp_loss_scale(trainer))
             try:
                 result = estimate_divergence(
                     stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws, noise_scale=cfg.noise_scale,
@@ -258,17 +286,33 @@ class SNIPCallback(Callback):
                 loss=result.loss, used_adam=result.used_adam)
         except Exception as err:  # noqa: BLE001 - a failed round must not take training down
             logger.warning("SNIP statistics at step %d failed (%s: %s); keeping the current plan", step, type(err).__name__, err)
+            cause = f"statistics at step {step}: {type(err).__name__}: {err}"
+        else:
+            cause = f"statistics at step {step} failed on another rank"
         self._first_order_history = {}
         # Every rank reaches the reduction (a failed rank contributes NaN, which invalidates the round).
         result = self._reduce(trainer, result)
         self.num_stats_rounds += 1
         seconds = time.perf_counter() - start
         if result is None:
+            self._count_failure(cause)
             return
         log_to_loggers(trainer.loggers, step, {**divergence_scalars(result), "snip/stats_seconds": seconds})
         self.history.append({"step": step, "divergence": result.as_dict()})
         self._fold_into_aggregate(self.history[-1]["divergence"])
         self._start_solve(trainer, step, step + self.config.apply_delay)
+
+    def _count_failure(self, cause: str) -> None:
+        """One more round or solve that gave no plan; past ``max_consecutive_failures`` in a row, stop
+        the run with the cause (a warning per round that nobody reads is a silent failure)."""
+        self.num_consecutive_failures += 1
+        limit = self.config.max_consecutive_failures
+        if limit is not None and self.num_consecutive_failures >= limit:
+            raise RuntimeError(
+                f"SNIP: {self.num_consecutive_failures} statistics rounds or solves in a row gave no plan "
+                f"(snip.max_consecutive_failures={limit}); the last: {cause}. Fix the cause, or set "
+                "snip.max_consecutive_failures=null to keep training on the last good plan."
+            )
 
     def _fold_into_aggregate(self, divergence: dict) -> None:
         """One round, as ``DivergenceResult.as_dict()`` keeps it in ``history``, into the aggregate."""
@@ -293,8 +337,9 @@ class SNIPCallback(Callback):
         formats = list(dict.fromkeys((Format.BF16, *self.config.formats)))
         values = torch.full((2, len(fqns), len(formats)), float("nan"), dtype=torch.float64)  # (LD/WD, layer, format)
         if result is not None:
-            values[0] = torch.tensor([[result.layers[f].loss_divergence.get(p, math.inf) for p in formats] for f in fqns])
-            values[1] = torch.tensor([[result.layers[f].weight_divergence.get(p, math.inf) for p in formats] for f in fqns])
+            for i, metric in enumerate(("loss_divergence", "weight_divergence")):
+                values[i] = torch.tensor([[getattr(result.layers[f], metric).get(p, math.inf) for p in formats] for f in fqns],
+                                         dtype=torch.float64)
         device = trainer.strategy.root_device
         total = trainer.strategy.reduce(values.to(device), reduce_op="sum").cpu() / trainer.world_size
         if torch.isnan(total).any():
@@ -338,16 +383,18 @@ class SNIPCallback(Callback):
 
     def _apply_pending(self, trainer, pl_module, step: int) -> None:
         pending, self._pending = self._pending, None
-        message = None
+        message, error = None, None
         if trainer.is_global_zero:
             if pending.thread is not None:
                 pending.thread.join()
             if pending.error is not None:
                 logger.warning("SNIP solve for step %d failed (%s: %s); keeping the current plan",
                                pending.stats_step, type(pending.error).__name__, pending.error)
+                error = f"solve for step {pending.stats_step}: {type(pending.error).__name__}: {pending.error}"
             message = pending.plan.to_json() if pending.plan is not None else None
-        message = trainer.strategy.broadcast(message, src=0)
+        message, error = trainer.strategy.broadcast((message, error), src=0)
         if message is None:
+            self._count_failure(error or f"solve for step {pending.stats_step} gave no plan")
             return
         plan = Plan.from_json(message)
         before = {fqn: layer.format for fqn, layer in self.layers.items()}
@@ -355,7 +402,9 @@ class SNIPCallback(Callback):
             apply_plan(pl_module, plan)
         except ValueError as err:
             logger.warning("SNIP plan from step %d could not be applied (%s); keeping the current plan", pending.stats_step, err)
+            self._count_failure(f"plan from step {pending.stats_step} could not be applied: {err}")
             return
+        self.num_consecutive_failures = 0
         previous, self.plan = self.plan, plan
         self.num_plans_applied += 1
         if self.history and self.history[-1]["step"] == pending.stats_step:
@@ -367,6 +416,14 @@ class SNIPCallback(Callback):
             logger.info("SNIP plan at step %d is %s", step, plan.status.value)
 
 
+def _stream_seed(seed: int, rank: int, step: int, batch_idx: int) -> int:
+    """A 63-bit seed for one (rank, step, micro-batch) of a run seeded with ``seed``."""
+    mixed = seed
+    for value in (rank, step, batch_idx):
+        mixed = (mixed * 6364136223846793005 + 1442695040888963407 + value) % (1 << 63)
+    return mixed
+
+
 def _round_generator(device: torch.device, step: int, rank: int) -> torch.Generator:
     """The curvature probes' random source for one round: a function of (step, rank) only, so a
     resumed run draws what the uninterrupted one drew, and ranks draw independently."""
@@ -376,11 +433,15 @@ def _round_generator(device: torch.device, step: int, rank: int) -> torch.Genera
 def _gradient_scale(trainer) -> float:
     """The factor the gradients of a training step carry: 1 / accumulate_grad_batches (Lightning
     divides the loss), times the loss scale of AMP's GradScaler (16-mixed)."""
-    scale = 1.0 / trainer.accumulate_grad_batches
+    return _amp_loss_scale(trainer) / trainer.accumulate_grad_batches
+
+
+def _amp_loss_scale(trainer) -> float:
+    """The current loss scale of AMP's GradScaler (16-mixed), else 1."""
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if scaler is not None and scaler.is_enabled():
-        scale *= float(scaler.get_scale())
-    return scale
+        return float(scaler.get_scale())
+    return 1.0
 
 
 def _value(aggregated: dict, fqn: str, fmt: Format) -> float:
@@ -400,10 +461,74 @@ def _plan_agreement(plan: Plan, before: dict, layers) -> float:
 
 
 def _loss(pl_module: pl.LightningModule, batch, batch_idx: int) -> torch.Tensor:
+    """The statistics loss: ``snip_loss(batch)`` if the module has it, else ``training_step`` run
+    without its side effects (see _side_effect_free)."""
     if hasattr(pl_module, "snip_loss"):
         return pl_module.snip_loss(batch)
-    out = pl_module.training_step(batch, batch_idx)
+    with _side_effect_free(pl_module) as backward_losses:
+        out = pl_module.training_step(batch, batch_idx)
     loss = out["loss"] if isinstance(out, dict) else out
+    if backward_losses:  # manual optimization: the loss is what training_step backpropagates
+        loss = backward_losses[0] if len(backward_losses) == 1 else torch.stack(backward_losses).sum()
     if not isinstance(loss, torch.Tensor):
-        raise TypeError("statistics: training_step returned no loss tensor; define snip_loss(batch) on the module")
+        raise TypeError("statistics: training_step returned no loss tensor and called no manual_backward; "
+                        "define snip_loss(batch) on the module")
     return loss
+
+
+class _NoOpOptimizer:
+    """Stands in for a LightningOptimizer / scheduler inside a statistics round: steps nothing."""
+
+    def __init__(self, wrapped) -> None:
+        self._wrapped = wrapped
+
+    def step(self, *args, **kwargs):
+        return None
+
+    def zero_grad(self, *args, **kwargs) -> None:
+        return None
+
+    @contextlib.contextmanager
+    def toggle_model(self, *args, **kwargs):
+        yield
+
+    def __getattr__(self, name):  # param_groups, state, ...: read from the real one
+        return getattr(self._wrapped, name)
+
+
+@contextlib.contextmanager
+def _side_effect_free(pl_module: pl.LightningModule):
+    """Run ``training_step`` for statistics only: ``self.log``/``log_dict`` log nothing, optimizers
+    and schedulers from ``self.optimizers()``/``self.lr_schedulers()`` step nothing, and
+    ``manual_backward(loss)`` runs no backward but hands its loss to the round (yielded list).
+    Instance attributes shadow the methods for the block and are removed after."""
+    losses: list[torch.Tensor] = []
+    real_optimizers, real_schedulers = pl_module.optimizers, pl_module.lr_schedulers
+
+    def optimizers(use_pl_optimizer: bool = True):
+        opts = real_optimizers(use_pl_optimizer)
+        return [_NoOpOptimizer(o) for o in opts] if isinstance(opts, list) else _NoOpOptimizer(opts)
+
+    def lr_schedulers():
+        scheds = real_schedulers()
+        if scheds is None:
+            return None
+        return [_NoOpOptimizer(s) for s in scheds] if isinstance(scheds, list) else _NoOpOptimizer(scheds)
+
+    patches = {
+        "log": lambda *args, **kwargs: None,
+        "log_dict": lambda *args, **kwargs: None,
+        "manual_backward": lambda loss, *args, **kwargs: losses.append(loss),
+        "optimizers": optimizers,
+        "lr_schedulers": lr_schedulers,
+        "toggle_optimizer": lambda *args, **kwargs: None,
+        "untoggle_optimizer": lambda *args, **kwargs: None,
+        "clip_gradients": lambda *args, **kwargs: None,
+    }
+    for name, fn in patches.items():
+        pl_module.__dict__[name] = fn
+    try:
+        yield losses
+    finally:
+        for name in patches:
+            pl_module.__dict__.pop(name, None)

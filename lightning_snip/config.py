@@ -51,6 +51,9 @@ class SNIPConfig:
         relative_cost: format -> GEMM cost relative to bf16, overriding the defaults.
         replan: False freezes the initial plan (no statistics rounds): a fixed-precision run with
             the same layers converted, e.g. a baseline or the overhead reference.
+        max_consecutive_failures: after this many statistics rounds or solves in a row failed, the
+            callback raises with the cause (a run that can never plan stops early); null: warn and
+            keep training on the last good plan, however many fail.
     """
 
     interval: int = 100
@@ -76,6 +79,7 @@ class SNIPConfig:
     fp4_grad_rounding: str = "stochastic"
     relative_cost: dict[str, float] = field(default_factory=dict)
     replan: bool = True
+    max_consecutive_failures: int | None = 3
 
     def __post_init__(self) -> None:
         for name in ("interval", "max_rows", "first_order_rows"):
@@ -84,6 +88,9 @@ class SNIPConfig:
         for name in ("warmup_steps", "apply_delay", "noise_draws", "first_order_steps"):
             value = getattr(self, name)
             _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, f"snip.{name}", value, "an integer >= 0")
+        _check(self.max_consecutive_failures is None or (isinstance(self.max_consecutive_failures, int) and not isinstance(
+            self.max_consecutive_failures, bool) and self.max_consecutive_failures > 0),
+            "snip.max_consecutive_failures", self.max_consecutive_failures, "an integer > 0, or null (never raise)")
         _check(self.apply_delay < self.interval, "snip.apply_delay", self.apply_delay, f"an integer < snip.interval ({self.interval})")
         if (self.fp4_fraction is None) == (self.cost_budget is None):
             raise ValueError(

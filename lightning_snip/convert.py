@@ -56,11 +56,13 @@ def convert_linears(
     """
     initial = Format.parse(initial_format, field_name="initial_format")
     pin_formats = {pattern: Format.parse(f, field_name=f"pins[{pattern}]") for pattern, f in (pins or {}).items()}
-    targets = [
-        (fqn, m)
-        for fqn, m in model.named_modules()
-        if isinstance(m, nn.Linear) and fqn and (filter is None or filter(fqn, m))
-    ]
+    paths = {}  # fqn -> the module's path in the (possibly wrapped) model, for the swap
+    targets = []
+    for path, m in model.named_modules():
+        fqn = layer_fqn(path)
+        if isinstance(m, nn.Linear) and fqn and (filter is None or filter(fqn, m)):
+            paths[fqn] = path
+            targets.append((fqn, m))
     if not targets:
         raise ValueError("filter: selects no nn.Linear layer of the model; check the include/exclude patterns")
     unused = [p for p in pin_formats if not any(fnmatch.fnmatchcase(fqn, p) for fqn, _ in targets)]
@@ -85,7 +87,7 @@ def convert_linears(
             start = Format.BF16
         layer.format = start
         if layer is not linear:
-            parent_name, _, child = fqn.rpartition(".")
+            parent_name, _, child = paths[fqn].rpartition(".")
             setattr(model.get_submodule(parent_name), child, layer)
         converted[fqn] = layer
     return converted
@@ -93,7 +95,18 @@ def convert_linears(
 
 def switchable_layers(model: nn.Module) -> dict[str, SNIPLinear]:
     """fqn -> SNIPLinear for every converted layer of ``model``."""
-    return {fqn: m for fqn, m in model.named_modules() if isinstance(m, SNIPLinear)}
+    return {layer_fqn(path): m for path, m in model.named_modules() if isinstance(m, SNIPLinear)}
+
+
+# Path components that wrappers insert between a model and its own modules: torch.compile's
+# OptimizedModule, activation checkpointing, FSDP1. They are not part of the user's layer names, so a
+# plan (and every logged metric) names the same layer whether the model is wrapped or not.
+_WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
+def layer_fqn(path: str) -> str:
+    """A module's name in the unwrapped model: ``path`` without wrapper components."""
+    return ".".join(part for part in path.split(".") if part not in _WRAPPER_PARTS)
 
 
 def apply_plan(model: nn.Module, plan: Mapping[str, Format | str]) -> None:

@@ -262,7 +262,7 @@ def estimate_divergence(
         stats=stats, formats=tuple(formats), recipe=recipe, output_errors=output_errors, second_order=second_order,
         gain=gain, denominator=denominator if denominator > 0 else 1.0,
         loss_norm=abs(stats.loss) if stats.loss else 1.0, loss_estimator=loss_estimator,
-        first_order_history=first_order_history or {},
+        first_order_history=first_order_history or {}, generator=generator,
     )
     out: dict[str, LayerDivergence] = {}
     for fqn, s in stats.layers.items():
@@ -287,6 +287,7 @@ class _RoundInputs:
     loss_norm: float
     loss_estimator: LossEstimator
     first_order_history: Mapping[tuple[str, Format], list[float]]
+    generator: torch.Generator | None  # stochastic rounding of the gradient GEMMs' errors
 
 
 class FirstOrderTerms:
@@ -350,7 +351,8 @@ def _layer_divergence(r: _RoundInputs, s: LayerStats, y, fmts, kappa) -> LayerDi
     x, g, w = s.x.float(), s.g.float(), s.weight.float()
     gw_ref = g.t() @ x
     gx_ref = g @ w
-    c_l, a_l = r.gain.get(s.fqn + ".weight", (1.0, 1.0))
+    # A frozen weight has no gradient and no update to deviate: only its propagated error counts.
+    c_l, a_l = r.gain.get(s.weight_name or s.fqn + ".weight", (0.0, 0.0))
     metrics: dict[str, dict[Format, float]] = {k: {Format.BF16: 0.0} for k in _METRICS}
     for fmt in r.formats:
         if fmt not in fmts:
@@ -358,7 +360,8 @@ def _layer_divergence(r: _RoundInputs, s: LayerStats, y, fmts, kappa) -> LayerDi
                 metrics[k][fmt] = math.inf
     if not fmts:
         return _metrics_to_divergence(metrics, kappa)
-    e_x = {fmt: quantized_matmul(g, w.t(), fmt, recipe=r.recipe, a_is_grad=True) - gx_ref for fmt in fmts}
+    e_x = {fmt: quantized_matmul(g, w.t(), fmt, recipe=r.recipe, a_is_grad=True, generator=r.generator) - gx_ref
+           for fmt in fmts}
     # One batched vector-Jacobian product carries every format's dgrad error upstream.
     upstream = r.stats.propagate_input_grad(s.fqn, torch.stack([e_x[f] for f in fmts]))
     m_hat = m_var = None
@@ -385,7 +388,7 @@ def _layer_divergence(r: _RoundInputs, s: LayerStats, y, fmts, kappa) -> LayerDi
         first_acc = sum(batch_values) / len(batch_values)
         first_acc_se = (math.sqrt(sum((v - first_acc) ** 2 for v in batch_values) / (len(batch_values) - 1) / len(batch_values))
                         if len(batch_values) > 1 else first_se)
-        e_w = quantized_matmul(g.t(), x.t(), fmt, recipe=r.recipe, a_is_grad=True) - gw_ref
+        e_w = quantized_matmul(g.t(), x.t(), fmt, recipe=r.recipe, a_is_grad=True, generator=r.generator) - gw_ref
         direct = float((c_l * a_l * e_w).pow(2).sum())
         propagated = 0.0
         for name, deltas in upstream.items():

@@ -103,6 +103,9 @@ class LayerStats:
     weight: torch.Tensor
     adam: AdamState | None
     num_samples: int = 0
+    # The weight's name among the model's parameters: not "<fqn>.weight" when it is tied to another
+    # module's (an lm_head sharing the embedding), whose name named_parameters() reports instead.
+    weight_name: str = ""
 
     @property
     def num_rows(self) -> int:
@@ -114,8 +117,10 @@ class Statistics:
 
     def __init__(self, loss: float, layers: dict[str, LayerStats], param_grads: dict[str, torch.Tensor],
                  param_adam: dict[str, AdamState | None], inputs: dict[str, torch.Tensor],
-                 params: dict[str, nn.Parameter], rerun: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]):
+                 params: dict[str, nn.Parameter], rerun: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]],
+                 loss_scale: float = 1.0):
         self.loss = loss
+        self._loss_scale = loss_scale
         self.layers = layers
         # Every trainable parameter of the model (by name): its high-precision gradient on the slice
         # and its Adam state. Dgrad errors reach all upstream parameters, not only switchable ones.
@@ -133,11 +138,12 @@ class Statistics:
         if not x.requires_grad:
             return {}
         names = list(self._params)
+        scale = self._loss_scale  # fp16: keep the tiny gradient changes out of the subnormal range
         grads = torch.autograd.grad(
-            x, [self._params[n] for n in names], grad_outputs=grad_inputs.reshape(-1, *x.shape).to(x.dtype),
+            x, [self._params[n] for n in names], grad_outputs=(grad_inputs.reshape(-1, *x.shape) * scale).to(x.dtype),
             retain_graph=True, allow_unused=True, is_grads_batched=True,
         )
-        return {n: g for n, g in zip(names, grads) if g is not None}
+        return {n: g.float() / scale for n, g in zip(names, grads) if g is not None}
 
     def output_grads_with_noise(self, noise: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Re-run the slice with ``noise[fqn]`` (rows x m) added to each layer's output; return the
@@ -155,13 +161,18 @@ def collect_stats(
     *,
     layers: Mapping[str, SNIPLinear],
     optimizer: torch.optim.Optimizer | None = None,
+    loss_scale: float = 1.0,
 ) -> Statistics:
     """Run ``loss_fn`` once with every layer of ``layers`` in high precision and record statistics.
 
     ``loss_fn`` computes the loss of the (already sliced) statistics batch. Formats are restored and
-    hooks removed on return and on error.
+    hooks removed on return and on error. ``loss_scale`` multiplies the loss before every backward
+    and is divided out of every recorded gradient (float32): under fp16 autocast, gradients of an
+    unscaled mean loss fall into fp16's subnormal range (AMP's GradScaler exists for this reason).
     """
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    name_of = {id(p): name for name, p in params.items()}  # parameter identity, not module path
+    rng_states = _RandomStreams.capture(model)
 
     def run(noise: Mapping[str, torch.Tensor] | None, keep_graph: bool):
         inputs: dict[str, torch.Tensor] = {}
@@ -177,7 +188,9 @@ def collect_stats(
 
             return hook
 
-        with high_precision(layers), contextlib.ExitStack() as stack:
+        # Every run (the recording one and each noise re-run) draws the same random numbers (dropout
+        # masks), and the training run's streams are left where they were.
+        with high_precision(layers), rng_states.replayed(), contextlib.ExitStack() as stack:
             for fqn, layer in layers.items():
                 stack.callback(layer.register_forward_hook(make_hook(fqn)).remove)
             with torch.enable_grad():
@@ -188,11 +201,11 @@ def collect_stats(
             names = list(outputs)
             param_names = list(params) if keep_graph else []
             grads = torch.autograd.grad(
-                loss, [outputs[f] for f in names] + [params[n] for n in param_names],
+                loss * loss_scale, [outputs[f] for f in names] + [params[n] for n in param_names],
                 retain_graph=keep_graph, allow_unused=True,
             )
-        out_grads = {f: g.detach().reshape(-1, g.shape[-1]) for f, g in zip(names, grads[: len(names)])}
-        param_grads = {n: g.detach() for n, g in zip(param_names, grads[len(names):]) if g is not None}
+        out_grads = {f: g.detach().reshape(-1, g.shape[-1]).float() / loss_scale for f, g in zip(names, grads[: len(names)])}
+        param_grads = {n: g.detach().float() / loss_scale for n, g in zip(param_names, grads[len(names):]) if g is not None}
         return loss, inputs, out_grads, param_grads
 
     loss, inputs, out_grads, param_grads = run(None, keep_graph=True)
@@ -205,6 +218,7 @@ def collect_stats(
             adam=read_adam_state(optimizer, layers[fqn].weight),
             # (batch, ..., features) inputs: the leading dimension indexes samples; 2-D: each row is one.
             num_samples=int(inputs[fqn].shape[0]),
+            weight_name=name_of.get(id(layers[fqn].weight), fqn + ".weight"),
         )
         for fqn in layers
     }
@@ -216,7 +230,31 @@ def collect_stats(
         inputs=inputs,
         params=params,
         rerun=lambda noise: run(noise, keep_graph=False)[2],
+        loss_scale=loss_scale,
     )
+
+
+@dataclass(frozen=True)
+class _RandomStreams:
+    """The global CPU and CUDA random states at one point, to replay from there."""
+
+    cpu: torch.Tensor
+    cuda_devices: tuple[int, ...]
+    cuda: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def capture(cls, model: nn.Module) -> "_RandomStreams":
+        devices = tuple(sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"}))
+        return cls(cpu=torch.get_rng_state(), cuda_devices=devices,
+                   cuda=tuple(torch.cuda.get_rng_state(d) for d in devices))
+
+    @contextlib.contextmanager
+    def replayed(self):
+        with torch.random.fork_rng(devices=list(self.cuda_devices)):
+            torch.set_rng_state(self.cpu)
+            for device, state in zip(self.cuda_devices, self.cuda):
+                torch.cuda.set_rng_state(state, device)
+            yield
 
 
 @contextlib.contextmanager

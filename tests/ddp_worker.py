@@ -1,5 +1,6 @@
-"""Run by test_ddp.py: 2-process CPU DDP (gloo) training with SNIPCallback; each rank writes its plan
-and a checksum of its weights to OUT_DIR/rank<r>.json."""
+"""Run by test_ddp.py: 2-process CPU DDP (gloo) training with SNIPCallback; each rank writes its plan,
+a checksum of its weights, its own (local) and the reduced divergences of each round, and the seed of
+its stochastic-rounding stream to OUT_DIR/rank<r>.json."""
 
 import json
 import os
@@ -14,6 +15,20 @@ from lightning_snip.demo.lightning import ByteTextDataModule, DemoLM
 from lightning_snip.demo.model import LlamaConfig
 
 
+class _RecordingSNIP(SNIPCallback):
+    """Keeps each round's divergences before and after the reduction over ranks."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rounds = []
+
+    def _reduce(self, trainer, result):
+        local = result.as_dict() if result is not None else None
+        reduced = super()._reduce(trainer, result)
+        self.rounds.append({"local": local, "reduced": reduced.as_dict() if reduced is not None else None})
+        return reduced
+
+
 def main(out_dir: str) -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0)
@@ -21,7 +36,7 @@ def main(out_dir: str) -> None:
     # Each rank samples its own data (different seeds): statistics differ, the plan must not.
     rank = int(os.environ.get("LOCAL_RANK", 0))
     data = ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1, seed=rank)
-    snip = SNIPCallback(SNIPConfig(warmup_steps=2, interval=4, apply_delay=1, fp4_fraction=0.6, max_rows=128, noise_draws=1))
+    snip = _RecordingSNIP(SNIPConfig(warmup_steps=2, interval=4, apply_delay=1, fp4_fraction=0.6, max_rows=128, noise_draws=1))
     trainer = pl.Trainer(
         max_steps=6, accelerator="cpu", devices=2, strategy="ddp", callbacks=[snip], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -30,7 +45,8 @@ def main(out_dir: str) -> None:
     weights = {n: float(p.detach().double().sum()) for n, p in module.named_parameters()}
     with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump({"plan": {k: v.value for k, v in snip.plan.items()}, "weights": weights,
-                   "formats": {k: l.format.value for k, l in snip.layers.items()}}, f)
+                   "formats": {k: l.format.value for k, l in snip.layers.items()}, "rounds": snip.rounds,
+                   "sr_seed": snip._sr_generator.initial_seed()}, f)
 
 
 if __name__ == "__main__":

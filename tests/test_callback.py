@@ -255,10 +255,11 @@ def test_plan_agreement_is_logged(tmp_path):
 
 # A checkpoint at global_step n is written after n steps, before step n's hooks: at 6 nothing is
 # pending (round 6 not yet run); at 8 the round of step 6 is pending, due at step 8.
-@pytest.mark.parametrize("save_step", [6, 8])
-def test_resumed_run_plans_exactly_as_the_uninterrupted_run(tmp_path, save_step):
+# Stochastic rounding draws from the callback's per-step generator, so SR runs resume exactly too.
+@pytest.mark.parametrize("save_step,rounding", [(6, "nearest"), (8, "nearest"), (8, "stochastic")])
+def test_resumed_run_plans_exactly_as_the_uninterrupted_run(tmp_path, save_step, rounding):
     cfg = dict(warmup_steps=2, interval=4, apply_delay=2, fp4_fraction=0.6, max_rows=128, noise_draws=1,
-               fp4_grad_rounding="nearest")  # deterministic GEMMs: the runs differ only by the resume
+               fp4_grad_rounding=rounding, initial_format="mxfp4")
     full = SNIPCallback(_snip(**cfg))
     full_plans = _PlanRecorder(full)
     _fit(tmp_path / "full", full, max_steps=16, callbacks=[full_plans], datamodule=_FixedBatches(), enable_checkpointing=False)

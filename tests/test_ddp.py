@@ -1,4 +1,5 @@
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,3 +16,18 @@ def test_two_process_ddp_identical_plans_and_weights(tmp_path):
     assert ranks[0]["formats"] == ranks[1]["formats"] == ranks[0]["plan"]
     assert "mxfp4" in ranks[0]["plan"].values()
     assert ranks[0]["weights"] == ranks[1]["weights"]
+    # Stochastic rounding: each rank its own stream (seed_everything gave both the same global seed).
+    assert ranks[0]["sr_seed"] != ranks[1]["sr_seed"]
+    # The reduced divergences are the mean of the ranks' own (which differ: each rank saw its own data).
+    assert len(ranks[0]["rounds"]) == 1
+    local = [r["rounds"][0]["local"]["layers"] for r in ranks]
+    reduced = ranks[0]["rounds"][0]["reduced"]["layers"]
+    assert reduced == ranks[1]["rounds"][0]["reduced"]["layers"]
+    differs = 0
+    for fqn, layer in reduced.items():
+        for metric in ("loss_divergence", "weight_divergence"):
+            for fmt, value in layer[metric].items():
+                a, b = local[0][fqn][metric][fmt], local[1][fqn][metric][fmt]
+                assert math.isclose(value, (a + b) / 2, rel_tol=1e-9, abs_tol=1e-15), (fqn, metric, fmt)
+                differs += a != b
+    assert differs > len(reduced)  # the test would notice ranks that kept their own values
