@@ -7,13 +7,17 @@
              (G' from a pass with independent Gaussian noise d_l added to every layer's output)
     E_W    = Q_p(G)^T Q_p(X) - G^T X                     (wgrad error, this layer)
     E_X    = Q_p(G) Q_p(W) - G W                         (dgrad error, flows upstream)
-    WD     = ( c_l^2 ||A_l * E_W||^2 + sum_k c_k^2 ||A_k * J_kl(E_X)||^2 ) / sum_k ||u_k||^2
+    WD     = ( ||D_l(E_W)||^2 + sum_k ||D_k(J_kl(E_X))||^2 ) / sum_k ||u_k||^2
 
-with A_k = 1/(sqrt(v_hat_k) + eps), c_k = lr (1 - beta1)/(1 - beta1^t) and u_k = lr m_hat_k A_k
-(AdamW's update) from the optimizer state advanced by the statistics batch's own gradient (the next
-step's moments, AdamState.after), k over every trainable parameter upstream of l (embeddings
-and norms too). Without Adam moments A = 1, c = 1 and u = g (plain gradient errors). LD is normalized by the loss (a relative
-loss increase) so LD + lambda * WD adds two dimensionless numbers.
+with u_k = lr m_hat_k / (sqrt(v_hat_k) + eps), AdamW's next update (its moments advanced by the
+statistics batch's own gradient g_k, AdamState.after) and D_k(e) = u_k(g_k + e) - u_k(g_k), how far
+that update moves when the gradient is off by e (AdamState.update_deviation), k over every trainable
+parameter upstream of l (embeddings and norms too). The method text linearizes D_k(e) as
+c_k A_k * e, A_k = 1/(sqrt(v_hat_k) + eps), c_k = lr (1 - beta1)/(1 - beta1^t); that is wrong where
+v_hat is about 0 (1/eps amplifies the error; measured: bf16 rounding noise in the propagated term of
+an embedding made WD 10-100x larger). Without Adam moments D(e) = e and u = g (plain gradient
+errors). LD is normalized by the loss (a relative loss increase) so LD + lambda * WD adds two
+dimensionless numbers.
 
 Where LD departs from the method text (LossEstimator): a plan needs the *expected* loss increase,
 and the statistics batch's first-order term <G, dY> is mostly that batch's noise (signed, with a
@@ -37,7 +41,7 @@ import torch
 
 from lightning_snip.formats import Format, QuantRecipe, fake_quantize
 from lightning_snip.linear import quantized_matmul
-from lightning_snip.stats import LayerStats, Statistics
+from lightning_snip.stats import AdamState, LayerStats, Statistics
 
 logger = logging.getLogger(__name__)
 
@@ -253,14 +257,14 @@ def estimate_divergence(
     # that gradient (SNIP_METHOD section 5 reads them before it; measured, that let one batch with
     # unusually large gradients dominate a round: WD's two-round agreement fell to 0.16-0.36).
     next_adam = {name: a.after(stats.param_grads.get(name)) for name, a in stats.param_adam.items() if a is not None}
-    gain = {name: _adam_scale(next_adam.get(name), used_adam) for name in stats.param_grads}
     if used_adam:  # relative to the size of AdamW's actual update
         denominator = sum(float(a.update().pow(2).sum()) for a in next_adam.values())
     else:
         denominator = sum(float(g.float().pow(2).sum()) for g in stats.param_grads.values())
     round_inputs = _RoundInputs(
         stats=stats, formats=tuple(formats), recipe=recipe, output_errors=output_errors, second_order=second_order,
-        gain=gain, denominator=denominator if denominator > 0 else 1.0,
+        adam={name: stats.param_adam.get(name) if used_adam else None for name in stats.param_grads},
+        denominator=denominator if denominator > 0 else 1.0,
         loss_norm=abs(stats.loss) if stats.loss else 1.0, loss_estimator=loss_estimator,
         first_order_history=first_order_history or {}, generator=generator,
     )
@@ -282,7 +286,7 @@ class _RoundInputs:
     recipe: QuantRecipe
     output_errors: Mapping[tuple[str, Format], torch.Tensor]  # dY per (fqn, format)
     second_order: Mapping[tuple[str, Format], float]
-    gain: Mapping[str, tuple]  # parameter name -> (c_k, A_k)
+    adam: Mapping[str, AdamState | None]  # parameter name -> AdamW state before the step (None: no Adam)
     denominator: float  # sum_k ||u_k||^2 (or ||g_k||^2 without Adam)
     loss_norm: float
     loss_estimator: LossEstimator
@@ -327,10 +331,12 @@ def _invalid(formats) -> LayerDivergence:
     return LayerDivergence(loss_divergence={Format.BF16: 0.0, **inf}, weight_divergence={Format.BF16: 0.0, **inf})
 
 
-def _adam_scale(adam, use_adam: bool) -> tuple[float, torch.Tensor | float]:
-    if not use_adam:
-        return 1.0, 1.0
-    return adam.gradient_gain(), adam.preconditioner()
+def _update_deviation(r: _RoundInputs, name: str, delta: torch.Tensor) -> torch.Tensor:
+    """D(delta): the deviation of parameter ``name``'s next update when its gradient is off by delta."""
+    adam = r.adam.get(name)
+    if adam is None:
+        return delta.float()
+    return adam.update_deviation(r.stats.param_grads[name], delta)
 
 
 def _sum_and_stderr(per_row: torch.Tensor, num_samples: int) -> tuple[float, float]:
@@ -352,7 +358,7 @@ def _layer_divergence(r: _RoundInputs, s: LayerStats, y, fmts, kappa) -> LayerDi
     gw_ref = g.t() @ x
     gx_ref = g @ w
     # A frozen weight has no gradient and no update to deviate: only its propagated error counts.
-    c_l, a_l = r.gain.get(s.weight_name or s.fqn + ".weight", (0.0, 0.0))
+    weight_name = s.weight_name or s.fqn + ".weight"
     metrics: dict[str, dict[Format, float]] = {k: {Format.BF16: 0.0} for k in _METRICS}
     for fmt in r.formats:
         if fmt not in fmts:
@@ -364,6 +370,10 @@ def _layer_divergence(r: _RoundInputs, s: LayerStats, y, fmts, kappa) -> LayerDi
            for fmt in fmts}
     # One batched vector-Jacobian product carries every format's dgrad error upstream.
     upstream = r.stats.propagate_input_grad(s.fqn, torch.stack([e_x[f] for f in fmts]))
+    propagated_by_format = torch.zeros(len(fmts), dtype=torch.float64)  # sum_k ||D_k(J_kl(E_X))||^2
+    for name, deltas in upstream.items():
+        propagated_by_format += _update_deviation(r, name, deltas).pow(2).reshape(len(fmts), -1).sum(1).double().cpu()
+    del upstream
     m_hat = m_var = None
     if s.adam is not None:
         b1, t = s.adam.beta1, s.adam.step
@@ -389,11 +399,9 @@ def _layer_divergence(r: _RoundInputs, s: LayerStats, y, fmts, kappa) -> LayerDi
         first_acc_se = (math.sqrt(sum((v - first_acc) ** 2 for v in batch_values) / (len(batch_values) - 1) / len(batch_values))
                         if len(batch_values) > 1 else first_se)
         e_w = quantized_matmul(g.t(), x.t(), fmt, recipe=r.recipe, a_is_grad=True, generator=r.generator) - gw_ref
-        direct = float((c_l * a_l * e_w).pow(2).sum())
-        propagated = 0.0
-        for name, deltas in upstream.items():
-            c_k, a_k = r.gain[name]
-            propagated += float((c_k * a_k * deltas[i].float()).pow(2).sum())
+        # A frozen weight (no gradient) has no update to deviate: only its propagated error counts.
+        direct = float(_update_deviation(r, weight_name, e_w).pow(2).sum()) if weight_name in r.stats.param_grads else 0.0
+        propagated = float(propagated_by_format[i])
         ld = _combine_loss_divergence(
             r.loss_estimator, first=first / norm, first_stderr=first_se / norm, first_activation=first_x / norm,
             first_activation_stderr=first_x_se / norm,

@@ -63,6 +63,27 @@ class AdamState:
             step=self.step + 1,
         )
 
+    def update_deviation(self, grad: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """How far AdamW's next update (no weight decay) moves when this step's gradient ``grad``
+        becomes ``grad + delta``: exact per element, not linearized. ``delta`` may carry leading
+        batch dimensions.
+
+        Linearizing, delta * lr (1 - beta1) / (1 - beta1^t) / (sqrt(v_hat) + eps), breaks where v is
+        about 0 (an embedding row or element whose gradients were all 0 so far): there 1/eps (1e8)
+        multiplies the error, while AdamW's real update moves by at most about lr, because the error
+        also enters v. Written as a difference that does not cancel: u2 - u1 =
+        c (dm / (s2 + eps) - m1 (s2 - s1) / ((s1 + eps)(s2 + eps))), s = sqrt(v_hat)."""
+        b1, b2, t = self.beta1, self.beta2, self.step + 1
+        bc1, bc2 = 1 - b1**t, 1 - b2**t
+        g, d = grad.float(), delta.float()
+        m1 = b1 * self.exp_avg.float() + (1 - b1) * g
+        v1 = b2 * self.exp_avg_sq.float() + (1 - b2) * g * g
+        dv = (1 - b2) * d * (2 * g + d)  # v2 - v1
+        s1 = (v1 / bc2).sqrt()
+        s2 = ((v1 + dv).clamp_min(0) / bc2).sqrt()
+        ds = torch.where(s1 + s2 > 0, dv / bc2 / (s1 + s2), torch.zeros_like(dv))
+        return self.lr / bc1 * ((1 - b1) * d / (s2 + self.eps) - m1 * ds / ((s1 + self.eps) * (s2 + self.eps)))
+
     def gradient_gain(self) -> float:
         """lr * (1 - beta1) / (1 - beta1^t): how much of a gradient change reaches this step's update."""
         return self.lr * (1 - self.beta1) / (1 - self.beta1**self.step)

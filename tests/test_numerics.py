@@ -326,7 +326,9 @@ def _brute_force_wd(model, opt, x, target, fmt, *, moments_after_step=True):
     The gradient errors are formed from explicitly quantized operands; the dgrad error of the second
     layer reaches the first layer's weight and bias through the hand-written backward of tanh and
     the first layer. Each parameter's update is AdamW's next step with moments that include this
-    batch's gradient; a gradient error e moves it through the first moment only (WD's linearization).
+    batch's gradient; a gradient error e moves it through both moments, exactly: the next update
+    with gradient g + e minus the one with g. (``moments_after_step=False``: the method text's
+    variant, pre-step moments and e through the first moment only.)
 
     Returns WD per layer split by parameter (name -> that parameter's share), the gradient errors
     and the updates.
@@ -357,8 +359,12 @@ def _brute_force_wd(model, opt, x, target, fmt, *, moments_after_step=True):
         if moments_after_step:
             m, v, step = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g, step + 1
         updates[name] = _adam_update(m, v, step, group)
-        deviation[name] = (lambda e, m=m, v=v, step=step:
-                           _adam_update(m + (1 - b1) * e, v, step, group) - _adam_update(m, v, step, group))
+        if moments_after_step:
+            deviation[name] = (lambda e, m=m, v=v, g=g, step=step: _adam_update(
+                m + (1 - b1) * e, v + (1 - b2) * ((g + e) ** 2 - g * g), step, group) - _adam_update(m, v, step, group))
+        else:
+            deviation[name] = (lambda e, m=m, v=v, step=step:
+                               _adam_update(m + (1 - b1) * e, v, step, group) - _adam_update(m, v, step, group))
     total = sum(float(u.pow(2).sum()) for u in updates.values())
     wd = {fqn: {name: float(deviation[name](e).pow(2).sum()) / total for name, e in errs.items()}
           for fqn, errs in errors.items()}
