@@ -437,3 +437,42 @@ def test_a_success_resets_the_failure_count(tmp_path, monkeypatch):
     snip = SNIPCallback(_snip(interval=2, apply_delay=1, max_consecutive_failures=2))
     _fit(tmp_path, snip, max_steps=10)  # fail, succeed, fail, succeed: never two in a row
     assert snip.num_plans_applied == 2
+
+
+# ---------------------------------------------------------------- a model from another library
+
+
+class _HFLlamaLM(pl.LightningModule):
+    """Hugging Face transformers' LlamaForCausalLM as users wrap it: tied embeddings, attention
+    dropout, no snip_loss."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             tie_word_embeddings=True, attention_dropout=0.1)
+        self.llama = LlamaForCausalLM(config)
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        logits = self.llama(input_ids=inputs).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+def test_hugging_face_llama_trains_and_plans_under_bf16_mixed(tmp_path):
+    pytest.importorskip("transformers")
+    module = _HFLlamaLM()
+    snip = SNIPCallback(_snip(pins={"*lm_head": "bf16"}, initial_format="mxfp4"))
+    trainer, _ = _fit(tmp_path, snip, module=module, precision="bf16-mixed")
+    assert len(snip.layers) == 15 and "llama.model.layers.1.mlp.down_proj" in snip.layers
+    assert snip.num_plans_applied == 2 and _finite_round(snip)
+    assert module.llama.lm_head.weight is module.llama.model.embed_tokens.weight
+    assert math.isfinite(float(trainer.callback_metrics["train/loss"]))
+    assert snip.plan.fp4_fraction >= 0.6
