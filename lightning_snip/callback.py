@@ -24,7 +24,7 @@ from lightning_snip.divergence import (DivergenceResult, FirstOrderTerms, LayerD
                                        estimate_divergence)
 from lightning_snip.formats import Format
 from lightning_snip.plan import Plan, SolveStatus
-from lightning_snip.planner import LayerCandidates, solve_plan
+from lightning_snip.planner import LayerCandidates, PlanInfeasibleError, check_target, solve_plan
 from lightning_snip.reporting import divergence_scalars, log_to_loggers, plan_scalars
 from lightning_snip.stats import FirstOrderSampler, collect_stats, slice_batch
 
@@ -116,6 +116,14 @@ class SNIPCallback(Callback):
         self._sr_seed = 0
         self.num_consecutive_failures = 0  # statistics rounds or solves in a row that gave no plan
 
+    @property
+    def fp4_fraction(self) -> float:
+        """FP4 share of the switched layers' linear FLOPs under the formats in force now."""
+        total = sum(self._flops.values())
+        if not total:
+            return 0.0
+        return sum(self._flops[fqn] for fqn, layer in self.layers.items() if layer.format.is_fp4) / total
+
     # ------------------------------------------------------------------ hooks
 
     @override
@@ -149,6 +157,8 @@ class SNIPCallback(Callback):
                                           cfg.first_order_rows, self._first_order_terms.add)
         if self.plan is not None:
             apply_plan(pl_module, self.plan)  # a given plan that does not fit the model fails here
+        if cfg.replan:
+            self._check_target()
         # Stochastic rounding draws from one generator per rank, reseeded every micro-batch from
         # (the run's seed, rank, step, batch index): ranks round independently, a rerun or a resumed
         # run draws the same numbers, and the global RNG (dropout) is left alone.
@@ -302,6 +312,22 @@ class SNIPCallback(Callback):
         self._fold_into_aggregate(self.history[-1]["divergence"])
         self._start_solve(trainer, step, step + self.config.apply_delay)
 
+    def _check_target(self) -> None:
+        """Fail at fit start when no plan can meet the FP4 fraction / cost budget: pins and layer
+        shapes alone decide that, and every statistics round would otherwise fail on it."""
+        cfg = self.config
+        candidates = [dataclasses.replace(c, loss_divergence={f: 0.0 for f in c.loss_divergence},
+                                          weight_divergence={f: 0.0 for f in c.weight_divergence})
+                      for c in self._candidates()]
+        try:
+            check_target(candidates, fp4_fraction=cfg.fp4_fraction, cost_budget=cfg.cost_budget,
+                         relative_cost=cfg.cost_model.relative_cost)
+        except PlanInfeasibleError as err:
+            field_name = "snip.fp4_fraction" if cfg.fp4_fraction is not None else "snip.cost_budget"
+            value = cfg.fp4_fraction if cfg.fp4_fraction is not None else cfg.cost_budget
+            raise ValueError(f"{field_name}: {value!r} cannot be met with these pins and layers ({err}); "
+                             "lower it, or unpin layers / add candidate formats") from None
+
     def _count_failure(self, cause: str) -> None:
         """One more round or solve that gave no plan; past ``max_consecutive_failures`` in a row, stop
         the run with the cause (a warning per round that nobody reads is a silent failure)."""
@@ -405,15 +431,17 @@ class SNIPCallback(Callback):
             self._count_failure(f"plan from step {pending.stats_step} could not be applied: {err}")
             return
         self.num_consecutive_failures = 0
-        previous, self.plan = self.plan, plan
+        self.plan = plan
         self.num_plans_applied += 1
         if self.history and self.history[-1]["step"] == pending.stats_step:
             self.history[-1]["plan"] = json.loads(message)
-        scalars = {**plan_scalars(plan, previous), "snip/solver_seconds": plan.solve_seconds,
+        num_changed = sum(1 for fqn, fmt in plan.items() if before.get(fqn) is not fmt)
+        scalars = {**plan_scalars(plan, num_changed), "snip/solver_seconds": plan.solve_seconds,
                    "snip/plan_agreement": _plan_agreement(plan, before, self.layers)}
         log_to_loggers(trainer.loggers, step, scalars, plan)
-        if plan.status is not SolveStatus.OPTIMAL:
-            logger.info("SNIP plan at step %d is %s", step, plan.status.value)
+        status = "" if plan.status is SolveStatus.OPTIMAL else f" ({plan.status.value})"
+        logger.info("SNIP plan applied at step %d: FP4 FLOPs fraction %.3f, %d of %d layers changed%s",
+                    step, plan.fp4_fraction, num_changed, len(plan), status)
 
 
 def _stream_seed(seed: int, rank: int, step: int, batch_idx: int) -> int:

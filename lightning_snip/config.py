@@ -169,10 +169,16 @@ class TrainerConfig:
     log_every_n_steps: int = 10
     val_check_interval: int = 100
     output_dir: str = "snip_runs"
+    progress_seconds: float = 20.0  # a progress line at least this often
+    checkpoint_every_n_steps: int = 50  # to <output_dir>/checkpoints (last.ckpt: the latest, also at the end)
+    ckpt_path: str | None = None  # resume: "last" (the latest under output_dir) or a checkpoint file
 
     def __post_init__(self) -> None:
         _check(self.max_steps > 0, "trainer.max_steps", self.max_steps, "an integer > 0")
         _check(self.lr > 0, "trainer.lr", self.lr, "a number > 0")
+        _check(self.progress_seconds > 0, "trainer.progress_seconds", self.progress_seconds, "a number of seconds > 0")
+        _check(self.checkpoint_every_n_steps > 0, "trainer.checkpoint_every_n_steps", self.checkpoint_every_n_steps,
+               "an integer > 0")
 
 
 @dataclass(frozen=True, kw_only=True)

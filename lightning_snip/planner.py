@@ -163,6 +163,24 @@ def _check_reachable(stage, group: Sequence[LayerCandidates], target: _Target) -
             )
 
 
+def check_target(
+    layers: Sequence[LayerCandidates],
+    *,
+    fp4_fraction: float | None = None,
+    cost_budget: float | None = None,
+    stages: Mapping[str, Hashable] | None = None,
+    relative_cost: Mapping[Format, float] = DEFAULT_RELATIVE_COST,
+) -> None:
+    """Raise what ``solve_plan`` would raise for the target alone, before any divergence exists:
+    whether the pins and the layers' allowed formats can meet it at all (SNIPCallback calls it at
+    fit start, so an impossible target fails then, not at the first plan).
+
+    Raises:
+        ValueError: bad arguments. PlanInfeasibleError: the target is unreachable (names the stage).
+    """
+    _validate(layers, fp4_fraction, cost_budget, stages, relative_cost)
+
+
 def solve_plan(
     layers: Sequence[LayerCandidates],
     *,

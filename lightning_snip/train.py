@@ -1,64 +1,115 @@
 """The main job: SNIP training of the demo model on the bundled corpus (a Hydra application).
 
     python -m lightning_snip.train trainer.max_steps=60 snip.warmup_steps=10 snip.interval=20 snip.fp4_fraction=0.8
+
+Configuration errors print one line naming the field, the value and what is allowed, and exit 2
+(``HYDRA_FULL_ERROR=1`` shows the traceback). ``trainer.ckpt_path=last`` resumes the latest
+checkpoint under ``trainer.output_dir``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import typing
+import os
+import re
+import shutil
+import sys
 import time
+import warnings
 from pathlib import Path
 
 import hydra
+import lightning.pytorch as pl
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_snip.config import TrainConfig, register_configs
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("lightning_snip.train")  # also when run as __main__
+
+# A configuration error's message starts with the field it names ("snip.fp4_fraction: ...").
+_FIELD_ERROR = re.compile(r"^[\w.\[\]*'\"-]+: ")
+
+
+class ConfigError(ValueError):
+    """A configuration the app cannot run; its message names the field."""
 
 
 def to_config(cfg: DictConfig) -> TrainConfig:
-    """Hydra's composed config -> the validated frozen dataclasses (runs every __post_init__)."""
+    """Hydra's composed config -> the validated frozen dataclasses (runs every __post_init__).
+
+    Raises:
+        ConfigError: a key the schema does not have (e.g. ``+snip.foo=1``), with the allowed keys.
+    """
+    for group, schema in typing.get_type_hints(TrainConfig).items():
+        node = cfg.get(group)
+        if node is None:
+            continue
+        fields = {f.name for f in dataclasses.fields(schema)}
+        unknown = sorted(set(node.keys()) - fields)
+        if unknown:
+            raise ConfigError(f"{group}.{unknown[0]}: unknown key; allowed: {', '.join(sorted(fields))}")
     return OmegaConf.to_object(cfg)
 
 
-def run(config: TrainConfig) -> dict:
+def run(config: TrainConfig, *, output_folder: str | None = None) -> dict:
     """Train the demo with SNIPCallback; return the summary (also printed)."""
-    import lightning.pytorch as pl
-    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from lightning_snip.callback import SNIPCallback
     from lightning_snip.demo.lightning import ByteTextDataModule, DemoLM
 
     t = config.trainer
-    pl.seed_everything(t.seed, workers=True)
-    if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, torch.get_num_threads()))
-    module = DemoLM(config.model, lr=t.lr, weight_decay=t.weight_decay)
     data = ByteTextDataModule(config.data.path, seq_len=config.data.seq_len, batch_size=config.data.batch_size,
                               val_fraction=config.data.val_fraction, val_batches=config.data.val_batches, seed=t.seed)
+    data.load()  # a missing, empty or too short corpus fails here, before anything is built
+    ckpt_dir = Path(t.output_dir) / "checkpoints"
+    ckpt_path = t.ckpt_path
+    if ckpt_path == "last":
+        if not (ckpt_dir / "last.ckpt").is_file():
+            raise ConfigError(f"trainer.ckpt_path: 'last', but there is no checkpoint {ckpt_dir / 'last.ckpt'}; "
+                              "allowed: null, last (after a run with the same trainer.output_dir), or a .ckpt file")
+        ckpt_path = str(ckpt_dir / "last.ckpt")
+    elif ckpt_path is not None and not Path(ckpt_path).is_file():
+        raise ConfigError(f"trainer.ckpt_path: {ckpt_path!r} is not a file; allowed: null, last, or a .ckpt file")
+
+    pl.seed_everything(t.seed, workers=True, verbose=False)
+    module = DemoLM(config.model, lr=t.lr, weight_decay=t.weight_decay)
     snip = SNIPCallback(config.snip)
     tb = TensorBoardLogger(save_dir=t.output_dir, name="snip")
+    # Names without "=" (Lightning's default), so a checkpoint path can be a Hydra override value.
+    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="step{step:06d}", auto_insert_metric_name=False,
+                                 every_n_train_steps=t.checkpoint_every_n_steps, save_top_k=1, save_last=True)
+    progress = ProgressLog(snip, every_seconds=t.progress_seconds)
     trainer = pl.Trainer(
         max_steps=t.max_steps, accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, precision=t.precision,
-        logger=tb, callbacks=[snip], log_every_n_steps=t.log_every_n_steps,
+        logger=tb, callbacks=[snip, checkpoint, progress], log_every_n_steps=t.log_every_n_steps,
         val_check_interval=min(t.val_check_interval, t.max_steps), check_val_every_n_epoch=None,
         enable_model_summary=False, enable_progress_bar=False,
     )
     start = time.perf_counter()
-    trainer.fit(module, datamodule=data)
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    except BaseException:
+        if progress.num_steps == 0 and Path(tb.log_dir).is_dir():
+            shutil.rmtree(tb.log_dir, ignore_errors=True)  # a run that never trained leaves no empty folder
+        raise
     seconds = time.perf_counter() - start
+    final_ckpt = ckpt_dir / "last.ckpt"
+    trainer.save_checkpoint(final_ckpt)  # the end state (the step checkpoints may predate it)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     summary = {
         "steps": trainer.global_step,
         "seconds": seconds,
         "train_loss": metrics.get("train/loss"),
         "val_loss": metrics.get("val/loss"),
-        "fp4_fraction": snip.plan.fp4_fraction if snip.plan else 0.0,
+        "fp4_fraction": snip.plan.fp4_fraction if snip.plan else snip.fp4_fraction,
         "plans_applied": snip.num_plans_applied,
         "log_dir": tb.log_dir,
+        "checkpoint": str(final_ckpt),
     }
     if trainer.is_global_zero:
         print("\n=== SNIP summary ===")
@@ -66,10 +117,81 @@ def run(config: TrainConfig) -> dict:
             print(snip.plan.table())
         else:
             print(f"no SNIP plan yet (first statistics round at step {config.snip.warmup_steps}); all layers in {config.snip.initial_format}")
-        print(f"steps {summary['steps']} in {seconds:.1f} s; train loss {summary['train_loss']}; val loss {summary['val_loss']}")
+        steps_per_second = progress.num_steps / seconds if seconds > 0 else 0.0
+        print(f"steps {summary['steps']} in {seconds:.1f} s ({steps_per_second:.2f} steps/s); "
+              f"train loss {_fmt(summary['train_loss'])}; val loss {_fmt(summary['val_loss'])}")
         print(f"FP4 FLOPs fraction {summary['fp4_fraction']:.3f}; plans applied {summary['plans_applied']}")
-        print(f"TensorBoard logs: {summary['log_dir']}  (tensorboard --logdir {t.output_dir})")
+        print(f"checkpoint: {Path(final_ckpt).resolve()}  (resume: trainer.ckpt_path=last)")
+        if output_folder:
+            print(f"output folder: {output_folder}")
+        print(f"TensorBoard logs: {Path(summary['log_dir']).resolve()}")
+        print(f"  view: {_tensorboard_command()} --logdir {Path(t.output_dir).resolve()}")
     return summary
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def _tensorboard_command() -> str:
+    """``tensorboard`` as it runs from the shell the app runs in (the venv's own, if not on PATH)."""
+    beside = Path(sys.executable).with_name("tensorboard")
+    if shutil.which("tensorboard") or not beside.is_file():
+        return "tensorboard"
+    return str(beside)
+
+
+class ProgressLog(pl.Callback):
+    """A progress line at least every ``every_seconds`` (and at the last step): step, loss, steps/s,
+    the FP4 FLOPs fraction in force. Plain log lines, so it works with or without a terminal."""
+
+    def __init__(self, snip, *, every_seconds: float) -> None:
+        self.snip, self.every_seconds = snip, every_seconds
+        self.num_steps = 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._last = time.perf_counter()
+        self._last_step = trainer.global_step
+        cfg = self.snip.config
+        logger.info("training %d steps from step %d; SNIP statistics every %d steps from step %d",
+                    trainer.max_steps, trainer.global_step, cfg.interval, cfg.warmup_steps)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.num_steps += 1
+        now = time.perf_counter()
+        if now - self._last < self.every_seconds and trainer.global_step < trainer.max_steps:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        steps = trainer.global_step - self._last_step
+        logger.info("step %d/%d | loss %s | %.2f steps/s | FP4 fraction %.2f", trainer.global_step, trainer.max_steps,
+                    "n/a" if loss is None else f"{float(loss):.4f}", steps / max(now - self._last, 1e-9),
+                    self.snip.fp4_fraction)
+        self._last, self._last_step = now, trainer.global_step
+
+
+class _DropNoise(logging.Filter):
+    """Lightning's advertisements and its note on torch.load defaults."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return "💡 Tip" not in message and "`weights_only` was not set" not in message
+
+
+def quiet_third_party_output() -> None:
+    """The app's output, not the library's (which never touches global logging): each line once (in
+    Hydra's format), and no third-party messages that say nothing to a user of the demo."""
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        lightning_logger = logging.getLogger(name)
+        lightning_logger.handlers.clear()  # Lightning's own handler duplicated every line
+        lightning_logger.propagate = True
+    for name, level in (("torchao", logging.ERROR),  # optional CUDA/Triton extensions absent on CPU
+                        ("torch.utils._pytree", logging.ERROR),  # torchao's enum registrations
+                        ("mip", logging.WARNING)):
+        logging.getLogger(name).setLevel(level)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_DropNoise())
+    warnings.filterwarnings("ignore", message=r".*treespec, LeafSpec.*")
+    warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
 
 
 register_configs()
@@ -77,7 +199,18 @@ register_configs()
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
-    run(to_config(cfg))
+    quiet_third_party_output()
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        run(to_config(cfg), output_folder=HydraConfig.get().runtime.output_dir)
+    except ValueError as err:
+        if isinstance(err, ConfigError) or _FIELD_ERROR.match(str(err)):
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            print(f"error: {err}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
+            sys.exit(2)
+        raise
 
 
 if __name__ == "__main__":

@@ -251,6 +251,9 @@ def test_plan_agreement_is_logged(tmp_path):
     # The first plan against the initial format (fp8), the second against the first.
     assert agreement[0].value == pytest.approx(sum(first[f] == "fp8" for f in unpinned) / len(unpinned))
     assert agreement[1].value == pytest.approx(sum(second[f] == first[f] for f in unpinned) / len(unpinned))
+    # Changed layers are counted against the formats in force; the pinned lm_head never changes.
+    changes = [e.value for e in events.Scalars("snip/plan_changes")]
+    assert changes == [sum(first[f] != "fp8" for f in unpinned), sum(second[f] != first[f] for f in unpinned)]
 
 
 # A checkpoint at global_step n is written after n steps, before step n's hooks: at 6 nothing is
@@ -335,3 +338,14 @@ def test_failing_training_step_leaves_no_hooks(tmp_path):
     with pytest.raises(RuntimeError, match="injected step failure"):
         _fit(tmp_path, snip, max_steps=4, module=Failing(SMALL))
     assert all(not layer._forward_hooks for layer in snip.layers.values())
+
+
+def test_unreachable_fp4_target_fails_at_fit_start(tmp_path):
+    # The pinned lm_head holds 256*64 of the 2-block model's FLOPs: FP4 fraction 1.0 is impossible.
+    snip = SNIPCallback(_snip(fp4_fraction=1.0))
+    with pytest.raises(ValueError, match=r"snip.fp4_fraction: 1.0 cannot be met.*at most 0\.\d+ of its FLOPs"):
+        _fit(tmp_path, snip, max_steps=4)
+    assert snip.num_stats_rounds == 0
+    snip = SNIPCallback(_snip(fp4_fraction=None, cost_budget=0.1))  # below all-FP4's 0.25 relative cost
+    with pytest.raises(ValueError, match=r"snip.cost_budget: 0.1 cannot be met"):
+        _fit(tmp_path, snip, max_steps=4)

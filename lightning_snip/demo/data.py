@@ -4,6 +4,7 @@ ships with every Python, so nothing is downloaded); ``path`` takes any text file
 from __future__ import annotations
 
 import logging
+import math
 import sysconfig
 from pathlib import Path
 
@@ -30,16 +31,26 @@ def default_corpus_bytes() -> bytes:
     return b"\n".join(parts)
 
 
-def load_corpus(path: str | None) -> torch.Tensor:
-    """The corpus as a 1-D uint8 tensor of bytes."""
+def load_corpus(path: str | None, *, min_bytes: int = 1, why: str = "") -> torch.Tensor:
+    """The corpus as a 1-D uint8 tensor of bytes; ValueError naming data.path and the file's size
+    when it is missing or holds fewer than ``min_bytes`` bytes (``why`` says what needs them)."""
     if path:
         file = Path(path).expanduser()
         if not file.is_file():
             raise ValueError(f"data.path: {str(file)!r} is not a readable file")
         data = file.read_bytes()
+        name = repr(str(file))
     else:
         data = default_corpus_bytes()
+        name = "the default corpus"
+    if len(data) < max(1, min_bytes):
+        raise ValueError(f"data.path: {name} holds {len(data)} bytes; at least {max(1, min_bytes)} are needed{why}")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def min_corpus_bytes(seq_len: int, val_fraction: float) -> int:
+    """Bytes a corpus needs so that both its training and validation splits hold one window."""
+    return math.ceil((seq_len + 1) / min(val_fraction, 1 - val_fraction)) + 1
 
 
 class ByteWindows(torch.utils.data.Dataset):

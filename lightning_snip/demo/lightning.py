@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch
 
-from lightning_snip.demo.data import ByteWindows, load_corpus, split_corpus
+from lightning_snip.demo.data import ByteWindows, load_corpus, min_corpus_bytes, split_corpus
 from lightning_snip.demo.model import LlamaConfig, TinyLlama
 
 
@@ -44,6 +44,29 @@ class DemoLM(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class WindowStream(torch.utils.data.Sampler):
+    """Window indices drawn uniformly with replacement, the i-th a function of (seed, i) alone, from
+    index ``start`` on: one practically endless epoch that can be resumed at any position."""
+
+    CHUNK = 4096
+
+    def __init__(self, num_windows: int, *, seed: int, start: int = 0, length: int = 10**8) -> None:
+        self.num_windows, self.seed, self.start, self.length = num_windows, seed, start, length
+
+    def __len__(self) -> int:
+        return self.length - self.start
+
+    def __iter__(self):
+        chunk, offset = divmod(self.start, self.CHUNK)
+        remaining = len(self)
+        while remaining > 0:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + chunk)
+            indices = torch.randint(self.num_windows, (self.CHUNK,), generator=generator)[offset:offset + remaining]
+            yield from indices.tolist()
+            remaining -= len(indices)
+            chunk, offset = chunk + 1, 0
+
+
 class ByteTextDataModule(pl.LightningDataModule):
     """Windows of a byte corpus: shuffled training windows, a fixed held-out tail for validation."""
 
@@ -53,8 +76,16 @@ class ByteTextDataModule(pl.LightningDataModule):
         self.path, self.seq_len, self.batch_size = path, seq_len, batch_size
         self.val_fraction, self.val_batches, self.seed = val_fraction, val_batches, seed
 
+    def load(self) -> torch.Tensor:
+        """The corpus, checked to be long enough for one window in each split (ValueError naming
+        data.path, the file's size and what is needed)."""
+        need = min_corpus_bytes(self.seq_len, self.val_fraction)
+        return load_corpus(self.path, min_bytes=need, why=(
+            f" (one window of data.seq_len + 1 = {self.seq_len + 1} bytes in the validation split, "
+            f"data.val_fraction = {self.val_fraction}, and in the training split)"))
+
     def setup(self, stage: str | None = None) -> None:
-        train, val = split_corpus(load_corpus(self.path), self.val_fraction)
+        train, val = split_corpus(self.load(), self.val_fraction)
         # Training windows start at every seq_len/2 offset: twice the distinct windows of a tiling.
         self.train_set = ByteWindows(train, self.seq_len, stride=max(1, self.seq_len // 2))
         val_set = ByteWindows(val, self.seq_len)
@@ -62,8 +93,12 @@ class ByteTextDataModule(pl.LightningDataModule):
         self.val_set = torch.utils.data.Subset(val_set, range(count))
 
     def train_dataloader(self):
-        generator = torch.Generator().manual_seed(self.seed)
-        sampler = torch.utils.data.RandomSampler(self.train_set, replacement=True, num_samples=10**8, generator=generator)
+        # A resumed run continues the uninterrupted run's stream of windows: the sampler starts after
+        # the windows the restored steps consumed (Lightning restarts a plain DataLoader from its start).
+        start = 0
+        if self.trainer is not None:
+            start = self.trainer.global_step * self.trainer.accumulate_grad_batches * self.batch_size
+        sampler = WindowStream(len(self.train_set), seed=self.seed, start=start)
         return torch.utils.data.DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler)
 
     def val_dataloader(self):

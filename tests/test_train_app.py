@@ -1,0 +1,88 @@
+"""The Hydra app as a user runs it: a subprocess per run (few steps, a small model)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["model.num_layers=2", "model.dim=64", "model.hidden_dim=160", "data.seq_len=32", "data.batch_size=8",
+         "snip.warmup_steps=2", "snip.interval=4", "snip.fp4_fraction=0.6", "snip.max_rows=128", "snip.noise_draws=1",
+         "snip.first_order_steps=2"]
+
+
+def _cmd(tmp_path, *overrides):
+    return [sys.executable, "-m", "lightning_snip.train", *SMALL, f"trainer.output_dir={tmp_path}/runs",
+            f"hydra.run.dir={tmp_path}/hydra", *overrides]
+
+
+def _run(tmp_path, *overrides, timeout=600):
+    return subprocess.run(_cmd(tmp_path, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _plan_table(stdout: str) -> str:
+    return stdout.split("=== SNIP summary ===", 1)[1].split("steps ", 1)[0]
+
+
+def test_progress_plan_lines_clean_output_and_summary(tmp_path):
+    proc = _run(tmp_path, "trainer.max_steps=8", "trainer.progress_seconds=0.001", "trainer.val_check_interval=8",
+                "trainer.checkpoint_every_n_steps=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stderr + proc.stdout
+    assert log.count("step 8/8 | loss ") == 1  # a progress line per step here, each printed once
+    assert "SNIP plan applied at step 3: FP4 FLOPs fraction" in log and "layers changed" in log
+    for noise in ("💡", "Failed to load", "Detected no triton", "LeafSpec", "register_constant", "INFO: "):
+        assert noise not in log, noise
+    summary = proc.stdout.split("=== SNIP summary ===", 1)[1]
+    assert f"checkpoint: {tmp_path}/runs/checkpoints/last.ckpt" in summary
+    assert f"output folder: {tmp_path}/hydra" in summary
+    assert f"--logdir {tmp_path}/runs" in summary
+    assert (tmp_path / "runs" / "checkpoints" / "last.ckpt").is_file()
+    assert not [p for p in (tmp_path / "runs" / "checkpoints").iterdir() if "=" in p.name]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["data.path=/nonexistent/corpus.txt"], "data.path: '/nonexistent/corpus.txt' is not a readable file"),
+    (["data.path={empty}"], "data.path: '{empty}' holds 0 bytes; at least"),
+    (["data.path={short}"], "data.path: '{short}' holds 100 bytes; at least 661 are needed"),
+    (["+snip.foo=1"], "snip.foo: unknown key; allowed:"),
+    (["snip.fp4_fraction=1.0"], "snip.fp4_fraction: 1.0 cannot be met"),
+    (["trainer.ckpt_path=last"], "trainer.ckpt_path: 'last', but there is no checkpoint"),
+])
+def test_configuration_errors_are_one_line_before_training(tmp_path, overrides, message):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "short.txt").write_bytes(b"x" * 100)
+    paths = {"empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt"}
+    overrides = [o.format(**paths) for o in overrides]
+    proc = _run(tmp_path, "trainer.max_steps=4", *overrides)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert message.format(**paths) in proc.stderr
+    assert "Traceback" not in proc.stderr
+    runs = tmp_path / "runs" / "snip"
+    assert not runs.exists() or not any(runs.iterdir())  # no empty version folder left behind
+
+
+def test_killed_run_resumes_to_the_uninterrupted_runs_plan(tmp_path):
+    steps = ["trainer.max_steps=16", "trainer.checkpoint_every_n_steps=4", "trainer.val_check_interval=16"]
+    full = _run(tmp_path / "full", *steps)
+    assert full.returncode == 0, full.stderr[-3000:]
+
+    proc = subprocess.Popen(_cmd(tmp_path / "killed", *steps), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    checkpoint = tmp_path / "killed" / "runs" / "checkpoints" / "step000008.ckpt"
+    deadline = time.time() + 600
+    while not checkpoint.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)  # mid-run, after the step-8 checkpoint (or a later one)
+    proc.wait()
+    assert checkpoint.exists() or (tmp_path / "killed" / "runs" / "checkpoints" / "step000012.ckpt").exists()
+
+    resumed = _run(tmp_path / "killed", *steps, "trainer.ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "training 16 steps from step 0" not in resumed.stderr + resumed.stdout
+    assert _plan_table(resumed.stdout) == _plan_table(full.stdout)
