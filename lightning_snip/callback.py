@@ -228,6 +228,7 @@ class SNIPCallback(Callback):
             "aggregate": self.aggregate.state_dict(),
             "pending": None if self._pending is None else [self._pending.stats_step, self._pending.apply_step],
             "first_order_history": [[fqn, fmt.value, values] for (fqn, fmt), values in self._first_order_history.items()],
+            "num_consecutive_failures": self.num_consecutive_failures,
         }
 
     @override
@@ -245,6 +246,7 @@ class SNIPCallback(Callback):
         self._restored_pending = (int(pending[0]), int(pending[1])) if pending else None
         self._first_order_history = {(fqn, Format(fmt)): [float(v) for v in values]
                                      for fqn, fmt, values in state_dict.get("first_order_history", [])}
+        self.num_consecutive_failures = int(state_dict.get("num_consecutive_failures", 0))
 
     # ------------------------------------------------------------------ helpers
 
@@ -277,17 +279,17 @@ class SNIPCallback(Callback):
                 with precision.train_step_context(), torch.compiler.set_stance("force_eager"):
                     return _loss(pl_module, sliced, batch_idx)
 
-            stats = collect_stats(pl_module, loss_fn, layers=self.layers, optimizer=optimizer,
-                                  loss_scale=_amp_loss_scale(trainer))
-            try:
-                result = estimate_divergence(
-                    stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws, noise_scale=cfg.noise_scale,
-                    loss_estimator=cfg.loss_estimator, first_order_history=self._first_order_history,
-                    allowed={fqn: layer.allowed_formats for fqn, layer in self.layers.items()},
-                    generator=_round_generator(pl_module.device, step, trainer.global_rank),
-                )
-            finally:
-                stats.release()
+            with _buffers_restored(pl_module):  # the recording pass and every noise re-run
+                stats = self._collect(pl_module, loss_fn, optimizer, _amp_loss_scale(trainer))
+                try:
+                    result = estimate_divergence(
+                        stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws, noise_scale=cfg.noise_scale,
+                        loss_estimator=cfg.loss_estimator, first_order_history=self._first_order_history,
+                        allowed={fqn: layer.allowed_formats for fqn, layer in self.layers.items()},
+                        generator=_round_generator(pl_module.device, step, trainer.global_rank),
+                    )
+                finally:
+                    stats.release()
             # Rounds and ranks are averaged before the clamp at 0 (in _candidates): clamping each one
             # first would bias noisy layers upwards.
             result = DivergenceResult(
@@ -311,6 +313,17 @@ class SNIPCallback(Callback):
         self.history.append({"step": step, "divergence": result.as_dict()})
         self._fold_into_aggregate(self.history[-1]["divergence"])
         self._start_solve(trainer, step, step + self.config.apply_delay)
+
+    def _collect(self, pl_module, loss_fn, optimizer, loss_scale: float):
+        """collect_stats; under fp16 a loss scale that overflows is lowered (by 2^8, as often as it
+        takes, down to 1) instead of losing the round, as GradScaler lowers its own."""
+        while True:
+            stats = collect_stats(pl_module, loss_fn, layers=self.layers, optimizer=optimizer, loss_scale=loss_scale)
+            finite = all(torch.isfinite(s.g).all() for s in stats.layers.values())
+            if finite or loss_scale <= 1.0:
+                return stats
+            stats.release()
+            loss_scale = max(1.0, loss_scale / 256.0)
 
     def _check_target(self) -> None:
         """Fail at fit start when no plan can meet the FP4 fraction / cost budget: pins and layer
@@ -442,6 +455,19 @@ class SNIPCallback(Callback):
         status = "" if plan.status is SolveStatus.OPTIMAL else f" ({plan.status.value})"
         logger.info("SNIP plan applied at step %d: FP4 FLOPs fraction %.3f, %d of %d layers changed%s",
                     step, plan.fp4_fraction, num_changed, len(plan), status)
+
+
+@contextlib.contextmanager
+def _buffers_restored(module: torch.nn.Module):
+    """The round's forward passes leave the module's buffers as they found them (BatchNorm running
+    statistics, counters a forward updates); attributes outside buffers are the module's own."""
+    saved = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
 
 
 def _stream_seed(seed: int, rank: int, step: int, batch_idx: int) -> int:

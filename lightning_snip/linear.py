@@ -85,7 +85,8 @@ def _fp8_scaled_mm(a, b, recipe: QuantRecipe, a_is_grad: bool, b_is_grad: bool) 
     qb, inv_b = cast(b.contiguous(), b_is_grad)
     if recipe.fp8_scaling is Fp8Scaling.ROWWISE:
         inv_b = inv_b.reshape(1, -1)
-    out_dtype = a.dtype if a.dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
+    # The output follows the operands (autocast's dtype, fp16 included), as the emulated path does.
+    out_dtype = a.dtype if a.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
     return torch._scaled_mm(qa, qb.t(), scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
 
 
@@ -180,6 +181,11 @@ class SNIPLinear(nn.Linear):
             )
         self._format = fmt
 
+    # Under torch.compile a SNIPLinear runs eagerly (a graph break; the model around it compiles).
+    # Traced, it became one frame per layer guarded on its format (stochastic rounding's
+    # torch.Generator and torchao's scale code break graphs inside it anyway): a model with more
+    # layers than recompile_limit (8) hit the limit, and plan changes recompiled.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         backward_format = self.backward_format or self._format
         if self._format is Format.BF16 and backward_format is Format.BF16:

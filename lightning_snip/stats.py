@@ -139,9 +139,11 @@ class Statistics:
     def __init__(self, loss: float, layers: dict[str, LayerStats], param_grads: dict[str, torch.Tensor],
                  param_adam: dict[str, AdamState | None], inputs: dict[str, torch.Tensor],
                  params: dict[str, nn.Parameter], rerun: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]],
-                 loss_scale: float = 1.0):
+                 loss_scale: float = 1.0, layer_modules: Mapping[str, SNIPLinear] | None = None):
         self.loss = loss
         self._loss_scale = loss_scale
+        self._batched_vjp = True
+        self._layers = layer_modules or {}
         self.layers = layers
         # Every trainable parameter of the model (by name): its high-precision gradient on the slice
         # and its Adam state. Dgrad errors reach all upstream parameters, not only switchable ones.
@@ -159,12 +161,29 @@ class Statistics:
         if not x.requires_grad:
             return {}
         names = list(self._params)
+        params = [self._params[n] for n in names]
         scale = self._loss_scale  # fp16: keep the tiny gradient changes out of the subnormal range
-        grads = torch.autograd.grad(
-            x, [self._params[n] for n in names], grad_outputs=(grad_inputs.reshape(-1, *x.shape) * scale).to(x.dtype),
-            retain_graph=True, allow_unused=True, is_grads_batched=True,
-        )
-        return {n: g.float() / scale for n, g in zip(names, grads) if g is not None}
+        stacked = (grad_inputs.reshape(-1, *x.shape) * scale).to(x.dtype)
+        # Layers in the formats of the recording pass: activation checkpointing recomputes its region
+        # during this backward and requires the same computation as the forward it replays.
+        with high_precision(self._layers):
+            return self._vjp(x, names, params, stacked, scale)
+
+    def _vjp(self, x, names, params, stacked, scale) -> dict[str, torch.Tensor]:
+        if self._batched_vjp:
+            try:
+                grads = torch.autograd.grad(x, params, grad_outputs=stacked, retain_graph=True, allow_unused=True,
+                                            is_grads_batched=True)
+                return {n: g.float() / scale for n, g in zip(names, grads) if g is not None}
+            except RuntimeError as err:
+                # Activation checkpointing recomputes its region inside the batched (vmap) backward,
+                # which it does not support: one product per vector instead, for the rest of the round.
+                logger.info("statistics: batched vector-Jacobian product failed (%s); one per format instead",
+                            str(err).splitlines()[0])
+                self._batched_vjp = False
+        per_vector = [torch.autograd.grad(x, params, grad_outputs=e, retain_graph=True, allow_unused=True) for e in stacked]
+        return {n: torch.stack([grads[i] for grads in per_vector]).float() / scale
+                for i, n in enumerate(names) if per_vector[0][i] is not None}
 
     def output_grads_with_noise(self, noise: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Re-run the slice with ``noise[fqn]`` (rows x m) added to each layer's output; return the
@@ -174,6 +193,7 @@ class Statistics:
     def release(self) -> None:
         self._inputs.clear()
         self._rerun = None
+        self._layers = {}
 
 
 def collect_stats(
@@ -252,6 +272,7 @@ def collect_stats(
         params=params,
         rerun=lambda noise: run(noise, keep_graph=False)[2],
         loss_scale=loss_scale,
+        layer_modules=layers,
     )
 
 
@@ -355,6 +376,7 @@ class FirstOrderSampler:
                 handle.remove()
 
     def _make_hook(self, fqn: str, offset: int):
+        @torch.compiler.disable  # eager under torch.compile: no frame per layer, no guard on its name
         def hook(module, args, output):
             if not (torch.is_grad_enabled() and output.requires_grad):
                 return None
