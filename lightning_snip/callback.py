@@ -142,13 +142,20 @@ class SNIPCallback(Callback):
         # Converted here, not in setup: layers built (or compiled) in ``configure_model`` exist only
         # after setup, and the strategy has moved the model to its device.
         cfg = self.config
-        self.layers = convert_linears(
-            pl_module,
-            filter=glob_filter(cfg.include, cfg.exclude),
-            pins=cfg.pins,
-            initial_format=cfg.initial_format,
-            recipe=cfg.recipe,
-        )
+        try:
+            self.layers = convert_linears(
+                pl_module,
+                filter=glob_filter(cfg.include, cfg.exclude),
+                pins=cfg.pin_formats,
+                initial_format=cfg.initial_format,
+                recipe=cfg.recipe,
+            )
+        except ValueError as err:  # name the config fields, not convert_linears' arguments
+            message = str(err)
+            for argument, field_name in (("filter:", "snip.include:"), ("pins:", "snip.pins:")):
+                if message.startswith(argument):
+                    raise ValueError(field_name + message[len(argument):]) from None
+            raise
         # Relative FLOPs per step: every layer sees the same tokens, so 6 * m * k orders them.
         self._flops = {fqn: 6.0 * layer.in_features * layer.out_features for fqn, layer in self.layers.items()}
         self._first_order_terms = FirstOrderTerms(cfg.formats, recipe=cfg.recipe)

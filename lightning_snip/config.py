@@ -9,11 +9,29 @@ Format names stay strings here (so overrides read ``snip.initial_format=fp8``) a
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_snip.demo.model import LlamaConfig
 from lightning_snip.divergence import LossEstimator
 from lightning_snip.formats import CostModel, Format, QuantRecipe
+
+
+def _parse_pins(pins) -> dict[str, str]:
+    """snip.pins as a mapping glob -> format, from a mapping or a list of "glob=format" strings."""
+    if isinstance(pins, Mapping):
+        return {str(k): v for k, v in pins.items()}
+    if isinstance(pins, str) or not isinstance(pins, Sequence):
+        raise ValueError(f"snip.pins: invalid value {pins!r}; allowed: a mapping glob -> format, or a list of "
+                         "'glob=format' strings such as ['*lm_head=bf16']")
+    out = {}
+    for i, item in enumerate(pins):
+        pattern, sep, fmt = str(item).rpartition("=")
+        if not sep or not pattern:
+            raise ValueError(f"snip.pins[{i}]: {item!r} is not 'glob=format'; e.g. '*lm_head=bf16'")
+        out[pattern.strip()] = fmt.strip()
+    return out
 
 
 def _check(condition: bool, name: str, value, allowed: str) -> None:
@@ -34,7 +52,9 @@ class SNIPConfig:
         candidate_formats: formats the planner may choose among (bf16 is always possible).
         initial_format: format of unpinned layers until the first plan.
         include / exclude: fqn globs selecting the nn.Linear layers to switch.
-        pins: fqn glob -> format kept fixed (the LM head in bf16 by default).
+        pins: fqn glob -> format kept fixed (the LM head in bf16 by default): a mapping, or a list of
+            "glob=format" strings (the form Hydra overrides can write: ``snip.pins=[]`` clears them,
+            ``'snip.pins=["*lm_head=bf16","*.attn.q=fp8"]'`` replaces them).
         max_rows: token rows in a statistics round (bounds its memory and time).
         noise_draws / noise_scale: curvature probes of the loss divergence.
         loss_estimator: how LD combines its first- and second-order terms (accumulated | batch |
@@ -65,7 +85,7 @@ class SNIPConfig:
     initial_format: str = "fp8"
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ()
-    pins: dict[str, str] = field(default_factory=lambda: {"*lm_head": "bf16"})
+    pins: Any = field(default_factory=lambda: ["*lm_head=bf16"])  # Any: a list (as overrides write it) or a mapping
     max_rows: int = 1024
     noise_draws: int = 2
     noise_scale: float = 0.1
@@ -112,16 +132,24 @@ class SNIPConfig:
         object.__setattr__(self, "candidate_formats", tuple(self.candidate_formats))
         object.__setattr__(self, "include", tuple(self.include))
         object.__setattr__(self, "exclude", tuple(self.exclude))
-        object.__setattr__(self, "pins", dict(self.pins))
+        # Kept as given (a list stays a list: TrainConfig's default instance is Hydra's schema, and a
+        # list there is what lets an override replace the pins instead of merging into them).
+        object.__setattr__(self, "pins", tuple(self.pins) if isinstance(self.pins, list) else self.pins)
+        pin_formats = self.pin_formats
         candidates = [Format.parse(f, field_name="snip.candidate_formats") for f in self.candidate_formats]
         _check(bool(candidates), "snip.candidate_formats", self.candidate_formats, "at least one of bf16, fp8, mxfp8, mxfp4, nvfp4")
         if self.fp4_fraction and not any(f.is_fp4 for f in candidates):
             raise ValueError(f"snip.candidate_formats: {list(self.candidate_formats)} holds no FP4 format, but fp4_fraction={self.fp4_fraction}")
         Format.parse(self.initial_format, field_name="snip.initial_format")
-        for pattern, fmt in self.pins.items():
+        for pattern, fmt in pin_formats.items():
             Format.parse(fmt, field_name=f"snip.pins[{pattern}]")
         self.recipe  # validates fp8_scaling and fp4_grad_rounding
         self.cost_model  # validates relative_cost
+
+    @property
+    def pin_formats(self) -> dict[str, str]:
+        """``pins`` as a mapping glob -> format name."""
+        return _parse_pins(self.pins)
 
     @property
     def formats(self) -> tuple[Format, ...]:

@@ -375,7 +375,7 @@ def _layer_divergence(r: _RoundInputs, s: LayerStats, y, fmts, kappa) -> LayerDi
         propagated_by_format += _update_deviation(r, name, deltas).pow(2).reshape(len(fmts), -1).sum(1).double().cpu()
     del upstream
     m_hat = m_var = None
-    if s.adam is not None:
+    if s.adam is not None and s.adam.step > 0:  # before the first step there is no m_hat
         b1, t = s.adam.beta1, s.adam.step
         m_hat = s.adam.exp_avg.float() / (1 - b1**t)
         v_hat = s.adam.exp_avg_sq.float() / (1 - s.adam.beta2**t)

@@ -32,7 +32,7 @@ class AdamState:
 
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    step: int
+    step: int  # steps taken (0: none yet, zero moments)
     lr: float
     beta1: float
     beta2: float
@@ -93,16 +93,21 @@ def read_adam_state(optimizer: torch.optim.Optimizer | None, weight: nn.Paramete
     """AdamState of ``weight`` if ``optimizer`` keeps Adam-style moments for it, else None."""
     if optimizer is None:
         return None
+    group = next((g for g in optimizer.param_groups if any(p is weight for p in g["params"])), None)
+    if group is None:
+        return None
     state = optimizer.state.get(weight, {})
     if "exp_avg" not in state or "exp_avg_sq" not in state:
-        return None
-    group = next(g for g in optimizer.param_groups if any(p is weight for p in g["params"]))
+        if "betas" not in group or state:
+            return None
+        # An Adam-family optimizer before its first step (snip.warmup_steps=0): zero moments, step 0.
+        state = {"exp_avg": torch.zeros_like(weight), "exp_avg_sq": torch.zeros_like(weight), "step": 0}
     beta1, beta2 = group.get("betas", (0.9, 0.999))
     step = int(state["step"]) if "step" in state else 1
     return AdamState(
         exp_avg=state["exp_avg"].detach(),
         exp_avg_sq=state["exp_avg_sq"].detach(),
-        step=max(step, 1),
+        step=step,
         lr=float(group["lr"]),
         beta1=float(beta1),
         beta2=float(beta2),

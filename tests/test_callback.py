@@ -162,7 +162,7 @@ def test_invalid_config_names_the_field(kw, field):
 
 
 def test_filter_matching_nothing_fails_at_setup(tmp_path):
-    with pytest.raises(ValueError, match="filter: selects no"):
+    with pytest.raises(ValueError, match="snip.include: selects no"):
         _fit(tmp_path, SNIPCallback(_snip(include=("nothing.*",))), max_steps=1)
 
 
@@ -349,3 +349,16 @@ def test_unreachable_fp4_target_fails_at_fit_start(tmp_path):
     snip = SNIPCallback(_snip(fp4_fraction=None, cost_budget=0.1))  # below all-FP4's 0.25 relative cost
     with pytest.raises(ValueError, match=r"snip.cost_budget: 0.1 cannot be met"):
         _fit(tmp_path, snip, max_steps=4)
+
+
+def test_round_before_the_first_optimizer_step_uses_zero_adam_moments(tmp_path, caplog):
+    import lightning_snip.divergence as divergence
+
+    divergence._warned_no_adam = False
+    snip = SNIPCallback(_snip(warmup_steps=0))
+    with caplog.at_level(logging.WARNING):
+        _fit(tmp_path, snip, max_steps=2)
+    assert "keeps no Adam moments" not in caplog.text
+    assert snip.history[0]["step"] == 0 and snip.history[0]["divergence"]["used_adam"]
+    wd = [d["weight_divergence"]["mxfp4"] for d in snip.history[0]["divergence"]["layers"].values()]
+    assert all(0 < v < float("inf") for v in wd)

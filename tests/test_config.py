@@ -18,14 +18,14 @@ def test_compose_with_overrides_builds_the_config():
     assert isinstance(cfg, TrainConfig) and isinstance(cfg.snip, SNIPConfig)
     assert cfg.trainer.max_steps == 60 and cfg.snip.interval == 20 and cfg.snip.fp4_fraction == 0.8
     assert cfg.snip.candidate_formats == ("fp8", "nvfp4") and cfg.model.num_layers == 2
-    assert cfg.snip.pins == {"*lm_head": "bf16"} and cfg.data.path == "/tmp/x.txt"
+    assert cfg.snip.pin_formats == {"*lm_head": "bf16"} and cfg.data.path == "/tmp/x.txt"
     with pytest.raises(Exception):
         cfg.snip.interval = 3  # frozen once built
 
 
 def test_defaults_match_the_dataclasses():
     cfg = to_config(_compose([]))
-    assert cfg.snip == SNIPConfig(pins={"*lm_head": "bf16"})
+    assert cfg.snip == SNIPConfig()
 
 
 @pytest.mark.parametrize(
@@ -45,3 +45,27 @@ def test_invalid_values_name_the_field(override, field):
 def test_wrong_type_is_rejected_by_the_schema():
     with pytest.raises(Exception, match="interval"):
         _compose(["snip.interval=often"])
+
+
+@pytest.mark.parametrize("override,expected", [
+    (None, {"*lm_head": "bf16"}),
+    ("snip.pins=[]", {}),  # clears them (a dict override would merge into the default)
+    ('snip.pins=["*lm_head=bf16","*.attn.q=fp8"]', {"*lm_head": "bf16", "*.attn.q": "fp8"}),
+])
+def test_pins_from_the_command_line(override, expected):
+    cfg = to_config(_compose([override] if override else []))
+    assert cfg.snip.pin_formats == expected
+
+
+@pytest.mark.parametrize("override,message", [
+    ("snip.pins=[lm_head]", r"snip.pins\[0\]: 'lm_head' is not 'glob=format'"),
+    ('snip.pins=["*lm_head=fp5"]', r"snip.pins\[\*lm_head\]: unknown format 'fp5'"),
+    ("+snip.foo=1", r"snip.foo: unknown key; allowed: .*interval"),
+])
+def test_bad_pins_and_unknown_keys_name_the_field(override, message):
+    with pytest.raises(ValueError, match=message):
+        to_config(_compose([override]))
+
+
+def test_python_api_takes_a_mapping_of_pins():
+    assert SNIPConfig(pins={"*.q": "fp8"}).pin_formats == {"*.q": "fp8"}
