@@ -18,18 +18,18 @@ from lightning_snip.divergence import LossEstimator
 from lightning_snip.formats import CostModel, Format, QuantRecipe
 
 
-def _parse_pins(pins) -> dict[str, str]:
-    """snip.pins as a mapping glob -> format, from a mapping or a list of "glob=format" strings."""
+def _parse_pins(pins, field_name: str = "snip.pins") -> dict[str, str]:
+    """Pins as a mapping glob -> format, from a mapping or a list of "glob=format" strings."""
     if isinstance(pins, Mapping):
         return {str(k): v for k, v in pins.items()}
     if isinstance(pins, str) or not isinstance(pins, Sequence):
-        raise ValueError(f"snip.pins: invalid value {pins!r}; allowed: a mapping glob -> format, or a list of "
+        raise ValueError(f"{field_name}: invalid value {pins!r}; allowed: a mapping glob -> format, or a list of "
                          "'glob=format' strings such as ['*lm_head=bf16']")
     out = {}
     for i, item in enumerate(pins):
         pattern, sep, fmt = str(item).rpartition("=")
         if not sep or not pattern:
-            raise ValueError(f"snip.pins[{i}]: {item!r} is not 'glob=format'; e.g. '*lm_head=bf16'")
+            raise ValueError(f"{field_name}[{i}]: {item!r} is not 'glob=format'; e.g. '*lm_head=bf16'")
         out[pattern.strip()] = fmt.strip()
     return out
 
@@ -55,6 +55,9 @@ class SNIPConfig:
         pins: fqn glob -> format kept fixed (the LM head in bf16 by default): a mapping, or a list of
             "glob=format" strings (the form Hydra overrides can write: ``snip.pins=[]`` clears them,
             ``'snip.pins=["*lm_head=bf16","*.attn.q=fp8"]'`` replaces them).
+        extra_pins: more pins in the same forms, added to ``pins``: how one is added from the command
+            line without restating the defaults (``'snip.extra_pins=["*.attn.q=fp8"]'``); an
+            extra pin wins over a ``pins`` entry with the same glob.
         max_rows: token rows in a statistics round (bounds its memory and time).
         noise_draws / noise_scale: curvature probes of the loss divergence.
         loss_estimator: how LD combines its first- and second-order terms (accumulated | batch |
@@ -86,6 +89,7 @@ class SNIPConfig:
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ()
     pins: Any = field(default_factory=lambda: ["*lm_head=bf16"])  # Any: a list (as overrides write it) or a mapping
+    extra_pins: Any = field(default_factory=list)
     max_rows: int = 1024
     noise_draws: int = 2
     noise_scale: float = 0.1
@@ -135,6 +139,7 @@ class SNIPConfig:
         # Kept as given (a list stays a list: TrainConfig's default instance is Hydra's schema, and a
         # list there is what lets an override replace the pins instead of merging into them).
         object.__setattr__(self, "pins", tuple(self.pins) if isinstance(self.pins, list) else self.pins)
+        object.__setattr__(self, "extra_pins", tuple(self.extra_pins) if isinstance(self.extra_pins, list) else self.extra_pins)
         pin_formats = self.pin_formats
         candidates = [Format.parse(f, field_name="snip.candidate_formats") for f in self.candidate_formats]
         _check(bool(candidates), "snip.candidate_formats", self.candidate_formats, "at least one of bf16, fp8, mxfp8, mxfp4, nvfp4")
@@ -148,8 +153,8 @@ class SNIPConfig:
 
     @property
     def pin_formats(self) -> dict[str, str]:
-        """``pins`` as a mapping glob -> format name."""
-        return _parse_pins(self.pins)
+        """``pins`` and ``extra_pins`` as one mapping glob -> format name."""
+        return {**_parse_pins(self.pins), **_parse_pins(self.extra_pins, field_name="snip.extra_pins")}
 
     @property
     def formats(self) -> tuple[Format, ...]:

@@ -51,6 +51,7 @@ def test_wrong_type_is_rejected_by_the_schema():
     (None, {"*lm_head": "bf16"}),
     ("snip.pins=[]", {}),  # clears them (a dict override would merge into the default)
     ('snip.pins=["*lm_head=bf16","*.attn.q=fp8"]', {"*lm_head": "bf16", "*.attn.q": "fp8"}),
+    ('snip.extra_pins=["*.attn.q=fp8"]', {"*lm_head": "bf16", "*.attn.q": "fp8"}),  # adds one
 ])
 def test_pins_from_the_command_line(override, expected):
     cfg = to_config(_compose([override] if override else []))
