@@ -1,7 +1,7 @@
-"""The configuration schema: frozen keyword-only dataclasses, registered as Hydra structured configs.
+"""SNIPConfig: the callback's settings, a frozen keyword-only dataclass (the library's schema).
 
-conf/ holds only values; every field here can be overridden on the command line, e.g.
-``python -m lightning_snip.train snip.fp4_fraction=0.8 snip.interval=20 trainer.max_steps=60``.
+The Hydra app (lightning_snip.train) composes it with its own model, data and trainer configs;
+every field can be overridden on the command line, e.g. ``snip.fp4_fraction=0.8 snip.interval=20``.
 Format names stay strings here (so overrides read ``snip.initial_format=fp8``) and are checked in
 ``__post_init__``, which OmegaConf.to_object runs.
 """
@@ -13,7 +13,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_snip.demo.model import LlamaConfig
 from lightning_snip.divergence import LossEstimator
 from lightning_snip.formats import CostModel, Format, QuantRecipe
 
@@ -34,7 +33,8 @@ def _parse_pins(pins, field_name: str = "snip.pins") -> dict[str, str]:
     return out
 
 
-def _check(condition: bool, name: str, value, allowed: str) -> None:
+def check_field(condition: bool, name: str, value, allowed: str) -> None:
+    """Raise ValueError naming the field, the bad value and what is allowed, unless ``condition``."""
     if not condition:
         raise ValueError(f"{name}: invalid value {value!r}; allowed: {allowed}")
 
@@ -108,31 +108,31 @@ class SNIPConfig:
     def __post_init__(self) -> None:
         for name in ("interval", "max_rows", "first_order_rows"):
             value = getattr(self, name)
-            _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, f"snip.{name}", value, "an integer > 0")
+            check_field(isinstance(value, int) and not isinstance(value, bool) and value > 0, f"snip.{name}", value, "an integer > 0")
         for name in ("warmup_steps", "apply_delay", "noise_draws", "first_order_steps"):
             value = getattr(self, name)
-            _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, f"snip.{name}", value, "an integer >= 0")
-        _check(self.max_consecutive_failures is None or (isinstance(self.max_consecutive_failures, int) and not isinstance(
+            check_field(isinstance(value, int) and not isinstance(value, bool) and value >= 0, f"snip.{name}", value, "an integer >= 0")
+        check_field(self.max_consecutive_failures is None or (isinstance(self.max_consecutive_failures, int) and not isinstance(
             self.max_consecutive_failures, bool) and self.max_consecutive_failures > 0),
             "snip.max_consecutive_failures", self.max_consecutive_failures, "an integer > 0, or null (never raise)")
-        _check(self.apply_delay < self.interval, "snip.apply_delay", self.apply_delay, f"an integer < snip.interval ({self.interval})")
+        check_field(self.apply_delay < self.interval, "snip.apply_delay", self.apply_delay, f"an integer < snip.interval ({self.interval})")
         if (self.fp4_fraction is None) == (self.cost_budget is None):
             raise ValueError(
                 f"snip.fp4_fraction / snip.cost_budget: set exactly one (the other null); got "
                 f"fp4_fraction={self.fp4_fraction!r}, cost_budget={self.cost_budget!r}"
             )
         if self.fp4_fraction is not None:
-            _check(0.0 <= self.fp4_fraction <= 1.0, "snip.fp4_fraction", self.fp4_fraction, "a number in [0, 1]")
+            check_field(0.0 <= self.fp4_fraction <= 1.0, "snip.fp4_fraction", self.fp4_fraction, "a number in [0, 1]")
         if self.cost_budget is not None:
-            _check(self.cost_budget > 0 and math.isfinite(self.cost_budget), "snip.cost_budget", self.cost_budget, "a number > 0")
+            check_field(self.cost_budget > 0 and math.isfinite(self.cost_budget), "snip.cost_budget", self.cost_budget, "a number > 0")
         for name in ("noise_scale", "time_limit_seconds"):
             value = getattr(self, name)
-            _check(value > 0, f"snip.{name}", value, "a number > 0")
-        _check(self.loss_estimator in {e.value for e in LossEstimator}, "snip.loss_estimator", self.loss_estimator,
+            check_field(value > 0, f"snip.{name}", value, "a number > 0")
+        check_field(self.loss_estimator in {e.value for e in LossEstimator}, "snip.loss_estimator", self.loss_estimator,
                ", ".join(e.value for e in LossEstimator))
-        _check(isinstance(self.aggregate_decay, (int, float)) and 0.0 <= self.aggregate_decay < 1.0,
+        check_field(isinstance(self.aggregate_decay, (int, float)) and 0.0 <= self.aggregate_decay < 1.0,
                "snip.aggregate_decay", self.aggregate_decay, "a number in [0, 1)")
-        _check(self.weight_divergence_weight >= 0, "snip.weight_divergence_weight", self.weight_divergence_weight, "a number >= 0")
+        check_field(self.weight_divergence_weight >= 0, "snip.weight_divergence_weight", self.weight_divergence_weight, "a number >= 0")
         object.__setattr__(self, "candidate_formats", tuple(self.candidate_formats))
         object.__setattr__(self, "include", tuple(self.include))
         object.__setattr__(self, "exclude", tuple(self.exclude))
@@ -142,7 +142,7 @@ class SNIPConfig:
         object.__setattr__(self, "extra_pins", tuple(self.extra_pins) if isinstance(self.extra_pins, list) else self.extra_pins)
         pin_formats = self.pin_formats
         candidates = [Format.parse(f, field_name="snip.candidate_formats") for f in self.candidate_formats]
-        _check(bool(candidates), "snip.candidate_formats", self.candidate_formats, "at least one of bf16, fp8, mxfp8, mxfp4, nvfp4")
+        check_field(bool(candidates), "snip.candidate_formats", self.candidate_formats, "at least one of bf16, fp8, mxfp8, mxfp4, nvfp4")
         if self.fp4_fraction and not any(f.is_fp4 for f in candidates):
             raise ValueError(f"snip.candidate_formats: {list(self.candidate_formats)} holds no FP4 format, but fp4_fraction={self.fp4_fraction}")
         Format.parse(self.initial_format, field_name="snip.initial_format")
@@ -173,72 +173,3 @@ class SNIPConfig:
             return CostModel(self.relative_cost)
         except ValueError as err:
             raise ValueError(f"snip.{err}") from None
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataConfig:
-    path: str | None = None  # any text file; None: the Python standard library's source
-    seq_len: int = 128
-    batch_size: int = 16
-    val_fraction: float = 0.05
-    val_batches: int = 8
-
-    def __post_init__(self) -> None:
-        for name in ("seq_len", "batch_size", "val_batches"):
-            _check(getattr(self, name) > 0, f"data.{name}", getattr(self, name), "an integer > 0")
-        _check(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "a number in (0, 1)")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainerConfig:
-    max_steps: int = 200
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    seed: int = 0
-    accelerator: str = "auto"
-    devices: int = 1
-    strategy: str = "auto"
-    precision: str = "32-true"
-    log_every_n_steps: int = 10
-    val_check_interval: int = 100
-    output_dir: str = "snip_runs"
-    progress_seconds: float = 20.0  # a progress line at least this often
-    checkpoint_every_n_steps: int = 50  # to <output_dir>/checkpoints (last.ckpt: the latest, also at the end)
-    ckpt_path: str | None = None  # resume: "last" (the latest under output_dir) or a checkpoint file
-
-    def __post_init__(self) -> None:
-        _check(self.max_steps > 0, "trainer.max_steps", self.max_steps, "an integer > 0")
-        _check(self.lr > 0, "trainer.lr", self.lr, "a number > 0")
-        _check(self.progress_seconds > 0, "trainer.progress_seconds", self.progress_seconds, "a number of seconds > 0")
-        _check(self.checkpoint_every_n_steps > 0, "trainer.checkpoint_every_n_steps", self.checkpoint_every_n_steps,
-               "an integer > 0")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    snip: SNIPConfig = field(default_factory=SNIPConfig)
-    model: LlamaConfig = field(default_factory=LlamaConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-
-
-def register_configs() -> None:
-    """Register the schema with Hydra's ConfigStore (conf/config.yaml extends ``train_schema``)."""
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
-
-    # OmegaConf marks frozen dataclasses read-only, which would stop Hydra merging conf/ and the
-    # command line into them; the dataclasses themselves stay frozen once built (to_object).
-    node = OmegaConf.structured(TrainConfig)
-    _set_writable(node)
-    ConfigStore.instance().store(name="train_schema", node=node)
-
-
-def _set_writable(node) -> None:
-    from omegaconf import DictConfig, OmegaConf
-
-    OmegaConf.set_readonly(node, False)
-    for key in node.keys():
-        child = node._get_node(key)
-        if isinstance(child, DictConfig):
-            _set_writable(child)

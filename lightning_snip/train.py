@@ -11,23 +11,94 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import typing
 import os
 import re
 import shutil
 import sys
 import time
+import typing
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
 import lightning.pytorch as pl
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_snip.config import TrainConfig, register_configs
+from lightning_snip.config import SNIPConfig, check_field
+from lightning_snip.demo.model import LlamaConfig
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 logger = logging.getLogger("lightning_snip.train")  # also when run as __main__
+
+# The app's configuration: the library's SNIPConfig plus the demo's model, data and trainer.
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    path: str | None = None  # any text file; None: the Python standard library's source
+    seq_len: int = 128
+    batch_size: int = 16
+    val_fraction: float = 0.05
+    val_batches: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "batch_size", "val_batches"):
+            check_field(getattr(self, name) > 0, f"data.{name}", getattr(self, name), "an integer > 0")
+        check_field(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "a number in (0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    max_steps: int = 200
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    seed: int = 0
+    accelerator: str = "auto"
+    devices: int = 1
+    strategy: str = "auto"
+    precision: str = "32-true"
+    log_every_n_steps: int = 10
+    val_check_interval: int = 100
+    output_dir: str = "snip_runs"
+    progress_seconds: float = 20.0  # a progress line at least this often
+    checkpoint_every_n_steps: int = 50  # to <output_dir>/checkpoints (last.ckpt: the latest, also at the end)
+    ckpt_path: str | None = None  # resume: "last" (the latest under output_dir) or a checkpoint file
+
+    def __post_init__(self) -> None:
+        check_field(self.max_steps > 0, "trainer.max_steps", self.max_steps, "an integer > 0")
+        check_field(self.lr > 0, "trainer.lr", self.lr, "a number > 0")
+        check_field(self.progress_seconds > 0, "trainer.progress_seconds", self.progress_seconds, "a number of seconds > 0")
+        check_field(self.checkpoint_every_n_steps > 0, "trainer.checkpoint_every_n_steps",
+                    self.checkpoint_every_n_steps, "an integer > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    snip: SNIPConfig = field(default_factory=SNIPConfig)
+    model: LlamaConfig = field(default_factory=LlamaConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def register_configs() -> None:
+    """Register the schema with Hydra's ConfigStore (conf/config.yaml extends ``train_schema``)."""
+    from hydra.core.config_store import ConfigStore
+
+    # OmegaConf marks frozen dataclasses read-only, which would stop Hydra merging conf/ and the
+    # command line into them; the dataclasses themselves stay frozen once built (to_object).
+    node = OmegaConf.structured(TrainConfig)
+    _set_writable(node)
+    ConfigStore.instance().store(name="train_schema", node=node)
+
+
+def _set_writable(node) -> None:
+    OmegaConf.set_readonly(node, False)
+    for key in node.keys():
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            _set_writable(child)
+
 
 # A configuration error's message starts with the field it names ("snip.fp4_fraction: ...").
 _FIELD_ERROR = re.compile(r"^[\w.\[\]*'\"-]+: ")

@@ -2,8 +2,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf.errors import ValidationError
 
-from lightning_snip.config import SNIPConfig, TrainConfig, register_configs
-from lightning_snip.train import CONF_DIR, to_config
+from lightning_snip.config import SNIPConfig
+from lightning_snip.train import CONF_DIR, TrainConfig, register_configs, to_config
 
 
 def _compose(overrides):
