@@ -16,7 +16,7 @@ import time
 
 from lightning_snip.formats import Format
 from lightning_snip.plan import SolveStatus
-from lightning_snip.planner import LayerCandidates, solve_plan
+from lightning_snip.planner import LayerCandidates, solve_gemm_plan, solve_plan
 
 # (blocks, hidden, intermediate, kv dim) of Llama 3 shapes
 SHAPES = {"1B": (22, 2048, 8192, 512), "7B": (32, 4096, 11008, 4096), "70B": (80, 8192, 28672, 1024), "405B": (126, 16384, 53248, 1024)}
@@ -40,9 +40,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fp4-fraction", type=float, default=0.75)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--granularity", choices=("layer", "gemm"), default="layer",
+                        help="gemm: a format per layer and GEMM direction (forward; dgrad+wgrad)")
     args = parser.parse_args()
+    solve = solve_plan if args.granularity == "layer" else solve_gemm_plan
     print(f"# machine: {platform.machine()} {platform.processor() or ''} python {platform.python_version()}")
-    print(f"# fp4_fraction={args.fp4_fraction} repeats={args.repeats} seed={args.seed} formats={[f.value for f in FORMATS]}")
+    print(f"# fp4_fraction={args.fp4_fraction} repeats={args.repeats} seed={args.seed} formats={[f.value for f in FORMATS]} "
+          f"granularity={args.granularity}")
     print("shape  blocks  layers  stages  median_s  max_s  status")
     for name, (blocks, hidden, inter, kv) in SHAPES.items():
         for num_stages in (1, 8):
@@ -52,7 +56,7 @@ def main() -> None:
                 layers = llama_layers(blocks, hidden, inter, kv, rng)
                 stages = {l.fqn: int(l.fqn.split(".")[1]) * num_stages // blocks for l in layers} if num_stages > 1 else None
                 start = time.perf_counter()
-                plan = solve_plan(layers, fp4_fraction=args.fp4_fraction, stages=stages, time_limit_seconds=60)
+                plan = solve(layers, fp4_fraction=args.fp4_fraction, stages=stages, time_limit_seconds=60)
                 times.append(time.perf_counter() - start)
                 statuses.add(plan.status)
             status = "optimal" if statuses == {SolveStatus.OPTIMAL} else ",".join(s.value for s in statuses)

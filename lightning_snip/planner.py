@@ -260,6 +260,73 @@ def solve_plan(
     return plan
 
 
+# Granularity "gemm" (issue 12, in progress): a layer's forward GEMM and its backward GEMMs (dgrad and
+# wgrad together) each get a format. The forward is a third of the layer's GEMM FLOPs, the backward
+# two thirds; LD is the forward's cost, lambda * WD the backward's. Both the objective and every
+# target constraint are sums over (layer, direction), so the pair ILP is the per-layer ILP over
+# 2 x layers "direction" items: each layer's forward and backward choices are independent given the
+# constraints, and the 9 pairs of 3 formats never need enumerating.
+FORWARD, BACKWARD = "forward", "backward"
+FORWARD_SHARE = 1.0 / 3.0
+
+
+def gemm_key(fqn: str, direction: str) -> str:
+    """The key of one layer's forward or backward GEMMs in a per-GEMM plan: ``<fqn>:<direction>``."""
+    return f"{fqn}:{direction}"
+
+
+def split_directions(layer: LayerCandidates) -> tuple[LayerCandidates, LayerCandidates]:
+    """A layer as its forward item (flops/3, LD only) and backward item (2 flops/3, WD only)."""
+    ld, wd = layer.loss_divergence, layer.weight_divergence
+    # A format excluded in one direction (infinite divergence) stays excluded in both: the layer's
+    # shape or statistics rule it out, not the direction.
+    excluded = {f for f in ld if not (math.isfinite(ld[f]) and math.isfinite(wd[f]))}
+    forward = LayerCandidates(
+        fqn=gemm_key(layer.fqn, FORWARD), flops=layer.flops * FORWARD_SHARE, pinned=layer.pinned,
+        loss_divergence={f: math.inf if f in excluded else v for f, v in ld.items()},
+        weight_divergence={f: math.inf if f in excluded else 0.0 for f in wd})
+    backward = LayerCandidates(
+        fqn=gemm_key(layer.fqn, BACKWARD), flops=layer.flops * (1 - FORWARD_SHARE), pinned=layer.pinned,
+        loss_divergence={f: math.inf if f in excluded else 0.0 for f in ld},
+        weight_divergence={f: math.inf if f in excluded else v for f, v in wd.items()})
+    return forward, backward
+
+
+def solve_gemm_plan(
+    layers: Sequence[LayerCandidates],
+    *,
+    fp4_fraction: float | None = None,
+    cost_budget: float | None = None,
+    stages: Mapping[str, Hashable] | None = None,
+    weight_divergence_weight: float = 1.0,
+    time_limit_seconds: float = 10.0,
+    relative_cost: Mapping[Format, float] = DEFAULT_RELATIVE_COST,
+) -> Plan:
+    """The SNIP ILP at granularity "gemm": a Plan keyed by ``gemm_key(fqn, FORWARD | BACKWARD)``,
+    whose FLOPs accounting (fp4_fraction, relative_gemm_cost) is per GEMM direction. Pins hold both
+    directions; stages apply to both. Raises as ``solve_plan``."""
+    items = [item for layer in layers for item in split_directions(layer)]
+    item_stages = None if stages is None else {
+        gemm_key(fqn, d): stage for fqn, stage in stages.items() for d in (FORWARD, BACKWARD)}
+    return solve_plan(items, fp4_fraction=fp4_fraction, cost_budget=cost_budget, stages=item_stages,
+                      weight_divergence_weight=weight_divergence_weight, time_limit_seconds=time_limit_seconds,
+                      relative_cost=relative_cost)
+
+
+def gemm_formats(plan: Plan) -> dict[str, tuple[Format, Format]]:
+    """fqn -> (forward format, backward format) of a per-GEMM plan."""
+    out: dict[str, list] = {}
+    for key, fmt in plan.items():
+        fqn, _, direction = key.rpartition(":")
+        if direction not in (FORWARD, BACKWARD) or not fqn:
+            raise ValueError(f"plan: {key!r} is not a per-GEMM key '<fqn>:forward' or '<fqn>:backward'")
+        out.setdefault(fqn, [None, None])[0 if direction == FORWARD else 1] = fmt
+    missing = [fqn for fqn, pair in out.items() if None in pair]
+    if missing:
+        raise ValueError(f"plan: layers {missing[:5]} lack a forward or a backward format")
+    return {fqn: (pair[0], pair[1]) for fqn, pair in out.items()}
+
+
 def _undominated(layer: LayerCandidates, target: _Target, weight_divergence_weight: float) -> list[Format]:
     """Drop formats that another choice beats on both the objective and the constraint.
 

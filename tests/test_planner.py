@@ -221,3 +221,80 @@ def test_ordered_baselines_trim_their_overshoot():
     # leaves 8/14 (too few), dropping s2 leaves 13/14 (kept), then s1 -> 12/14 (kept).
     assert {f for f, fmt in plan.items() if fmt is Format.MXFP4} == {"b1", "b2"}
     assert plan.fp4_fraction == pytest.approx(12 / 14)
+
+
+# ---------------------------------------------------------------- granularity "gemm" (pairs)
+
+
+def _brute_force_pairs(layers, fraction=None, budget=None, stages=None, lam=1.0):
+    """The best (forward, backward) pair per layer by enumerating every combination."""
+    options = []
+    for lay in layers:
+        fmts = lay.choices()
+        options.append([(f, b) for f in fmts for b in fmts])
+    groups = {}
+    for lay in layers:
+        groups.setdefault(None if stages is None else stages[lay.fqn], []).append(lay)
+    best, best_pairs = math.inf, None
+    for combo in itertools.product(*options):
+        pairs = {lay.fqn: pair for lay, pair in zip(layers, combo)}
+        ok = True
+        for group in groups.values():
+            total = sum(lay.flops for lay in group)
+            fwd = {lay.fqn: lay.flops / 3 for lay in group}
+            bwd = {lay.fqn: 2 * lay.flops / 3 for lay in group}
+            if fraction is not None:
+                fp4 = sum(fwd[q] * pairs[q][0].is_fp4 + bwd[q] * pairs[q][1].is_fp4 for q in fwd)
+                ok &= fp4 >= fraction * total - 1e-9
+            else:
+                cost = sum(fwd[q] * COST[pairs[q][0]] + bwd[q] * COST[pairs[q][1]] for q in fwd)
+                ok &= cost <= budget * total + 1e-9
+        if not ok:
+            continue
+        value = sum(lay.loss_divergence.get(pairs[lay.fqn][0], 0.0) + lam * lay.weight_divergence.get(pairs[lay.fqn][1], 0.0)
+                    for lay in layers if lay.pinned is None)
+        if value < best - 1e-12:
+            best, best_pairs = value, pairs
+    return best, best_pairs
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gemm_pairs_agree_with_brute_force(seed):
+    from lightning_snip.planner import BACKWARD, FORWARD, gemm_formats, gemm_key, solve_gemm_plan
+
+    rng = random.Random(seed)
+    layers = [layer(f"l{i}", rng.choice([1, 2, 3]), [rng.uniform(0, 0.2), rng.uniform(0, 1), rng.uniform(0, 3)],
+                    [rng.uniform(0, 0.2), rng.uniform(0, 1), rng.uniform(0, 3)],
+                    pinned=Format.BF16 if (seed % 3 == 0 and i == 3) else None)
+              for i in range(4)]
+    stages = {f"l{i}": i // 2 for i in range(4)} if seed % 2 else None
+    kwargs = dict(fp4_fraction=rng.choice([0.3, 0.5, 0.7])) if seed < 4 else dict(cost_budget=rng.choice([0.45, 0.6]))
+    try:
+        plan = solve_gemm_plan(layers, stages=stages, relative_cost=COST, weight_divergence_weight=0.7, **kwargs)
+    except PlanInfeasibleError:
+        best, _ = _brute_force_pairs(layers, kwargs.get("fp4_fraction"), kwargs.get("cost_budget"), stages, 0.7)
+        assert best == math.inf
+        return
+    best, pairs = _brute_force_pairs(layers, kwargs.get("fp4_fraction"), kwargs.get("cost_budget"), stages, 0.7)
+    got = gemm_formats(plan)
+    value = sum(lay.loss_divergence[got[lay.fqn][0]] + 0.7 * lay.weight_divergence[got[lay.fqn][1]]
+                for lay in layers if lay.pinned is None)
+    assert value == pytest.approx(best, abs=1e-9)
+    assert set(plan) == {gemm_key(f"l{i}", d) for i in range(4) for d in (FORWARD, BACKWARD)}
+    if seed % 3 == 0:
+        assert got["l3"] == (Format.BF16, Format.BF16)  # a pin holds both directions
+    # The plan's FLOPs accounting is per direction: forward 1/3, backward 2/3 of a layer.
+    total = sum(lay.flops for lay in layers)
+    fp4 = sum(lay.flops / 3 * got[lay.fqn][0].is_fp4 + 2 * lay.flops / 3 * got[lay.fqn][1].is_fp4 for lay in layers)
+    assert plan.fp4_fraction == pytest.approx(fp4 / total)
+
+
+def test_gemm_split_prefers_fp4_backward_when_the_forward_is_sensitive():
+    from lightning_snip.planner import gemm_formats, solve_gemm_plan
+
+    # One layer whose FP4 forward is costly (LD) and FP4 backward is cheap (WD): at fraction 2/3 the
+    # per-GEMM plan puts exactly the backward in FP4; a per-layer plan must pay the forward too.
+    lay = layer("a", 3, (0.0, 0.01, 5.0), (0.0, 0.01, 0.02))
+    got = gemm_formats(solve_gemm_plan([lay], fp4_fraction=2 / 3, relative_cost=COST))
+    assert got == {"a": (Format.BF16, Format.MXFP4)}  # bf16 is a candidate here, with LD 0
+    assert solve_plan([lay], fp4_fraction=2 / 3, relative_cost=COST)["a"] is Format.MXFP4
