@@ -19,12 +19,12 @@ from typing_extensions import override
 
 from lightning_snip.aggregate import DivergenceAggregate
 from lightning_snip.config import SNIPConfig
-from lightning_snip.convert import apply_plan, convert_linears, glob_filter
+from lightning_snip.convert import apply_plan, convert_linears, glob_filter, layer_assignment
 from lightning_snip.divergence import (DivergenceResult, FirstOrderTerms, LayerDivergence, LossEstimator,
                                        estimate_divergence)
 from lightning_snip.formats import Format
-from lightning_snip.plan import Plan, SolveStatus
-from lightning_snip.planner import LayerCandidates, PlanInfeasibleError, check_target, solve_plan
+from lightning_snip.plan import Granularity, Plan, SolveStatus, split_key
+from lightning_snip.planner import LayerCandidates, PlanInfeasibleError, check_target, solve_gemm_plan, solve_plan
 from lightning_snip.reporting import divergence_scalars, log_to_loggers, plan_scalars
 from lightning_snip.stats import FirstOrderSampler, collect_stats, slice_batch
 
@@ -122,7 +122,9 @@ class SNIPCallback(Callback):
         total = sum(self._flops.values())
         if not total:
             return 0.0
-        return sum(self._flops[fqn] for fqn, layer in self.layers.items() if layer.format.is_fp4) / total
+        # The forward GEMM is a third of a layer's GEMM FLOPs, dgrad + wgrad two thirds.
+        return sum(self._flops[fqn] * (layer.format.is_fp4 / 3 + 2 * (layer.backward_format or layer.format).is_fp4 / 3)
+                   for fqn, layer in self.layers.items()) / total
 
     # ------------------------------------------------------------------ hooks
 
@@ -419,7 +421,8 @@ class SNIPCallback(Callback):
     def _solve(self, pending: _PendingSolve, candidates: list[LayerCandidates]) -> None:
         cfg = self.config
         try:
-            pending.plan = solve_plan(
+            solve = solve_gemm_plan if Granularity(cfg.granularity) is Granularity.GEMM else solve_plan
+            pending.plan = solve(
                 candidates, fp4_fraction=cfg.fp4_fraction, cost_budget=cfg.cost_budget,
                 weight_divergence_weight=cfg.weight_divergence_weight, time_limit_seconds=cfg.time_limit_seconds,
                 relative_cost=cfg.cost_model.relative_cost,
@@ -443,7 +446,7 @@ class SNIPCallback(Callback):
             self._count_failure(error or f"solve for step {pending.stats_step} gave no plan")
             return
         plan = Plan.from_json(message)
-        before = {fqn: layer.format for fqn, layer in self.layers.items()}
+        before = layer_assignment(self.layers, Granularity(self.config.granularity))
         try:
             apply_plan(pl_module, plan)
         except ValueError as err:
@@ -455,13 +458,14 @@ class SNIPCallback(Callback):
         self.num_plans_applied += 1
         if self.history and self.history[-1]["step"] == pending.stats_step:
             self.history[-1]["plan"] = json.loads(message)
-        num_changed = sum(1 for fqn, fmt in plan.items() if before.get(fqn) is not fmt)
+        # Layers with a changed format (in a per-GEMM plan: in either direction).
+        num_changed = len({split_key(key)[0] for key, fmt in plan.items() if before.get(key) is not fmt})
         scalars = {**plan_scalars(plan, num_changed), "snip/solver_seconds": plan.solve_seconds,
                    "snip/plan_agreement": _plan_agreement(plan, before, self.layers)}
         log_to_loggers(trainer.loggers, step, scalars, plan)
         status = "" if plan.status is SolveStatus.OPTIMAL else f" ({plan.status.value})"
         logger.info("SNIP plan applied at step %d: FP4 FLOPs fraction %.3f, %d of %d layers changed%s",
-                    step, plan.fp4_fraction, num_changed, len(plan), status)
+                    step, plan.fp4_fraction, num_changed, len(self.layers), status)
 
 
 @contextlib.contextmanager
@@ -514,11 +518,12 @@ def _value(aggregated: dict, fqn: str, fmt: Format) -> float:
 
 
 def _plan_agreement(plan: Plan, before: dict, layers) -> float:
-    """Share of the switched (unpinned) layers whose format ``plan`` keeps from ``before``."""
-    unpinned = [fqn for fqn, layer in layers.items() if layer.pinned is None]
+    """Share of the switched (unpinned) layers, or of their GEMM directions in a per-GEMM plan, whose
+    format ``plan`` keeps from ``before``."""
+    unpinned = [key for key in plan if layers[split_key(key)[0]].pinned is None]
     if not unpinned:
         return 1.0
-    return sum(1 for fqn in unpinned if plan[fqn] is before[fqn]) / len(unpinned)
+    return sum(1 for key in unpinned if plan[key] is before.get(key)) / len(unpinned)
 
 
 def _loss(pl_module: pl.LightningModule, batch, batch_idx: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import Any
 
 from lightning_snip.divergence import LossEstimator
 from lightning_snip.formats import CostModel, Format, QuantRecipe
+from lightning_snip.plan import Granularity
 
 
 def _parse_pins(pins, field_name: str = "snip.pins") -> dict[str, str]:
@@ -72,6 +73,9 @@ class SNIPConfig:
         time_limit_seconds: ILP solver limit; the best feasible plan is used after it.
         fp8_scaling: rowwise | tensorwise. fp4_grad_rounding: stochastic | nearest.
         relative_cost: format -> GEMM cost relative to bf16, overriding the defaults.
+        granularity: layer (a format per layer) or gemm (a forward and a backward format per layer;
+            the forward is 1/3 of a layer's GEMM FLOPs, dgrad + wgrad 2/3; LD prices the forward,
+            WD the backward).
         replan: False freezes the initial plan (no statistics rounds): a fixed-precision run with
             the same layers converted, e.g. a baseline or the overhead reference.
         max_consecutive_failures: after this many statistics rounds or solves in a row failed, the
@@ -102,6 +106,7 @@ class SNIPConfig:
     fp8_scaling: str = "rowwise"
     fp4_grad_rounding: str = "stochastic"
     relative_cost: dict[str, float] = field(default_factory=dict)
+    granularity: str = "layer"
     replan: bool = True
     max_consecutive_failures: int | None = 3
 
@@ -128,6 +133,8 @@ class SNIPConfig:
         for name in ("noise_scale", "time_limit_seconds"):
             value = getattr(self, name)
             check_field(value > 0, f"snip.{name}", value, "a number > 0")
+        check_field(self.granularity in {g.value for g in Granularity}, "snip.granularity", self.granularity,
+                    ", ".join(g.value for g in Granularity))
         check_field(self.loss_estimator in {e.value for e in LossEstimator}, "snip.loss_estimator", self.loss_estimator,
                ", ".join(e.value for e in LossEstimator))
         check_field(isinstance(self.aggregate_decay, (int, float)) and 0.0 <= self.aggregate_decay < 1.0,

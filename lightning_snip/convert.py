@@ -10,6 +10,7 @@ from torch import nn
 
 from lightning_snip.formats import Format, QuantRecipe
 from lightning_snip.linear import SNIPLinear
+from lightning_snip.plan import BACKWARD, FORWARD, Granularity, gemm_key, split_key
 
 logger = logging.getLogger(__name__)
 
@@ -112,21 +113,44 @@ def layer_fqn(path: str) -> str:
 def apply_plan(model: nn.Module, plan: Mapping[str, Format | str]) -> None:
     """Set each listed layer's format. Validates the whole plan before changing anything.
 
+    Keys are layer fqns, or per-GEMM keys ``<fqn>:forward`` / ``<fqn>:backward``
+    (lightning_snip.plan.gemm_key): the forward GEMM's format and the backward GEMMs' (dgrad and wgrad).
+    A layer key sets all three GEMMs.
+
     Raises:
-        ValueError: an fqn is not a SNIPLinear of the model, a format is unknown or not allowed for
-            that layer, or the plan changes a pinned layer.
+        ValueError: a key is not a SNIPLinear of the model, a format is unknown or not allowed for
+            that layer, the plan changes a pinned layer, or gives a layer only one direction.
     """
     layers = switchable_layers(model)
-    resolved: dict[str, Format] = {}
-    for fqn, value in plan.items():
+    resolved: dict[str, dict[str | None, Format]] = {}
+    for key, value in plan.items():
+        fqn, direction = split_key(key)
         if fqn not in layers:
-            raise ValueError(f"plan: {fqn!r} is not a converted layer of the model")
-        fmt = Format.parse(value, field_name=f"plan[{fqn}]")
+            raise ValueError(f"plan: {key!r} is not a converted layer of the model")
+        fmt = Format.parse(value, field_name=f"plan[{key}]")
         layer = layers[fqn]
         if layer.pinned is not None and fmt is not layer.pinned:
-            raise ValueError(f"plan[{fqn}]: layer is pinned to {layer.pinned.value}, the plan says {fmt.value}")
+            raise ValueError(f"plan[{key}]: layer is pinned to {layer.pinned.value}, the plan says {fmt.value}")
         if fmt not in layer.allowed_formats:
-            raise ValueError(f"plan[{fqn}]: {fmt.value} not allowed; allowed: {sorted(f.value for f in layer.allowed_formats)}")
-        resolved[fqn] = fmt
-    for fqn, fmt in resolved.items():
-        layers[fqn].format = fmt
+            raise ValueError(f"plan[{key}]: {fmt.value} not allowed; allowed: {sorted(f.value for f in layer.allowed_formats)}")
+        resolved.setdefault(fqn, {})[direction] = fmt
+    for fqn, formats in resolved.items():
+        if set(formats) not in ({None}, {FORWARD, BACKWARD}):
+            raise ValueError(f"plan: layer {fqn!r} needs one format, or both a forward and a backward one; "
+                             f"got {sorted(str(d) for d in formats)}")
+    for fqn, formats in resolved.items():
+        forward = formats.get(None, formats.get(FORWARD))
+        backward = formats.get(None, formats.get(BACKWARD))
+        layers[fqn].format = forward
+        layers[fqn].backward_format = None if backward is forward else backward
+
+
+def layer_assignment(layers: Mapping[str, SNIPLinear], granularity: Granularity) -> dict[str, Format]:
+    """The formats in force, keyed as a plan of ``granularity`` keys them."""
+    if granularity is Granularity.LAYER:
+        return {fqn: layer.format for fqn, layer in layers.items()}
+    out = {}
+    for fqn, layer in layers.items():
+        out[gemm_key(fqn, FORWARD)] = layer.format
+        out[gemm_key(fqn, BACKWARD)] = layer.backward_format or layer.format
+    return out

@@ -147,9 +147,9 @@ class SNIPLinear(nn.Linear):
             in_features, out_features
         )
         self.pinned: Format | None = None  # set by convert_linears; plans may not change it
-        # dgrad/wgrad format when it should differ from the forward's (None: same as ``format``);
-        # used to measure one direction's effect alone (benchmarks/divergence_fidelity.py).
-        self.backward_format: Format | None = None
+        # dgrad/wgrad format when it differs from the forward's (None: same as ``format``): per-GEMM
+        # plans (Granularity.GEMM), and measuring one direction alone (divergence_fidelity.py).
+        self._backward_format: Format | None = None
         # Random source of the stochastic rounding of gradient operands; None: torch's global one.
         # SNIPCallback gives every layer one generator per rank, seeded per step from the run's seed.
         self.generator: torch.Generator | None = None
@@ -181,6 +181,19 @@ class SNIPLinear(nn.Linear):
             )
         self._format = fmt
 
+    @property
+    def backward_format(self) -> Format | None:
+        return self._backward_format
+
+    @backward_format.setter
+    def backward_format(self, value: Format | str | None) -> None:
+        fmt = None if value is None else Format.parse(value, field_name="backward_format")
+        if fmt is not None and fmt not in self.allowed_formats:
+            allowed = ", ".join(sorted(f.value for f in self.allowed_formats))
+            raise ValueError(f"backward_format: {fmt.value} is not supported by a {self.in_features}->"
+                             f"{self.out_features} layer; allowed: {allowed}")
+        self._backward_format = fmt
+
     # Under torch.compile a SNIPLinear runs eagerly (a graph break; the model around it compiles).
     # Traced, it became one frame per layer guarded on its format (stochastic rounding's
     # torch.Generator and torchao's scale code break graphs inside it anyway): a model with more
@@ -203,7 +216,8 @@ class SNIPLinear(nn.Linear):
         return _SNIPLinearFunction.apply(x, weight, bias, self._format, backward_format, self.recipe, self.generator)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, format={self._format.value}"
+        backward = "" if self._backward_format is None else f", backward_format={self._backward_format.value}"
+        return f"{super().extra_repr()}, format={self._format.value}{backward}"
 
 
 def supported_formats(in_features: int, out_features: int) -> frozenset[Format]:

@@ -11,6 +11,30 @@ from types import MappingProxyType
 from lightning_snip.formats import DEFAULT_RELATIVE_COST, Format
 
 
+class Granularity(enum.Enum):
+    """What a plan gives a format to: a layer (its three GEMMs), or each GEMM direction of a layer
+    (the forward GEMM; the backward ones, dgrad and wgrad, together)."""
+
+    LAYER = "layer"
+    GEMM = "gemm"
+
+
+FORWARD, BACKWARD = "forward", "backward"
+
+
+def gemm_key(fqn: str, direction: str) -> str:
+    """A per-GEMM plan's key for one layer's forward or backward GEMMs: ``<fqn>:<direction>``."""
+    return f"{fqn}:{direction}"
+
+
+def split_key(key: str) -> tuple[str, str | None]:
+    """(fqn, FORWARD | BACKWARD) for a per-GEMM key, (key, None) for a layer key."""
+    fqn, sep, direction = key.rpartition(":")
+    if sep and fqn and direction in (FORWARD, BACKWARD):
+        return fqn, direction
+    return key, None
+
+
 class SolveStatus(enum.Enum):
     OPTIMAL = "optimal"  # proven optimal by the solver
     FEASIBLE = "feasible"  # meets every constraint; the solver ran out of time before proving optimality

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from lightning_snip.formats import DEFAULT_RELATIVE_COST, Format
-from lightning_snip.plan import Plan, SolveStatus
+from lightning_snip.plan import BACKWARD, FORWARD, Plan, SolveStatus, gemm_key, split_key
 
 logger = logging.getLogger(__name__)
 
@@ -266,13 +266,7 @@ def solve_plan(
 # target constraint are sums over (layer, direction), so the pair ILP is the per-layer ILP over
 # 2 x layers "direction" items: each layer's forward and backward choices are independent given the
 # constraints, and the 9 pairs of 3 formats never need enumerating.
-FORWARD, BACKWARD = "forward", "backward"
 FORWARD_SHARE = 1.0 / 3.0
-
-
-def gemm_key(fqn: str, direction: str) -> str:
-    """The key of one layer's forward or backward GEMMs in a per-GEMM plan: ``<fqn>:<direction>``."""
-    return f"{fqn}:{direction}"
 
 
 def split_directions(layer: LayerCandidates) -> tuple[LayerCandidates, LayerCandidates]:
@@ -317,8 +311,8 @@ def gemm_formats(plan: Plan) -> dict[str, tuple[Format, Format]]:
     """fqn -> (forward format, backward format) of a per-GEMM plan."""
     out: dict[str, list] = {}
     for key, fmt in plan.items():
-        fqn, _, direction = key.rpartition(":")
-        if direction not in (FORWARD, BACKWARD) or not fqn:
+        fqn, direction = split_key(key)
+        if direction is None:
             raise ValueError(f"plan: {key!r} is not a per-GEMM key '<fqn>:forward' or '<fqn>:backward'")
         out.setdefault(fqn, [None, None])[0 if direction == FORWARD else 1] = fmt
     missing = [fqn for fqn, pair in out.items() if None in pair]

@@ -307,14 +307,14 @@ class _RandomStreams:
 @contextlib.contextmanager
 def high_precision(layers: Mapping[str, SNIPLinear]):
     """Run ``layers`` in bf16 (the run's own precision) inside the block; restore formats after."""
-    saved = {fqn: layer.format for fqn, layer in layers.items()}
+    saved = {fqn: (layer.format, layer.backward_format) for fqn, layer in layers.items()}
     try:
         for layer in layers.values():
-            layer.format = Format.BF16
+            layer.format, layer.backward_format = Format.BF16, None
         yield
     finally:
         for fqn, layer in layers.items():
-            layer.format = saved[fqn]
+            layer.format, layer.backward_format = saved[fqn]
 
 
 def slice_batch(batch, max_rows: int, *, tokens_per_sample: int | None = None):

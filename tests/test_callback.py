@@ -362,3 +362,19 @@ def test_round_before_the_first_optimizer_step_uses_zero_adam_moments(tmp_path, 
     assert snip.history[0]["step"] == 0 and snip.history[0]["divergence"]["used_adam"]
     wd = [d["weight_divergence"]["mxfp4"] for d in snip.history[0]["divergence"]["layers"].values()]
     assert all(0 < v < float("inf") for v in wd)
+
+
+def test_gemm_granularity_plans_a_forward_and_a_backward_format_per_layer(tmp_path):
+    from lightning_snip.plan import BACKWARD, FORWARD, gemm_key
+
+    snip = SNIPCallback(_snip(granularity="gemm", fp4_fraction=0.8))
+    _fit(tmp_path, snip, max_steps=8)
+    plan = snip.plan
+    assert snip.num_plans_applied == 2
+    assert set(plan) == {gemm_key(f, d) for f in snip.layers for d in (FORWARD, BACKWARD)}
+    assert plan.fp4_fraction >= 0.8
+    for fqn, layer in snip.layers.items():  # the layers run what the plan says, per direction
+        assert layer.format is plan[gemm_key(fqn, FORWARD)]
+        assert (layer.backward_format or layer.format) is plan[gemm_key(fqn, BACKWARD)]
+    assert snip.fp4_fraction == pytest.approx(plan.fp4_fraction)
+    assert plan[gemm_key("model.lm_head", FORWARD)] is plan[gemm_key("model.lm_head", BACKWARD)] is Format.BF16

@@ -97,3 +97,39 @@ def test_switching_mid_training_keeps_optimizer_state_and_learns():
     assert opt.state[model.blocks[0]["up"].weight]["step"] == 90
     assert losses[59] < losses[30] < losses[0]
     assert losses[89] < losses[60]
+
+
+def test_per_gemm_plan_runs_each_direction_in_its_format():
+    from lightning_snip.formats import QuantRecipe
+    from lightning_snip.linear import quantized_matmul
+    from lightning_snip.plan import BACKWARD, FORWARD, gemm_key
+
+    torch.manual_seed(0)
+    rtn = QuantRecipe(fp4_grad_rounding="nearest")  # deterministic gradient GEMMs
+    model = nn.Sequential(nn.Linear(64, 64, bias=False))
+    layers = convert_linears(model, recipe=rtn)
+    x = torch.randn(32, 64, requires_grad=True)
+    g = torch.randn(32, 64)
+    w = model[0].weight.detach()
+
+    def gemms(fwd, bwd):
+        apply_plan(model, {gemm_key("0", FORWARD): fwd, gemm_key("0", BACKWARD): bwd})
+        x.grad, model[0].weight.grad = None, None
+        y = model(x)
+        y.backward(g)
+        return y.detach(), x.grad.clone(), model[0].weight.grad.clone()
+
+    y, dx, dw = gemms(Format.FP8, Format.MXFP4)
+    assert layers["0"].format is Format.FP8 and layers["0"].backward_format is Format.MXFP4
+    # Each GEMM against its own reference: forward in fp8, dgrad and wgrad in mxfp4.
+    assert torch.equal(y, quantized_matmul(x.detach(), w, Format.FP8, recipe=rtn))
+    assert torch.equal(dx, quantized_matmul(g, w.t(), Format.MXFP4, recipe=rtn, a_is_grad=True))
+    assert torch.equal(dw, quantized_matmul(g.t(), x.detach().t(), Format.MXFP4, recipe=rtn, a_is_grad=True))
+    # ... and the swapped assignment differs in every GEMM (the test can tell the directions apart).
+    y2, dx2, dw2 = gemms(Format.MXFP4, Format.FP8)
+    assert not torch.equal(y, y2) and not torch.equal(dx, dx2) and not torch.equal(dw, dw2)
+    # A layer key sets all three GEMMs again; a plan with one direction only is rejected.
+    apply_plan(model, {"0": Format.FP8})
+    assert layers["0"].backward_format is None
+    with pytest.raises(ValueError, match="needs one format, or both a forward and a backward one"):
+        apply_plan(model, {gemm_key("0", FORWARD): Format.FP8})
