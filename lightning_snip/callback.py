@@ -175,7 +175,13 @@ class SNIPCallback(Callback):
         self._sr_seed = torch.initial_seed()
         for layer in self.layers.values():
             layer.generator = self._sr_generator
-        logger.info("SNIP: %d switchable layers, initial format %s", len(self.layers), cfg.initial_format)
+        num_pinned = sum(1 for layer in self.layers.values() if layer.pinned is not None)
+        logger.info("SNIP: %d switchable layers (%d pinned), initial format %s", len(self.layers), num_pinned,
+                    cfg.initial_format)
+        max_steps = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps >= 0 else None
+        if cfg.replan and max_steps is not None and cfg.warmup_steps >= max_steps:
+            logger.warning("SNIP: snip.warmup_steps (%d) >= the run's max_steps (%d): no statistics round will run "
+                           "and the layers stay in %s", cfg.warmup_steps, max_steps, cfg.initial_format)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -347,8 +353,17 @@ class SNIPCallback(Callback):
         except PlanInfeasibleError as err:
             field_name = "snip.fp4_fraction" if cfg.fp4_fraction is not None else "snip.cost_budget"
             value = cfg.fp4_fraction if cfg.fp4_fraction is not None else cfg.cost_budget
-            raise ValueError(f"{field_name}: {value!r} cannot be met with these pins and layers ({err}); "
-                             "lower it, or unpin layers / add candidate formats") from None
+            pinned = [fqn for fqn, layer in self.layers.items() if layer.pinned is not None]
+            by_shape = [f"{fqn} ({layer.in_features}->{layer.out_features})" for fqn, layer in self.layers.items()
+                        if layer.pinned is None and not any(f.is_fp4 for f in cfg.formats if f in layer.allowed_formats)]
+            why = []
+            if pinned:
+                why.append(f"pinned (snip.pins): {pinned[:3]}")
+            if by_shape:
+                blocks = ", ".join(f"{f.value} needs dimensions divisible by {f.block_size}" for f in cfg.formats if f.is_fp4)
+                why.append(f"no FP4 candidate fits the shape ({blocks}): {by_shape[:3]}")
+            raise ValueError(f"{field_name}: {value!r} cannot be met ({err}); " + "; ".join(why)
+                             + "; lower it, or unpin layers / add candidate formats") from None
 
     def _count_failure(self, cause: str) -> None:
         """One more round or solve that gave no plan; past ``max_consecutive_failures`` in a row, stop

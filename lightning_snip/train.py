@@ -48,6 +48,9 @@ class DataConfig:
         check_field(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "a number in (0, 1)")
 
 
+_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
     max_steps: int = 200
@@ -68,6 +71,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         check_field(self.max_steps > 0, "trainer.max_steps", self.max_steps, "an integer > 0")
         check_field(self.lr > 0, "trainer.lr", self.lr, "a number > 0")
+        check_field(self.precision in _PRECISIONS, "trainer.precision", self.precision, ", ".join(_PRECISIONS))
         check_field(self.progress_seconds > 0, "trainer.progress_seconds", self.progress_seconds, "a number of seconds > 0")
         check_field(self.checkpoint_every_n_steps > 0, "trainer.checkpoint_every_n_steps",
                     self.checkpoint_every_n_steps, "an integer > 0")
@@ -101,7 +105,7 @@ def _set_writable(node) -> None:
 
 
 # A configuration error's message starts with the field it names ("snip.fp4_fraction: ...").
-_FIELD_ERROR = re.compile(r"^[\w.\[\]*'\"-]+: ")
+_FIELD_ERROR = re.compile(r"^[\w.\[\]*'\"-]+(?: / [\w.]+)?: ")
 
 
 class ConfigError(ValueError):
@@ -122,7 +126,11 @@ def to_config(cfg: DictConfig) -> TrainConfig:
         unknown = sorted(set(node.keys()) - fields)
         if unknown:
             raise ConfigError(f"{group}.{unknown[0]}: unknown key; allowed: {', '.join(sorted(fields))}")
-    return OmegaConf.to_object(cfg)
+    config = OmegaConf.to_object(cfg)
+    if config.data.seq_len > config.model.max_seq_len:
+        raise ConfigError(f"data.seq_len: {config.data.seq_len} exceeds model.max_seq_len "
+                          f"{config.model.max_seq_len}; allowed: at most model.max_seq_len")
+    return config
 
 
 def run(config: TrainConfig, *, output_folder: str | None = None) -> dict:
@@ -164,9 +172,14 @@ def run(config: TrainConfig, *, output_folder: str | None = None) -> dict:
     start = time.perf_counter()
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-    except BaseException:
-        if progress.num_steps == 0 and Path(tb.log_dir).is_dir():
-            shutil.rmtree(tb.log_dir, ignore_errors=True)  # a run that never trained leaves no empty folder
+    except BaseException as err:
+        if progress.num_steps == 0:  # a run that never trained leaves no empty folders behind
+            for folder in (Path(tb.log_dir), Path(tb.log_dir).parent, Path(t.output_dir)):
+                if folder.is_dir() and (folder == Path(tb.log_dir) or not any(folder.iterdir())):
+                    shutil.rmtree(folder, ignore_errors=True)
+        if isinstance(err, RuntimeError) and "Error(s) in loading state_dict" in str(err):
+            raise ConfigError(f"trainer.ckpt_path: {ckpt_path!r} does not fit this model "
+                              f"({str(err).splitlines()[0]}); allowed: a checkpoint of the same model config") from err
         raise
     seconds = time.perf_counter() - start
     final_ckpt = ckpt_dir / "last.ckpt"
@@ -189,7 +202,8 @@ def run(config: TrainConfig, *, output_folder: str | None = None) -> dict:
         else:
             print(f"no SNIP plan yet (first statistics round at step {config.snip.warmup_steps}); all layers in {config.snip.initial_format}")
         steps_per_second = progress.num_steps / seconds if seconds > 0 else 0.0
-        print(f"steps {summary['steps']} in {seconds:.1f} s ({steps_per_second:.2f} steps/s); "
+        resumed = f" ({progress.num_steps} in this run)" if progress.num_steps != summary["steps"] else ""
+        print(f"steps {summary['steps']}{resumed} in {seconds:.1f} s ({steps_per_second:.2f} steps/s); "
               f"train loss {_fmt(summary['train_loss'])}; val loss {_fmt(summary['val_loss'])}")
         print(f"FP4 FLOPs fraction {summary['fp4_fraction']:.3f}; plans applied {summary['plans_applied']}")
         print(f"checkpoint: {Path(final_ckpt).resolve()}  (resume: trainer.ckpt_path=last)")
@@ -263,6 +277,11 @@ def quiet_third_party_output() -> None:
         handler.addFilter(_DropNoise())
     warnings.filterwarnings("ignore", message=r".*treespec, LeafSpec.*")
     warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+    # On resume: the demo's data stream *is* resumable (WindowStream), and the checkpoint folder is
+    # meant to be reused across runs.
+    warnings.filterwarnings("ignore", message=r".*dataloader is not resumable.*")
+    warnings.filterwarnings("ignore", message=r".*exists and is not empty.*")
+    warnings.filterwarnings("ignore", message=r".*dirpath has changed.*")
 
 
 register_configs()

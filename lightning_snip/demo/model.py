@@ -29,9 +29,12 @@ class LlamaConfig:
                 raise ValueError(f"model.{name}: must be > 0, got {getattr(self, name)}")
         if self.dim % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"model.num_heads / num_kv_heads: dim {self.dim} must divide by num_heads {self.num_heads}, "
-                f"which must divide by num_kv_heads {self.num_kv_heads}"
+                f"model.num_heads: {self.num_heads} with model.dim {self.dim} and model.num_kv_heads "
+                f"{self.num_kv_heads}; allowed: a divisor of dim that num_kv_heads divides"
             )
+        if (self.dim // self.num_heads) % 2:
+            raise ValueError(f"model.dim: {self.dim} gives an odd head size {self.dim // self.num_heads} "
+                             f"(model.num_heads {self.num_heads}); allowed: dim / num_heads even (RoPE rotates pairs)")
 
 
 class RMSNorm(nn.Module):
