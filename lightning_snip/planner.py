@@ -449,5 +449,25 @@ def first_last_plan(layers: Sequence[LayerCandidates], *, fp4_fraction: float, *
     return ordered_plan(layers, order, fp4_fraction=fp4_fraction, policy="first_last", **kw)
 
 
+def backward_only_plan(layers: Sequence[LayerCandidates], *, low: Format | str = Format.MXFP4,
+                       high: Format | str = Format.FP8) -> Plan:
+    """Per-GEMM baseline (issue 12): every unpinned layer's backward GEMMs in the FP4 format ``low``
+    and its forward in ``high``; FP4 share 2/3 of the unpinned layers' FLOPs. A layer without ``low``
+    (or ``high``) as a candidate takes its first candidate of the same kind; pins hold both directions.
+    """
+    low, high = Format.parse(low, field_name="low"), Format.parse(high, field_name="high")
+    if not low.is_fp4 or high.is_fp4:
+        raise ValueError(f"low / high: need an FP4 format and a non-FP4 one, got {low.value} / {high.value}")
+    formats: dict[str, Format] = {}
+    flops: dict[str, float] = {}
+    for layer in layers:
+        forward = layer.pinned or _pick(layer, high, fp4=False)
+        backward = layer.pinned or _pick(layer, low, fp4=True) or forward
+        formats[gemm_key(layer.fqn, FORWARD)], formats[gemm_key(layer.fqn, BACKWARD)] = forward, backward
+        flops[gemm_key(layer.fqn, FORWARD)] = layer.flops * FORWARD_SHARE
+        flops[gemm_key(layer.fqn, BACKWARD)] = layer.flops * (1 - FORWARD_SHARE)
+    return Plan(formats=formats, flops=flops, policy="backward_only")
+
+
 def _plan(layers: Sequence[LayerCandidates], formats: Mapping[str, Format], policy: str) -> Plan:
     return Plan(formats=formats, flops={layer.fqn: layer.flops for layer in layers}, policy=policy)

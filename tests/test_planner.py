@@ -298,3 +298,16 @@ def test_gemm_split_prefers_fp4_backward_when_the_forward_is_sensitive():
     got = gemm_formats(solve_gemm_plan([lay], fp4_fraction=2 / 3, relative_cost=COST))
     assert got == {"a": (Format.BF16, Format.MXFP4)}  # bf16 is a candidate here, with LD 0
     assert solve_plan([lay], fp4_fraction=2 / 3, relative_cost=COST)["a"] is Format.MXFP4
+
+
+def test_backward_only_baseline_puts_exactly_the_backward_in_fp4():
+    from lightning_snip.planner import BACKWARD, FORWARD, backward_only_plan, gemm_formats
+
+    layers = [layer("a", 1, (0, 0, 0)), layer("b", 2, (0, 0, 0)), layer("head", 1, (0, 0, 0), pinned=Format.BF16)]
+    plan = backward_only_plan(layers)
+    assert gemm_formats(plan) == {"a": (Format.FP8, Format.MXFP4), "b": (Format.FP8, Format.MXFP4),
+                                  "head": (Format.BF16, Format.BF16)}
+    assert plan.fp4_fraction == pytest.approx(2 / 3 * 3 / 4)  # 2/3 of the unpinned 3 of 4 FLOPs
+    assert plan.policy == "backward_only"
+    with pytest.raises(ValueError, match="low / high: need an FP4 format"):
+        backward_only_plan(layers, low=Format.FP8)
