@@ -286,25 +286,16 @@ def split_directions(layer: LayerCandidates) -> tuple[LayerCandidates, LayerCand
     return forward, backward
 
 
-def solve_gemm_plan(
-    layers: Sequence[LayerCandidates],
-    *,
-    fp4_fraction: float | None = None,
-    cost_budget: float | None = None,
-    stages: Mapping[str, Hashable] | None = None,
-    weight_divergence_weight: float = 1.0,
-    time_limit_seconds: float = 10.0,
-    relative_cost: Mapping[Format, float] = DEFAULT_RELATIVE_COST,
-) -> Plan:
+def solve_gemm_plan(layers: Sequence[LayerCandidates], *, stages: Mapping[str, Hashable] | None = None,
+                    **targets) -> Plan:
     """The SNIP ILP at granularity "gemm": a Plan keyed by ``gemm_key(fqn, FORWARD | BACKWARD)``,
     whose FLOPs accounting (fp4_fraction, relative_gemm_cost) is per GEMM direction. Pins hold both
-    directions; stages apply to both. Raises as ``solve_plan``."""
+    directions; stages apply to both. ``targets``: ``solve_plan``'s keyword arguments (fp4_fraction,
+    cost_budget, weight_divergence_weight, time_limit_seconds, relative_cost); raises as it does."""
     items = [item for layer in layers for item in split_directions(layer)]
     item_stages = None if stages is None else {
         gemm_key(fqn, d): stage for fqn, stage in stages.items() for d in (FORWARD, BACKWARD)}
-    return solve_plan(items, fp4_fraction=fp4_fraction, cost_budget=cost_budget, stages=item_stages,
-                      weight_divergence_weight=weight_divergence_weight, time_limit_seconds=time_limit_seconds,
-                      relative_cost=relative_cost)
+    return solve_plan(items, stages=item_stages, **targets)
 
 
 def gemm_formats(plan: Plan) -> dict[str, tuple[Format, Format]]:
@@ -459,14 +450,12 @@ def backward_only_plan(layers: Sequence[LayerCandidates], *, low: Format | str =
     if not low.is_fp4 or high.is_fp4:
         raise ValueError(f"low / high: need an FP4 format and a non-FP4 one, got {low.value} / {high.value}")
     formats: dict[str, Format] = {}
-    flops: dict[str, float] = {}
     for layer in layers:
         forward = layer.pinned or _pick(layer, high, fp4=False)
         backward = layer.pinned or _pick(layer, low, fp4=True) or forward
         formats[gemm_key(layer.fqn, FORWARD)], formats[gemm_key(layer.fqn, BACKWARD)] = forward, backward
-        flops[gemm_key(layer.fqn, FORWARD)] = layer.flops * FORWARD_SHARE
-        flops[gemm_key(layer.fqn, BACKWARD)] = layer.flops * (1 - FORWARD_SHARE)
-    return Plan(formats=formats, flops=flops, policy="backward_only")
+    items = [item for layer in layers for item in split_directions(layer)]  # the per-direction FLOPs
+    return _plan(items, formats, "backward_only")
 
 
 def _plan(layers: Sequence[LayerCandidates], formats: Mapping[str, Format], policy: str) -> Plan:

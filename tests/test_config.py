@@ -62,8 +62,12 @@ def test_pins_from_the_command_line(override, expected):
     ("snip.pins=[lm_head]", r"snip.pins\[0\]: 'lm_head' is not 'glob=format'"),
     ('snip.pins=["*lm_head=fp5"]', r"snip.pins\[\*lm_head\]: unknown format 'fp5'"),
     ("+snip.foo=1", r"snip.foo: unknown key; allowed: .*interval"),
+    ("model.num_heads=3", r"model.num_heads: 3 with model.dim 128"),
+    ("model.dim=60", r"model.dim: 60 gives an odd head size 15"),
+    ("data.seq_len=600", r"data.seq_len: 600 exceeds model.max_seq_len 512"),
+    ("trainer.precision=bogus", r"trainer.precision: invalid value 'bogus'; allowed: 32-true"),
 ])
-def test_bad_pins_and_unknown_keys_name_the_field(override, message):
+def test_composed_config_errors_name_the_field(override, message):
     with pytest.raises(ValueError, match=message):
         to_config(_compose([override]))
 
@@ -71,13 +75,3 @@ def test_bad_pins_and_unknown_keys_name_the_field(override, message):
 def test_python_api_takes_a_mapping_of_pins():
     assert SNIPConfig(pins={"*.q": "fp8"}).pin_formats == {"*.q": "fp8"}
 
-
-@pytest.mark.parametrize("override,message", [
-    ("model.num_heads=3", r"model.num_heads: 3 with model.dim 128"),
-    ("model.dim=60", r"model.dim: 60 gives an odd head size 15"),
-    ("data.seq_len=600", r"data.seq_len: 600 exceeds model.max_seq_len 512"),
-    ("trainer.precision=bogus", r"trainer.precision: invalid value 'bogus'; allowed: 32-true"),
-])
-def test_model_data_and_trainer_errors_name_the_field(override, message):
-    with pytest.raises(ValueError, match=message):
-        to_config(_compose([override]))
