@@ -23,6 +23,7 @@ from lightning_snip.convert import apply_plan, convert_linears, glob_filter, lay
 from lightning_snip.divergence import (DivergenceResult, FirstOrderTerms, LayerDivergence, LossEstimator,
                                        estimate_divergence)
 from lightning_snip.formats import Format
+from lightning_snip.linear import describe_kernels
 from lightning_snip.plan import Granularity, Plan, SolveStatus, split_key
 from lightning_snip.planner import LayerCandidates, PlanInfeasibleError, check_target, solve_gemm_plan, solve_plan
 from lightning_snip.reporting import divergence_scalars, log_to_loggers, plan_scalars
@@ -178,6 +179,9 @@ class SNIPCallback(Callback):
         num_pinned = sum(1 for layer in self.layers.values() if layer.pinned is not None)
         logger.info("SNIP: %d switchable layers (%d pinned), initial format %s", len(self.layers), num_pinned,
                     cfg.initial_format)
+        formats = sorted({Format.parse(f) for f in (cfg.initial_format, *cfg.formats, *cfg.pin_formats.values())},
+                         key=lambda f: f.value)
+        logger.info("SNIP: GEMM kernels: %s", describe_kernels(formats, pl_module.device))
         max_steps = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps >= 0 else None
         if cfg.replan and max_steps is not None and cfg.warmup_steps >= max_steps:
             logger.warning("SNIP: snip.warmup_steps (%d) >= the run's max_steps (%d): no statistics round will run "

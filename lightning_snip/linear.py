@@ -13,6 +13,7 @@ Every GEMM is ``quantized_matmul(a, b)`` = a @ b^T with the contraction along di
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Iterable
 
@@ -25,15 +26,32 @@ from lightning_snip.formats import Format, QuantRecipe, Rounding, fake_quantize
 logger = logging.getLogger(__name__)
 
 
-def has_native_kernel(fmt: Format, device: torch.device) -> bool:
-    """Whether a real low-precision GEMM exists for ``fmt`` on ``device``.
+class Kernel(enum.Enum):
+    """How a format's GEMMs run on a device."""
 
-    FP8 uses ``torch._scaled_mm`` (the kernel torchao.float8 runs) from SM89 on. MX and NVFP4
-    GEMMs need SM100; lightning_snip emulates them everywhere for now (same numerics, no speed-up).
+    EMULATED = "emulated"  # fused fake quantization (lightning_snip.fused), then a high-precision matmul
+    TORCHAO_FP8 = "native torchao kernel"  # torchao.float8's training tensors: its scales, torch._scaled_mm
+
+
+def kernel_for(fmt: Format, device: torch.device) -> Kernel:
+    """The kernel a format's GEMMs use on ``device``.
+
+    FP8: torchao.float8's training path (torch._scaled_mm) on CUDA GPUs with FP8 tensor cores
+    (compute capability 8.9 and up: Ada, Hopper, Blackwell). MX and NVFP4: emulated everywhere.
+    torchao's MX GEMMs need compute capability 10.x and round to nearest only; routing the FP4
+    backward's stochastically rounded operands into them is not built (README, issue 13).
     """
-    if fmt is not Format.FP8 or device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    device = torch.device(device)
+    if fmt is Format.FP8 and device.type == "cuda" and torch.cuda.is_available():
+        if torch.cuda.get_device_capability(device) >= (8, 9):
+            return Kernel.TORCHAO_FP8
+    return Kernel.EMULATED
+
+
+def describe_kernels(formats: Iterable[Format], device: torch.device) -> str:
+    """One line for the setup log, e.g. "fp8: native torchao kernel; mxfp4: emulated (cpu)"."""
+    parts = [f"{f.value}: {kernel_for(f, device).value}" for f in formats if f is not Format.BF16]
+    return "; ".join(parts) + f" ({torch.device(device)})"
 
 
 def quantized_matmul(
@@ -45,14 +63,19 @@ def quantized_matmul(
     a_is_grad: bool = False,
     b_is_grad: bool = False,
     generator: torch.Generator | None = None,
+    kernel: Kernel | None = None,
 ) -> torch.Tensor:
     """Return Q(a) @ Q(b)^T, both operands quantized along dim 1 (the contraction axis).
 
-    ``generator``: the random source of stochastic rounding (the global one when None)."""
+    ``generator``: the random source of stochastic rounding (the global one when None).
+    ``kernel``: None chooses by device (kernel_for); tests force TORCHAO_FP8 on a CPU, where
+    torch._scaled_mm exists too."""
     if fmt is Format.BF16:
         return a @ b.t()
-    if has_native_kernel(fmt, a.device) and a.shape[1] % 16 == 0 and a.shape[0] % 16 == 0 and b.shape[0] % 16 == 0:
-        return _fp8_scaled_mm(a, b, recipe, a_is_grad, b_is_grad)
+    kernel = kernel_for(fmt, a.device) if kernel is None else kernel
+    # torch._scaled_mm needs every dimension a multiple of 16; other shapes are emulated.
+    if kernel is Kernel.TORCHAO_FP8 and a.shape[1] % 16 == 0 and a.shape[0] % 16 == 0 and b.shape[0] % 16 == 0:
+        return torchao_fp8_mm(a, b, recipe, a_is_grad, b_is_grad)
     qa = fake_quantize(a, fmt, axis=1, rounding=_rounding(fmt, recipe, a_is_grad), recipe=recipe, is_grad=a_is_grad,
                        generator=generator)
     qb = fake_quantize(b, fmt, axis=1, rounding=_rounding(fmt, recipe, b_is_grad), recipe=recipe, is_grad=b_is_grad,
@@ -64,30 +87,33 @@ def _rounding(fmt: Format, recipe: QuantRecipe, is_grad: bool) -> Rounding:
     return recipe.fp4_grad_rounding if (is_grad and fmt.is_fp4) else Rounding.NEAREST
 
 
-def _fp8_scaled_mm(a, b, recipe: QuantRecipe, a_is_grad: bool, b_is_grad: bool) -> torch.Tensor:
-    """FP8 GEMM on the tensor cores, with torchao.float8's scales and saturated casts."""
+def torchao_fp8_mm(a, b, recipe: QuantRecipe, a_is_grad: bool, b_is_grad: bool, *, emulate: bool = False) -> torch.Tensor:
+    """Q(a) @ Q(b)^T through torchao.float8's training tensors, as Float8Linear's GEMMs run: its
+    dynamic scales (rowwise: per row of each operand along the contraction axis, rounded down to a
+    power of two; tensorwise: one amax scale), its saturated casts and its torch.mm dispatch to
+    torch._scaled_mm (``emulate=True``: its fp32 emulation instead). The output has a's dtype."""
     from torchao.float8.config import ScalingGranularity
-    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig, ScaledMMConfig
 
     from lightning_snip.formats import Fp8Scaling
 
-    def cast(t, is_grad):
-        dtype = recipe.fp8_grad_dtype.torch_dtype if is_grad else torch.float8_e4m3fn
-        if recipe.fp8_scaling is Fp8Scaling.ROWWISE:
-            # torchao's rowwise recipe rounds scales to powers of 2 (as formats._fp8_fake_quantize)
-            scale = tensor_to_scale(t, dtype, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1,
-                                    round_scales_to_power_of_2=True)
-        else:
-            scale = tensor_to_scale(t, dtype)
-        return to_fp8_saturated(t.float() * scale, dtype), scale.float().reciprocal()
+    mm_config = ScaledMMConfig(emulate=emulate, use_fast_accum=False, fp8_output=False, pad_inner_dim=False)
+    linear_mm_config = LinearMMConfig(mm_config, mm_config, mm_config)
+    rowwise = recipe.fp8_scaling is Fp8Scaling.ROWWISE
+    granularity = ScalingGranularity.AXISWISE if rowwise else ScalingGranularity.TENSORWISE
 
-    qa, inv_a = cast(a.contiguous(), a_is_grad)
-    qb, inv_b = cast(b.contiguous(), b_is_grad)
-    if recipe.fp8_scaling is Fp8Scaling.ROWWISE:
-        inv_b = inv_b.reshape(1, -1)
-    # The output follows the operands (autocast's dtype, fp16 included), as the emulated path does.
-    out_dtype = a.dtype if a.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
-    return torch._scaled_mm(qa, qb.t(), scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
+    def cast(t, is_grad, role, axiswise_dim):
+        dtype = recipe.fp8_grad_dtype.torch_dtype if is_grad else torch.float8_e4m3fn
+        return hp_tensor_to_float8_dynamic(t, dtype, linear_mm_config, gemm_input_role=role,
+                                           scaling_granularity=granularity,
+                                           axiswise_dim=axiswise_dim if rowwise else None,
+                                           round_scales_to_power_of_2=rowwise)
+
+    qa = cast(a.contiguous(), a_is_grad, GemmInputRole.INPUT, -1)
+    # b^T (k x n) is scaled along its dim 0, the contraction axis, as torchao scales a weight.
+    qb_t = cast(b.t(), b_is_grad, GemmInputRole.WEIGHT, 0)
+    return torch.mm(qa, qb_t)
 
 
 class _SNIPLinearFunction(torch.autograd.Function):

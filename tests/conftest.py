@@ -1,12 +1,26 @@
 import logging
+import os
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
 
+# The quantizer kernels run uncompiled in tests (same code, same numbers; test_fused.py checks both
+# modes bit for bit against the reference): compiling them costs ~5-10 s per kernel in every test
+# process and subprocess, which doubled the suite's time. Tests marked ``compiled_quantizers`` run
+# with the default, compiled kernels, end to end.
+os.environ.setdefault("LIGHTNING_SNIP_QUANTIZERS", "eager")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "compiled_quantizers: run with the compiled quantizer kernels (the default "
+                            "outside tests)")
+
 
 @pytest.fixture(autouse=True)
-def _seed():
+def _seed(request, monkeypatch):
+    if request.node.get_closest_marker("compiled_quantizers"):
+        monkeypatch.setenv("LIGHTNING_SNIP_QUANTIZERS", "compiled")
     torch.manual_seed(0)
     yield

@@ -28,6 +28,7 @@ def _plan_table(stdout: str) -> str:
     return stdout.split("=== SNIP summary ===", 1)[1].split("steps ", 1)[0]
 
 
+@pytest.mark.compiled_quantizers  # as users run it: compiled quantizers, their first-call log clean
 def test_progress_plan_lines_clean_output_and_summary(tmp_path):
     proc = _run(tmp_path, "trainer.max_steps=8", "trainer.progress_seconds=0.001", "trainer.val_check_interval=8",
                 "trainer.checkpoint_every_n_steps=4")
@@ -35,6 +36,8 @@ def test_progress_plan_lines_clean_output_and_summary(tmp_path):
     log = proc.stderr + proc.stdout
     assert log.count("step 8/8 | loss ") == 1  # a progress line per step here, each printed once
     assert "SNIP plan applied at step 3: FP4 FLOPs fraction" in log and "layers changed" in log
+    assert "GEMM kernels: fp8: emulated; mxfp4: emulated (cpu)" in log
+    assert "compiled quantizer _mx_sr_kernel for cpu in" in log  # compiled, its first-call time reported
     for noise in ("💡", "Failed to load", "Detected no triton", "LeafSpec", "register_constant", "INFO: "):
         assert noise not in log, noise
     summary = proc.stdout.split("=== SNIP summary ===", 1)[1]

@@ -234,6 +234,7 @@ class _CompileCounter(pl.Callback):
         self.rows.append((self.new_formats, counters["frames"]["total"] - self.before))
 
 
+@pytest.mark.compiled_quantizers
 def test_compiled_model_trains_gets_plans_and_recompiles_only_for_new_plans(tmp_path, monkeypatch):
     torch._dynamo.reset()
     # Hitting the limit would silently fall back to eager (and make "no recompiles" trivially true).

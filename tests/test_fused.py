@@ -1,0 +1,181 @@
+"""The fused quantizers (lightning_snip.fused) against the torchao reference, bit for bit."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+import torch
+
+from lightning_snip import fused
+from lightning_snip.formats import Format, QuantRecipe, Rounding, fake_quantize, reference_fake_quantize
+
+FORMATS = (Format.FP8, Format.MXFP8, Format.MXFP4, Format.NVFP4)
+RECIPES = {
+    "rowwise_e4m3": QuantRecipe(),
+    "tensorwise_e5m2": QuantRecipe(fp8_scaling="tensorwise", fp8_grad_dtype="e5m2"),
+}
+
+
+def _wide_range(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g) * 4)
+
+
+def _edges(shape, seed):
+    """Zeros, fp32 subnormals, exact grid points and ties after scaling (powers of two times grid
+    values and midpoints), block maxima, values far above and below their block's maximum."""
+    x = _wide_range(shape, seed)
+    flat = x.view(-1)
+    flat[::7] = 0.0
+    flat[1::11] = 1e-40
+    flat[2::13] = -3e-39
+    flat[3::17] = 448.0 * 2.0**4
+    flat[4::19] = 6.0
+    flat[5::23] = 5.0  # a tie on the E2M1 grid (4 | 6) when the block scale is 1
+    flat[6::29] = -1.75
+    flat[8::31] = 2.0**-130
+    return x
+
+
+def _inputs():
+    nan = _wide_range((64, 96), 3)
+    nan.view(-1)[::37] = float("nan")
+    inf = _wide_range((64, 96), 4)
+    inf.view(-1)[::41] = float("inf")
+    inf.view(-1)[5::53] = float("-inf")
+    return {
+        "wide_range": _wide_range((96, 80), 0),
+        "edges": _edges((64, 96), 1),
+        "zeros": torch.zeros(32, 64),
+        "all_tiny": torch.full((32, 64), 1e-41),
+        "ragged": _wide_range((40, 50), 2),  # neither axis a multiple of a block: zero padding
+        "bf16": _wide_range((64, 64), 5).bfloat16(),
+        "nan": nan,
+        "inf": inf,
+    }
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.isnan(), b.isnan())
+            and torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0)))
+
+
+CASES = [
+    (fmt, rounding, axis, recipe, is_grad)
+    for fmt in FORMATS
+    for rounding in ((Rounding.NEAREST, Rounding.STOCHASTIC) if fmt.is_fp4 else (Rounding.NEAREST,))
+    for axis in (0, 1)
+    for recipe in (RECIPES if fmt in (Format.FP8, Format.MXFP8) else ["rowwise_e4m3"])
+    for is_grad in ((False, True) if fmt in (Format.FP8, Format.MXFP8) else (False,))
+]
+
+
+@pytest.mark.parametrize("mode", ["compiled", "eager"])
+@pytest.mark.parametrize("fmt,rounding,axis,recipe,is_grad", CASES,
+                         ids=lambda v: getattr(v, "value", str(v)))
+def test_fused_equals_reference_bit_for_bit(monkeypatch, mode, fmt, rounding, axis, recipe, is_grad):
+    monkeypatch.setenv("LIGHTNING_SNIP_QUANTIZERS", mode)
+    for name, x in _inputs().items():
+        kwargs = dict(axis=axis, rounding=rounding, recipe=RECIPES[recipe], is_grad=is_grad)
+        got = fake_quantize(x, fmt, generator=torch.Generator().manual_seed(7), **kwargs)
+        want = reference_fake_quantize(x, fmt, generator=torch.Generator().manual_seed(7), **kwargs)
+        assert _same(got, want), (name, int(((got != want) & ~(got.isnan() & want.isnan())).sum()))
+
+
+def _grid_values(grid):
+    """Every non-negative value of the grid, and every midpoint between neighbours."""
+    mbits, emin, vmax = grid
+    values = {0.0}
+    for e in range(emin, 20):
+        for m in range(2**mbits):
+            v = (1 + m / 2**mbits) * 2.0**e
+            if v <= vmax:
+                values.add(v)
+    values |= {k * 2.0 ** (emin - mbits) for k in range(2**mbits)}  # subnormals
+    values = sorted(values)
+    mids = [(a + b) / 2 for a, b in zip(values, values[1:])]
+    return torch.tensor(values), torch.tensor(mids)
+
+
+@pytest.mark.parametrize("grid,dtype", [(fused.E4M3, torch.float8_e4m3fn), (fused.E5M2, torch.float8_e5m2)])
+def test_round_to_grid_matches_torch_fp8_casts(grid, dtype):
+    values, mids = _grid_values(grid)
+    g = torch.Generator().manual_seed(0)
+    sweep = torch.cat([values, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9)),
+                       torch.rand(20000, generator=g) * grid[2], torch.rand(20000, generator=g) * 2.0 ** grid[1]])
+    sweep = torch.cat([sweep, -sweep])
+    assert torch.equal(fused.round_to_grid(sweep, grid), sweep.to(dtype).float())
+    assert torch.equal(fused.round_to_grid(values, grid), values)  # grid points are fixed points
+
+
+def test_round_to_grid_matches_torchao_e2m1_cast():
+    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked
+
+    values, mids = _grid_values(fused.E2M1)
+    g = torch.Generator().manual_seed(0)
+    sweep = torch.cat([values, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(9.0)),
+                       torch.rand(20000, generator=g) * 6.0, torch.tensor([7.0, 100.0])])
+    sweep = torch.cat([sweep, -sweep])
+    want = f4_unpacked_to_f32(f32_to_f4_unpacked(sweep))
+    assert torch.equal(fused.round_to_grid(sweep, fused.E2M1), want)
+    assert torch.equal(fused.round_to_grid(values, fused.E2M1), values)
+
+
+def test_round_to_grid_non_finite():
+    v = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    out = fused.round_to_grid(v, fused.E4M3)
+    assert out[0].isnan() and out[1] == 448.0 and out[2] == -448.0
+
+
+@pytest.mark.parametrize("fmt", [Format.MXFP4, Format.NVFP4])
+def test_stochastic_rounding_unbiased(fmt):
+    """The mean of many SR draws converges to x (RTN's error does not shrink with more draws)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 64, generator=g)
+    draws = torch.stack([fake_quantize(x, fmt, axis=1, rounding=Rounding.STOCHASTIC, generator=g) for _ in range(400)])
+    bias = (draws.mean(0) - x).abs().mean() / x.abs().mean()
+    rtn = (fake_quantize(x, fmt, axis=1) - x).abs().mean() / x.abs().mean()
+    assert bias < 0.01 and rtn > 0.05, (bias, rtn)
+
+
+@pytest.mark.compiled_quantizers
+def test_training_steps_do_not_recompile():
+    """After the first step, quantizers of every layer and direction reuse their compiled graphs."""
+    from torch._dynamo.utils import counters
+
+    from lightning_snip.linear import SNIPLinear
+
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(SNIPLinear(64, 96, format="nvfp4"), torch.nn.ReLU(), SNIPLinear(96, 32, format="mxfp4"))
+    x = torch.randn(128, 64)
+    layers(x).square().mean().backward()
+    before = counters["stats"]["unique_graphs"]
+    for batch in (128, 128, 256):  # a new batch size is a new (dynamic-shape) input, not a new graph
+        layers(torch.randn(batch, 64)).square().mean().backward()
+    assert counters["stats"]["unique_graphs"] == before
+
+
+@pytest.mark.compiled_quantizers
+def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch, caplog):
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no C++ compiler")
+        return run
+
+    monkeypatch.setattr(fused, "_compiled", {})
+    monkeypatch.setattr(fused, "_broken", set())
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    x = _wide_range((32, 64), 0)
+    with caplog.at_level(logging.WARNING, logger="lightning_snip.fused"):
+        outs = [fake_quantize(x, Format.MXFP4, axis=1) for _ in range(3)]
+    warnings = [r for r in caplog.records if "running it eagerly" in r.getMessage()]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0].getMessage()
+    assert all(_same(o, reference_fake_quantize(x, Format.MXFP4, axis=1)) for o in outs)
+
+
+def test_unknown_quantizer_mode_names_the_variable(monkeypatch):
+    monkeypatch.setenv("LIGHTNING_SNIP_QUANTIZERS", "fastest")
+    with pytest.raises(ValueError, match="LIGHTNING_SNIP_QUANTIZERS.*fastest.*compiled, eager, reference"):
+        fake_quantize(torch.randn(4, 32), Format.MXFP4, axis=1)
