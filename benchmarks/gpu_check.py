@@ -96,7 +96,7 @@ def demo_run(device, steps, lines):
 
     logging.getLogger("lightning_snip").setLevel(logging.INFO)
     pl.seed_everything(0)
-    callback = SNIPCallback(SNIPConfig(warmup_steps=20, interval=20, formats=["fp8", "mxfp4", "nvfp4"]))
+    callback = SNIPCallback(SNIPConfig(warmup_steps=20, interval=20, candidate_formats=("fp8", "mxfp4", "nvfp4")))
     trainer = pl.Trainer(max_steps=steps, accelerator=device.type, devices=1, precision="bf16-mixed",
                          callbacks=[callback], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, limit_val_batches=0)

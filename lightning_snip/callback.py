@@ -25,7 +25,8 @@ from lightning_snip.divergence import (DivergenceResult, FirstOrderTerms, LayerD
 from lightning_snip.formats import Format
 from lightning_snip.linear import describe_kernels
 from lightning_snip.plan import Granularity, Plan, SolveStatus, split_key
-from lightning_snip.planner import LayerCandidates, PlanInfeasibleError, check_target, solve_gemm_plan, solve_plan
+from lightning_snip.planner import (LayerCandidates, PlanInfeasibleError, check_target, gemm_items, keep_out_of_fp4,
+                                    max_fp4_fraction, solve_plan)
 from lightning_snip.reporting import divergence_scalars, log_to_loggers, plan_scalars
 from lightning_snip.stats import FirstOrderSampler, collect_stats, slice_batch
 
@@ -116,6 +117,7 @@ class SNIPCallback(Callback):
         self._sr_generator: torch.Generator | None = None
         self._sr_seed = 0
         self.num_consecutive_failures = 0  # statistics rounds or solves in a row that gave no plan
+        self.grad_noise_ratios: dict[str, float] = {}  # the last round's, per switchable layer
 
     @property
     def fp4_fraction(self) -> float:
@@ -328,7 +330,9 @@ class SNIPCallback(Callback):
         if result is None:
             self._count_failure(cause)
             return
-        log_to_loggers(trainer.loggers, step, {**divergence_scalars(result), "snip/stats_seconds": seconds})
+        self.grad_noise_ratios = self._grad_noise_ratios(result)
+        log_to_loggers(trainer.loggers, step, {**divergence_scalars(result), "snip/stats_seconds": seconds,
+                                               **{f"snip/grad_noise_ratio/{fqn}": r for fqn, r in self.grad_noise_ratios.items()}})
         self.history.append({"step": step, "divergence": result.as_dict()})
         self._fold_into_aggregate(self.history[-1]["divergence"])
         self._start_solve(trainer, step, step + self.config.apply_delay)
@@ -387,12 +391,31 @@ class SNIPCallback(Callback):
         self.aggregate.update({metric: {fqn: d[metric] for fqn, d in layers.items()}
                                for metric in ("loss_divergence", "weight_divergence")})
 
+    def _grad_noise_ratios(self, result: DivergenceResult) -> dict[str, float]:
+        """Per unpinned layer: ||G^T X|| / ||Q(G)^T Q(X) - G^T X|| on the round's rows, for the best
+        FP4 candidate the layer's shape allows (the gradient-noise guard's ratio; +inf: no error)."""
+        ratios = {}
+        for fqn, layer in self.layers.items():
+            d = result.layers.get(fqn)
+            fp4 = [f for f in self.config.formats if f.is_fp4 and f in layer.allowed_formats]
+            if layer.pinned is not None or d is None or not fp4:
+                continue
+            errors = [d.rel_error_wgrad.get(f, math.nan) for f in fp4]
+            errors = [e for e in errors if math.isfinite(e)]
+            if errors:
+                ratios[fqn] = 1.0 / min(errors) if min(errors) > 0 else math.inf
+        return ratios
+
     def _start_solve(self, trainer, stats_step: int, apply_step: int) -> None:
         """Rank 0 solves the plan on the current aggregate in a background thread."""
         pending = _PendingSolve(stats_step=stats_step, apply_step=apply_step)
         if trainer.is_global_zero:
             candidates = self._candidates()
-            pending.thread = threading.Thread(target=self._solve, args=(pending, candidates), daemon=True, name="snip-solver")
+            threshold = self.config.noise_guard_threshold
+            guarded = frozenset(fqn for fqn, r in self.grad_noise_ratios.items() if r < threshold) \
+                if self.config.noise_guard else frozenset()
+            pending.thread = threading.Thread(target=self._solve, args=(pending, candidates, guarded), daemon=True,
+                                              name="snip-solver")
             pending.thread.start()
         self._pending = pending
 
@@ -402,9 +425,11 @@ class SNIPCallback(Callback):
             return result
         fqns = list(self.layers)
         formats = list(dict.fromkeys((Format.BF16, *self.config.formats)))
-        values = torch.full((2, len(fqns), len(formats)), float("nan"), dtype=torch.float64)  # (LD/WD, layer, format)
+        # (LD / WD / relative wgrad error, layer, format); the last feeds the gradient-noise guard
+        metrics = ("loss_divergence", "weight_divergence", "rel_error_wgrad")
+        values = torch.full((len(metrics), len(fqns), len(formats)), float("nan"), dtype=torch.float64)
         if result is not None:
-            for i, metric in enumerate(("loss_divergence", "weight_divergence")):
+            for i, metric in enumerate(metrics):
                 values[i] = torch.tensor([[getattr(result.layers[f], metric).get(p, math.inf) for p in formats] for f in fqns],
                                          dtype=torch.float64)
         device = trainer.strategy.root_device
@@ -416,6 +441,7 @@ class SNIPCallback(Callback):
             fqn: LayerDivergence(
                 loss_divergence=dict(zip(formats, total[0, i].tolist())),
                 weight_divergence=dict(zip(formats, total[1, i].tolist())),
+                rel_error_wgrad=dict(zip(formats, total[2, i].tolist())),
             )
             for i, fqn in enumerate(fqns)
         }
@@ -437,15 +463,26 @@ class SNIPCallback(Callback):
             ))
         return out
 
-    def _solve(self, pending: _PendingSolve, candidates: list[LayerCandidates]) -> None:
+    def _solve(self, pending: _PendingSolve, candidates: list[LayerCandidates], guarded: frozenset[str]) -> None:
+        """``guarded``: layers the gradient-noise guard keeps out of FP4 backward GEMMs (the whole
+        layer at granularity layer). Where that makes snip.fp4_fraction unreachable, the plan takes
+        the largest reachable fraction instead, with a warning (the guard wins over the target)."""
         cfg = self.config
+        if Granularity(cfg.granularity) is Granularity.GEMM:
+            items = gemm_items(candidates, guarded)
+        else:
+            items = [keep_out_of_fp4(c) if c.fqn in guarded else c for c in candidates]
+        targets = dict(cost_budget=cfg.cost_budget, weight_divergence_weight=cfg.weight_divergence_weight,
+                       time_limit_seconds=cfg.time_limit_seconds, relative_cost=cfg.cost_model.relative_cost)
         try:
-            solve = solve_gemm_plan if Granularity(cfg.granularity) is Granularity.GEMM else solve_plan
-            pending.plan = solve(
-                candidates, fp4_fraction=cfg.fp4_fraction, cost_budget=cfg.cost_budget,
-                weight_divergence_weight=cfg.weight_divergence_weight, time_limit_seconds=cfg.time_limit_seconds,
-                relative_cost=cfg.cost_model.relative_cost,
-            )
+            fraction = cfg.fp4_fraction
+            if guarded and fraction is not None and max_fp4_fraction(items) < fraction:
+                fraction = max_fp4_fraction(items) * (1 - 1e-9)
+                logger.warning("SNIP noise guard: %d layers keep their backward out of FP4 (gradient/noise ratio < %.3g); "
+                               "the largest reachable FP4 fraction, %.3f, is used instead of snip.fp4_fraction=%s",
+                               len(guarded), cfg.noise_guard_threshold, fraction, cfg.fp4_fraction)
+            plan = solve_plan(items, fp4_fraction=fraction, **targets)
+            pending.plan = dataclasses.replace(plan, noise_guarded=guarded)
         except BaseException as err:  # noqa: BLE001 - reported on the training thread at apply time
             pending.error = err
 
@@ -480,6 +517,7 @@ class SNIPCallback(Callback):
         # Layers with a changed format (in a per-GEMM plan: in either direction).
         num_changed = len({split_key(key)[0] for key, fmt in plan.items() if before.get(key) is not fmt})
         scalars = {**plan_scalars(plan, num_changed), "snip/solver_seconds": plan.solve_seconds,
+                   "snip/noise_guarded_layers": len(plan.noise_guarded),
                    "snip/plan_agreement": _plan_agreement(plan, before, self.layers)}
         log_to_loggers(trainer.loggers, step, scalars, plan)
         status = "" if plan.status is SolveStatus.OPTIMAL else f" ({plan.status.value})"

@@ -81,6 +81,13 @@ class SNIPConfig:
         max_consecutive_failures: after this many statistics rounds or solves in a row failed, the
             callback raises with the cause (a run that can never plan stops early); null: warn and
             keep training on the last good plan, however many fail.
+        noise_guard: the gradient-noise guard. Every round logs, per layer, the ratio of its weight
+            gradient's norm to the norm of the error its FP4 backward adds (best FP4 candidate);
+            with the guard on, a layer whose ratio is below ``noise_guard_threshold`` gets a
+            non-FP4 backward at the next plan (the whole layer at granularity layer). Rule from
+            Chmiel et al., "FP4 All the Way" (2025): FP4 training stops helping once the gradient
+            norm falls below about sqrt(3) times the quantization noise.
+        noise_guard_threshold: that threshold (sqrt(3) by default).
     """
 
     interval: int = 100
@@ -109,6 +116,8 @@ class SNIPConfig:
     granularity: str = "layer"
     replan: bool = True
     max_consecutive_failures: int | None = 3
+    noise_guard: bool = False
+    noise_guard_threshold: float = math.sqrt(3.0)
 
     def __post_init__(self) -> None:
         for name in ("interval", "max_rows", "first_order_rows"):
@@ -139,6 +148,10 @@ class SNIPConfig:
                ", ".join(e.value for e in LossEstimator))
         check_field(isinstance(self.aggregate_decay, (int, float)) and 0.0 <= self.aggregate_decay < 1.0,
                "snip.aggregate_decay", self.aggregate_decay, "a number in [0, 1)")
+        check_field(isinstance(self.noise_guard, bool), "snip.noise_guard", self.noise_guard, "true or false")
+        check_field(isinstance(self.noise_guard_threshold, (int, float)) and not isinstance(self.noise_guard_threshold, bool)
+                    and 0 < self.noise_guard_threshold < math.inf, "snip.noise_guard_threshold", self.noise_guard_threshold,
+                    "a finite number > 0")
         check_field(self.weight_divergence_weight >= 0, "snip.weight_divergence_weight", self.weight_divergence_weight, "a number >= 0")
         object.__setattr__(self, "candidate_formats", tuple(self.candidate_formats))
         object.__setattr__(self, "include", tuple(self.include))

@@ -12,9 +12,9 @@ restated in a few lines each (see _e8m0_scales and _nvfp4_scales for why).
 tests/test_fused.py checks every format, both roundings and both axes bit for bit against the
 reference, on random and edge inputs (zeros, subnormals, block maxima, inf, NaN).
 
-Stochastic rounding draws its uniforms eagerly from the caller's generator, in the reference's
-shape and order, so the fused and reference paths give identical results for the same generator
-state; only the arithmetic after the draw is compiled.
+Stochastic rounding draws its random bits eagerly from the caller's generator (formats.random_bits,
+as the reference does), so the fused and reference paths give identical results for the same
+generator state; the bits become uniforms inside the compiled kernel.
 
 Compilation: one graph per kernel family, shapes dynamic (``dynamic=True``), compiled on first use
 and reused for every layer and step. Where torch.compile is unavailable or fails (no C++ compiler,
@@ -64,8 +64,11 @@ def round_to_grid(v: torch.Tensor, grid: tuple[int, int, float]) -> torch.Tensor
     return torch.copysign(torch.where(mag < 2.0**emin, sub, normal), v)
 
 
-def stochastic_round_e2m1(v: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """formats._stochastic_round_e2m1 with the uniforms given (same arithmetic, same results)."""
+def stochastic_round_e2m1(v: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """formats._stochastic_round_e2m1 with the random bits given (same arithmetic, same results)."""
+    from lightning_snip.formats import uniforms_from_bits
+
+    u = uniforms_from_bits(bits, v.shape)
     mag = v.abs().clamp(max=6.0)
     step = torch.where(mag < 2.0, 0.5, torch.where(mag < 4.0, 1.0, 2.0))
     lo = torch.floor(mag / step) * step
@@ -128,10 +131,10 @@ def _mx_rtn_kernel(rows: torch.Tensor, grid_name: str) -> torch.Tensor:
     return (round_to_grid(scaled, grid) * scale).reshape(rows.shape)
 
 
-def _mx_sr_kernel(rows: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _mx_sr_kernel(rows: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     blocks = rows.reshape(rows.shape[0], -1, MX_BLOCK)
     _, scale = _e8m0_scales(blocks, 6.0)
-    return (stochastic_round_e2m1(blocks / scale, u) * scale).reshape(rows.shape)
+    return (stochastic_round_e2m1(blocks / scale, bits) * scale).reshape(rows.shape)
 
 
 def _nvfp4_scales(blocks: torch.Tensor):
@@ -151,7 +154,7 @@ def _nvfp4_rtn_kernel(rows: torch.Tensor) -> torch.Tensor:
     return (round_to_grid(scaled, E2M1) * (per_tensor * block_fp8)).reshape(rows.shape)
 
 
-def _nvfp4_sr_kernel(rows: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _nvfp4_sr_kernel(rows: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     blocks = rows.reshape(rows.shape[0], -1, 16)
     per_tensor, block_fp8 = _nvfp4_scales(blocks)
     scale = block_fp8 * per_tensor
@@ -159,7 +162,7 @@ def _nvfp4_sr_kernel(rows: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     too_small = blocks.abs().amax(-1, keepdim=True) > 6.0 * scale
     bumped = round_to_grid(block_fp8 * 1.125, E4M3) * per_tensor
     scale = torch.where(too_small, bumped, scale)
-    return (stochastic_round_e2m1(blocks / scale, u) * scale).reshape(rows.shape)
+    return (stochastic_round_e2m1(blocks / scale, bits) * scale).reshape(rows.shape)
 
 
 # --- compilation ------------------------------------------------------------------------------
@@ -172,6 +175,16 @@ compile_seconds: dict[tuple[str, str], float] = {}  # first-call time of each co
 
 
 QUANTIZER_MODES = ("compiled", "eager", "reference")
+
+
+def _default_stance():
+    try:
+        from torch._dynamo.eval_frame import _stance  # private; the public API has no getter
+        if _stance.stance == "default":
+            return contextlib.nullcontext()
+    except (ImportError, AttributeError):
+        pass
+    return torch.compiler.set_stance("default") if hasattr(torch.compiler, "set_stance") else contextlib.nullcontext()
 
 
 def quantizer_mode() -> str:
@@ -199,12 +212,12 @@ def run_kernel(name: str, *args):
     start = time.perf_counter()
     try:
         # The callback's statistics rounds run under set_stance("force_eager") (so a user's compiled
-        # model does not recompile); these kernels are ours and stay compiled.
-        stance = torch.compiler.set_stance("default") if hasattr(torch.compiler, "set_stance") else contextlib.nullcontext()
-        # Each layout and size-1 dimension gets its own graph; the tests' many tiny shapes (and
-        # a model's few real ones) stay well under this limit, which applies to these kernels only.
-        with stance, torch._dynamo.config.patch(recompile_limit=64):
-            out = fn(*args)
+        # model does not recompile); these kernels are ours and stay compiled. (Entering the stance
+        # costs ~20-30 us, so only where another stance is active.)
+        # Inputs detached (no autograd view base, no requires_grad) and grad mode off: dynamo guards
+        # on both, and forward/backward calls otherwise recompiled the same kernel several times.
+        with _default_stance(), torch.no_grad():
+            out = fn(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
     except Exception as err:  # noqa: BLE001 - any compiler failure falls back to the same eager code
         _broken.add(key)
         logger.warning("lightning_snip: compiling quantizer %s on %s failed (%s: %s); running it eagerly "

@@ -52,6 +52,8 @@ class Plan(Mapping[str, Format]):
         relative_cost: Format -> GEMM cost relative to bf16.
         policy: who made it ("snip", "random", ...).
         status, objective, solve_seconds: what the solver reported.
+        noise_guarded: layer fqns whose backward the gradient-noise guard kept out of FP4
+            (SNIPConfig.noise_guard); the table marks them.
     """
 
     formats: Mapping[str, Format]
@@ -61,6 +63,7 @@ class Plan(Mapping[str, Format]):
     status: SolveStatus = SolveStatus.HEURISTIC
     objective: float | None = None
     solve_seconds: float = 0.0
+    noise_guarded: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         formats = {fqn: Format.parse(f, field_name=f"formats[{fqn}]") for fqn, f in self.formats.items()}
@@ -71,6 +74,7 @@ class Plan(Mapping[str, Format]):
         object.__setattr__(self, "formats", MappingProxyType(formats))
         object.__setattr__(self, "flops", MappingProxyType(flops))
         object.__setattr__(self, "relative_cost", MappingProxyType(costs))
+        object.__setattr__(self, "noise_guarded", frozenset(self.noise_guarded))
 
     def __getitem__(self, fqn: str) -> Format:
         return self.formats[fqn]
@@ -123,6 +127,7 @@ class Plan(Mapping[str, Format]):
                 "status": self.status.value,
                 "objective": self.objective,
                 "solve_seconds": self.solve_seconds,
+                "noise_guarded": sorted(self.noise_guarded),
             }
         )
 
@@ -137,6 +142,7 @@ class Plan(Mapping[str, Format]):
             status=SolveStatus(data["status"]),
             objective=data["objective"],
             solve_seconds=data["solve_seconds"],
+            noise_guarded=data.get("noise_guarded", ()),  # absent in plans saved before the guard
         )
 
     def table(self) -> str:
@@ -144,11 +150,15 @@ class Plan(Mapping[str, Format]):
         width = max([len("layer")] + [len(f) for f in self.formats])
         total = self.total_flops or 1.0
         lines = [f"{'layer':<{width}}  format  flops share", f"{'-' * width}  ------  -----------"]
-        for fqn, fmt in self.formats.items():
-            lines.append(f"{fqn:<{width}}  {fmt.value:<6}  {100 * self.flops[fqn] / total:10.2f}%")
+        for key, fmt in self.formats.items():
+            fqn, direction = split_key(key)
+            guarded = fqn in self.noise_guarded and direction != FORWARD
+            lines.append(f"{key:<{width}}  {fmt.value:<6}  {100 * self.flops[key] / total:10.2f}%"
+                         + ("  (noise guard: backward kept out of FP4)" if guarded else ""))
         counts = ", ".join(f"{fmt.value} {self.count(fmt)}" for fmt in Format if self.count(fmt))
         lines.append(
             f"policy {self.policy} ({self.status.value}); layers: {counts}; FP4 FLOPs fraction "
             f"{self.fp4_fraction:.3f}; relative GEMM cost {self.relative_gemm_cost:.3f}"
+            + (f"; noise guard: {len(self.noise_guarded)} layers" if self.noise_guarded else "")
         )
         return "\n".join(lines)

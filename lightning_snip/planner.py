@@ -19,12 +19,12 @@ import math
 import random
 import re
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from lightning_snip.formats import DEFAULT_RELATIVE_COST, Format
-from lightning_snip.plan import BACKWARD, FORWARD, Plan, SolveStatus, gemm_key, split_key
+from lightning_snip.plan import BACKWARD, FORWARD, Granularity, Plan, SolveStatus, gemm_key, split_key
 
 logger = logging.getLogger(__name__)
 
@@ -286,13 +286,43 @@ def split_directions(layer: LayerCandidates) -> tuple[LayerCandidates, LayerCand
     return forward, backward
 
 
+def keep_out_of_fp4(layer: LayerCandidates) -> LayerCandidates:
+    """The layer (or GEMM item) with its FP4 formats excluded; bf16 at zero divergence where no
+    other format is left. A pinned layer is returned as it is (a pin wins over the noise guard)."""
+    if layer.pinned is not None:
+        return layer
+    ld = {f: math.inf if f.is_fp4 else v for f, v in layer.loss_divergence.items()}
+    wd = {f: math.inf if f.is_fp4 else v for f, v in layer.weight_divergence.items()}
+    if not any(math.isfinite(ld[f]) and math.isfinite(wd[f]) for f in ld):
+        ld[Format.BF16] = wd[Format.BF16] = 0.0
+    return LayerCandidates(fqn=layer.fqn, flops=layer.flops, loss_divergence=ld, weight_divergence=wd)
+
+
+def max_fp4_fraction(layers: Sequence[LayerCandidates]) -> float:
+    """The largest FP4 FLOPs fraction any plan over these layers (or GEMM items) can reach."""
+    total = sum(layer.flops for layer in layers)
+    reachable = sum(layer.flops for layer in layers if any(f.is_fp4 for f in layer.choices()))
+    return reachable / total if total else 0.0
+
+
+def gemm_items(layers: Sequence[LayerCandidates], backward_blocked: Collection[str] = ()) -> list[LayerCandidates]:
+    """Each layer's forward and backward items (split_directions); layers in ``backward_blocked``
+    (fqns) get a backward item kept out of FP4 (the gradient-noise guard)."""
+    items = []
+    for layer in layers:
+        forward, backward = split_directions(layer)
+        items += [forward, keep_out_of_fp4(backward) if layer.fqn in backward_blocked else backward]
+    return items
+
+
 def solve_gemm_plan(layers: Sequence[LayerCandidates], *, stages: Mapping[str, Hashable] | None = None,
-                    **targets) -> Plan:
+                    backward_blocked: Collection[str] = (), **targets) -> Plan:
     """The SNIP ILP at granularity "gemm": a Plan keyed by ``gemm_key(fqn, FORWARD | BACKWARD)``,
     whose FLOPs accounting (fp4_fraction, relative_gemm_cost) is per GEMM direction. Pins hold both
-    directions; stages apply to both. ``targets``: ``solve_plan``'s keyword arguments (fp4_fraction,
-    cost_budget, weight_divergence_weight, time_limit_seconds, relative_cost); raises as it does."""
-    items = [item for layer in layers for item in split_directions(layer)]
+    directions; stages apply to both. ``backward_blocked``: fqns whose backward may not be FP4.
+    ``targets``: ``solve_plan``'s keyword arguments (fp4_fraction, cost_budget,
+    weight_divergence_weight, time_limit_seconds, relative_cost); raises as it does."""
+    items = gemm_items(layers, backward_blocked)
     item_stages = None if stages is None else {
         gemm_key(fqn, d): stage for fqn, stage in stages.items() for d in (FORWARD, BACKWARD)}
     return solve_plan(items, stages=item_stages, **targets)
@@ -399,10 +429,22 @@ def _pick(layer: LayerCandidates, preferred: Format, *, fp4: bool) -> Format | N
     return same_kind[0] if same_kind else (None if fp4 else candidates[0])
 
 
-def random_plan(layers: Sequence[LayerCandidates], *, fp4_fraction: float, seed: int, **kw) -> Plan:
-    order = [layer.fqn for layer in layers]
+def _items(layers: Sequence[LayerCandidates], granularity: Granularity | str) -> list[LayerCandidates]:
+    """The layers themselves, or their forward and backward items at granularity gemm."""
+    return gemm_items(layers) if Granularity(granularity) is Granularity.GEMM else list(layers)
+
+
+def _policy(name: str, granularity: Granularity | str) -> str:
+    return f"{name}_gemm" if Granularity(granularity) is Granularity.GEMM else name
+
+
+def random_plan(layers: Sequence[LayerCandidates], *, fp4_fraction: float, seed: int,
+                granularity: Granularity | str = Granularity.LAYER, **kw) -> Plan:
+    """FP4 for layers (granularity gemm: GEMM directions) in a random order up to the fraction."""
+    items = _items(layers, granularity)
+    order = [item.fqn for item in items]
     random.Random(seed).shuffle(order)
-    return ordered_plan(layers, order, fp4_fraction=fp4_fraction, policy="random", **kw)
+    return ordered_plan(items, order, fp4_fraction=fp4_fraction, policy=_policy("random", granularity), **kw)
 
 
 def min_rel_err_plan(layers: Sequence[LayerCandidates], relative_error: Mapping[str, float], *, fp4_fraction: float, **kw) -> Plan:
@@ -412,12 +454,21 @@ def min_rel_err_plan(layers: Sequence[LayerCandidates], relative_error: Mapping[
 
 
 def layer_type_plan(
-    layers: Sequence[LayerCandidates], *, fp4_fraction: float, type_order: Sequence[str] = DEFAULT_LAYER_TYPE_ORDER, **kw
+    layers: Sequence[LayerCandidates], *, fp4_fraction: float, type_order: Sequence[str] = DEFAULT_LAYER_TYPE_ORDER,
+    granularity: Granularity | str = Granularity.LAYER, **kw
 ) -> Plan:
-    """FP4 first for layer types early in ``type_order`` (the fqn's last component); unknown types last."""
+    """FP4 first for layer types early in ``type_order`` (the fqn's last component); unknown types last.
+    Granularity gemm: every backward GEMM (in type order) before any forward GEMM (in type order),
+    the fixed rule behind "FP4 backward barely hurts" (issue 12)."""
     rank = {t: i for i, t in enumerate(type_order)}
-    order = sorted((layer.fqn for layer in layers), key=lambda f: rank.get(f.rsplit(".", 1)[-1], len(rank)))
-    return ordered_plan(layers, order, fp4_fraction=fp4_fraction, policy="layer_type", **kw)
+
+    def key(item_fqn: str):
+        fqn, direction = split_key(item_fqn)
+        return (direction == FORWARD, rank.get(fqn.rsplit(".", 1)[-1], len(rank)))
+
+    items = _items(layers, granularity)
+    order = sorted((item.fqn for item in items), key=key)
+    return ordered_plan(items, order, fp4_fraction=fp4_fraction, policy=_policy("layer_type", granularity), **kw)
 
 
 def block_index(fqn: str) -> int | None:

@@ -1,4 +1,6 @@
 import glob
+import json
+import math
 import logging
 import os
 import time
@@ -154,6 +156,9 @@ def test_slow_solver_thread_never_blocks_exit(tmp_path, monkeypatch):
         ({"aggregate_decay": 1.0}, "snip.aggregate_decay"),
         ({"first_order_rows": 0}, "snip.first_order_rows"),
         ({"first_order_steps": True}, "snip.first_order_steps"),
+        ({"noise_guard": "yes"}, "snip.noise_guard"),
+        ({"noise_guard_threshold": 0}, "snip.noise_guard_threshold"),
+        ({"noise_guard_threshold": float("inf")}, "snip.noise_guard_threshold"),
     ],
 )
 def test_invalid_config_names_the_field(kw, field):
@@ -378,3 +383,73 @@ def test_gemm_granularity_plans_a_forward_and_a_backward_format_per_layer(tmp_pa
         assert (layer.backward_format or layer.format) is plan[gemm_key(fqn, BACKWARD)]
     assert snip.fp4_fraction == pytest.approx(plan.fp4_fraction)
     assert plan[gemm_key("model.lm_head", FORWARD)] is plan[gemm_key("model.lm_head", BACKWARD)] is Format.BF16
+
+
+def _tb_scalars(tmp_path, prefix):
+    events = EventAccumulator(glob.glob(str(tmp_path / "tb" / "*"))[0]).Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"] if tag.startswith(prefix)}
+
+
+def test_grad_noise_ratios_are_logged_every_round_and_the_guard_raises_low_ratio_layers(tmp_path):
+    """Guard off: every round logs snip/grad_noise_ratio/<fqn> for each unpinned layer, and the
+    plans are unconstrained. Guard on, threshold between the layers' step-2 ratios: the first plan
+    (solved from step 2) keeps exactly the layers below it out of FP4, and marks them."""
+    from lightning_snip.plan import Plan
+
+    off = SNIPCallback(_snip(fp4_fraction=0.5))
+    _fit(tmp_path / "off", off)
+    ratios = _tb_scalars(tmp_path / "off", "snip/grad_noise_ratio/")
+    unpinned = {fqn for fqn, layer in off.layers.items() if layer.pinned is None}
+    assert {tag.rsplit("/", 1)[1] for tag in ratios} == unpinned
+    assert all(set(steps) == {2, 6} for steps in ratios.values())
+    assert all(0 < v < math.inf for steps in ratios.values() for v in steps.values())
+    assert off.grad_noise_ratios == pytest.approx({t.rsplit("/", 1)[1]: s[6] for t, s in ratios.items()}, rel=1e-5)
+    at_2 = {tag.rsplit("/", 1)[1]: steps[2] for tag, steps in ratios.items()}
+    ordered = sorted(at_2.values())
+    k = len(ordered) // 3  # a third of the layers below the threshold, halfway to the next ratio
+    threshold = (ordered[k - 1] + ordered[k]) / 2  # (TensorBoard keeps float32: no threshold on a value)
+    expected = {fqn for fqn, r in at_2.items() if r < threshold}
+    assert 0 < len(expected) < len(unpinned)
+
+    on = SNIPCallback(_snip(fp4_fraction=0.5, noise_guard=True, noise_guard_threshold=threshold))
+    _fit(tmp_path / "on", on)
+    first = Plan.from_json(json.dumps(on.history[0]["plan"]))
+    assert first.noise_guarded == expected
+    assert all(not first[fqn].is_fp4 for fqn in expected)
+    assert first.fp4_fraction >= 0.5
+    assert sum("noise guard: backward kept out of FP4" in line for line in first.table().splitlines()) == len(expected)
+    guarded_counts = _tb_scalars(tmp_path / "on", "snip/noise_guarded_layers")["snip/noise_guarded_layers"]
+    assert guarded_counts[3] == len(expected)
+
+
+def test_noise_guard_at_gemm_granularity_keeps_backward_out_of_fp4_and_lowers_an_unreachable_target(tmp_path, caplog):
+    from lightning_snip.plan import BACKWARD, FORWARD, gemm_key
+
+    snip = SNIPCallback(_snip(granularity="gemm", fp4_fraction=0.8, noise_guard=True, noise_guard_threshold=1e12))
+    with caplog.at_level(logging.WARNING, logger="lightning_snip"):
+        _fit(tmp_path, snip)
+    plan = snip.plan
+    unpinned = {fqn for fqn, layer in snip.layers.items() if layer.pinned is None}
+    assert plan.noise_guarded == unpinned and snip.num_plans_applied == 2
+    for fqn in unpinned:
+        assert not plan[gemm_key(fqn, BACKWARD)].is_fp4 and not snip.layers[fqn].backward_format.is_fp4
+    assert any(plan[gemm_key(fqn, FORWARD)].is_fp4 for fqn in unpinned)  # forwards still take FP4
+    assert 0.2 < plan.fp4_fraction < 1 / 3  # every forward but the pinned head's: the most reachable
+    assert any("largest reachable FP4 fraction" in r.getMessage() and "snip.fp4_fraction=0.8" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_plan_image_of_a_per_gemm_plan_has_a_column_per_layer_type_and_direction():
+    from lightning_snip.plan import BACKWARD, FORWARD, Plan, gemm_key
+    from lightning_snip.reporting import FORMAT_COLORS, plan_image
+
+    formats, flops = {}, {}
+    for block in range(2):
+        for kind in ("attn.q", "mlp.up"):
+            fqn = f"layers.{block}.{kind}"
+            formats[gemm_key(fqn, FORWARD)], formats[gemm_key(fqn, BACKWARD)] = Format.FP8, Format.MXFP4
+            flops[gemm_key(fqn, FORWARD)], flops[gemm_key(fqn, BACKWARD)] = 1.0, 2.0
+    image = plan_image(Plan(formats, flops), cell=1)
+    assert image.shape == (3, 2, 4)  # blocks x (q fwd, q bwd, up fwd, up bwd)
+    assert image[:, 1, 0].tolist() == list(FORMAT_COLORS[Format.FP8])
+    assert image[:, 1, 3].tolist() == list(FORMAT_COLORS[Format.MXFP4])

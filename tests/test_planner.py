@@ -311,3 +311,84 @@ def test_backward_only_baseline_puts_exactly_the_backward_in_fp4():
     assert plan.policy == "backward_only"
     with pytest.raises(ValueError, match="low / high: need an FP4 format"):
         backward_only_plan(layers, low=Format.FP8)
+
+
+def test_noise_guard_blocks_fp4_backward_only_and_agrees_with_brute_force():
+    """solve_gemm_plan with backward_blocked: blocked layers never get an FP4 backward; the rest of
+    the plan is the brute-force optimum over the remaining (forward, backward) pairs."""
+    from lightning_snip.plan import BACKWARD, FORWARD, gemm_key
+    from lightning_snip.planner import max_fp4_fraction, gemm_items, solve_gemm_plan
+
+    rng = random.Random(3)
+    layers = [layer(f"l{i}", rng.choice([1.0, 2.0, 3.0]), [0, rng.random(), rng.random() * 2],
+                    [0, rng.random(), rng.random() * 2]) for i in range(4)]
+    blocked = {"l1", "l3"}
+    fraction = 0.3
+    plan = solve_gemm_plan(layers, backward_blocked=blocked, fp4_fraction=fraction)
+    for fqn in blocked:
+        assert not plan[gemm_key(fqn, BACKWARD)].is_fp4
+    items = gemm_items(layers, blocked)
+    best = None
+    for choice in itertools.product(*[[f for f in F3 if f in item.choices()] for item in items]):
+        fp4 = sum(item.flops for item, f in zip(items, choice) if f.is_fp4) / sum(i.flops for i in items)
+        if fp4 + 1e-9 < fraction:
+            continue
+        cost = sum(item.score(f, 1.0) for item, f in zip(items, choice))
+        best = cost if best is None else min(best, cost)
+    got = sum(item.score(plan[item.fqn], 1.0) for item in items)
+    assert got == pytest.approx(best, abs=1e-9)
+    # forward 1/3 of every layer + backward 2/3 of the unblocked ones
+    flops = {l.fqn: l.flops for l in layers}
+    expected = (sum(flops.values()) / 3 + 2 / 3 * sum(v for k, v in flops.items() if k not in blocked)) / sum(flops.values())
+    assert max_fp4_fraction(items) == pytest.approx(expected)
+    assert plan[gemm_key("l1", FORWARD)] in F3
+
+
+def test_keep_out_of_fp4_leaves_pins_and_falls_back_to_bf16():
+    from lightning_snip.planner import keep_out_of_fp4
+
+    only_fp4 = LayerCandidates("a", 1.0, {Format.MXFP4: 0.1}, {Format.MXFP4: 0.1})
+    assert keep_out_of_fp4(only_fp4).choices() == [Format.BF16]
+    assert keep_out_of_fp4(layer("b", 1.0, [0, 1, 2])).choices() == [Format.BF16, Format.FP8]
+    pinned = layer("c", 1.0, [0, 1, 2], pinned=Format.MXFP4)
+    assert keep_out_of_fp4(pinned) is pinned
+
+
+def test_plan_json_keeps_noise_guarded_layers_and_the_table_marks_them():
+    import dataclasses
+
+    from lightning_snip.plan import BACKWARD, gemm_key
+    from lightning_snip.planner import solve_gemm_plan
+
+    plan = dataclasses.replace(solve_gemm_plan(_llama_layers(2), fp4_fraction=0.3), noise_guarded={"layers.0.up"})
+    again = Plan.from_json(plan.to_json())
+    assert again.noise_guarded == frozenset({"layers.0.up"})
+    marked = [line for line in again.table().splitlines() if "noise guard" in line]
+    assert len(marked) == 2 and marked[0].startswith(gemm_key("layers.0.up", BACKWARD))  # the row, and the totals
+    old = json.loads(plan.to_json())
+    del old["noise_guarded"]  # a plan saved before the guard existed
+    assert Plan.from_json(json.dumps(old)).noise_guarded == frozenset()
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.6, 0.85])
+def test_per_gemm_random_and_layer_type_baselines(fraction):
+    from lightning_snip.plan import BACKWARD, FORWARD, gemm_key, split_key
+
+    layers = _llama_layers()
+    for plan in (random_plan(layers, fp4_fraction=fraction, seed=1, granularity="gemm"),
+                 layer_type_plan(layers, fp4_fraction=fraction, granularity="gemm")):
+        assert plan.policy.endswith("_gemm")
+        assert set(plan) == {gemm_key(l.fqn, d) for l in layers for d in (FORWARD, BACKWARD)}
+        assert fraction - 1e-9 <= plan.fp4_fraction < fraction + 0.05  # trimmed to the target
+        assert plan[gemm_key("lm_head", FORWARD)] is plan[gemm_key("lm_head", BACKWARD)] is Format.BF16
+    typed = layer_type_plan(layers, fp4_fraction=fraction, granularity="gemm")
+    fp4_forward = [k for k, f in typed.items() if f.is_fp4 and split_key(k)[1] == FORWARD]
+    fp4_backward = [k for k, f in typed.items() if f.is_fp4 and split_key(k)[1] == BACKWARD]
+    backward_share = sum(typed.flops[k] for k in typed if split_key(k)[1] == BACKWARD and "lm_head" not in k) / typed.total_flops
+    if fraction < backward_share:  # backward GEMMs alone reach it: no forward in FP4
+        assert not fp4_forward and fp4_backward
+    else:
+        assert fp4_forward and len(fp4_backward) >= len(layers) - 5  # (trimming may return a few)
+    a = random_plan(layers, fp4_fraction=fraction, seed=1, granularity="gemm")
+    b = random_plan(layers, fp4_fraction=fraction, seed=2, granularity="gemm")
+    assert a == random_plan(layers, fp4_fraction=fraction, seed=1, granularity="gemm") and a != b
