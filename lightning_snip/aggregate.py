@@ -25,7 +25,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-METRICS = ("loss_divergence", "weight_divergence")
+# rel_error_wgrad: the relative wgrad error of each format, which the gradient-noise guard reads
+METRICS = ("loss_divergence", "weight_divergence", "rel_error_wgrad")
 
 
 @dataclass
@@ -55,9 +56,9 @@ class DivergenceAggregate:
         self._entries: dict[tuple[str, str, str], _Entry] = {}  # (metric, fqn, format name) -> entry
 
     def update(self, values: Mapping[str, Mapping[str, Mapping[str, float]]]) -> None:
-        """Fold in one round: ``values[metric][fqn][format name]`` for metric in METRICS."""
+        """Fold in one round: ``values[metric][fqn][format name]`` for the METRICS it has."""
         for metric in METRICS:
-            for fqn, per_format in values[metric].items():
+            for fqn, per_format in values.get(metric, {}).items():
                 for fmt, value in per_format.items():
                     entry = self._entries.setdefault((metric, fqn, fmt), _Entry())
                     value = float(value)

@@ -9,6 +9,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import lightning.pytorch as pl
@@ -26,7 +27,7 @@ from lightning_snip.formats import Format
 from lightning_snip.linear import describe_kernels
 from lightning_snip.plan import Granularity, Plan, SolveStatus, split_key
 from lightning_snip.planner import (LayerCandidates, PlanInfeasibleError, check_target, gemm_items, keep_out_of_fp4,
-                                    max_fp4_fraction, solve_plan)
+                                    max_fp4_fraction, min_relative_cost, solve_plan)
 from lightning_snip.reporting import divergence_scalars, log_to_loggers, plan_scalars
 from lightning_snip.stats import FirstOrderSampler, collect_stats, slice_batch
 
@@ -184,6 +185,9 @@ class SNIPCallback(Callback):
         formats = sorted({Format.parse(f) for f in (cfg.initial_format, *cfg.formats, *cfg.pin_formats.values())},
                          key=lambda f: f.value)
         logger.info("SNIP: GEMM kernels: %s", describe_kernels(formats, pl_module.device))
+        if not cfg.noise_guard and cfg.noise_guard_threshold != math.sqrt(3.0):
+            logger.warning("SNIP: snip.noise_guard_threshold=%s has no effect while snip.noise_guard is false "
+                           "(the ratios are logged either way)", cfg.noise_guard_threshold)
         max_steps = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps >= 0 else None
         if cfg.replan and max_steps is not None and cfg.warmup_steps >= max_steps:
             logger.warning("SNIP: snip.warmup_steps (%d) >= the run's max_steps (%d): no statistics round will run "
@@ -388,8 +392,8 @@ class SNIPCallback(Callback):
     def _fold_into_aggregate(self, divergence: dict) -> None:
         """One round, as ``DivergenceResult.as_dict()`` keeps it in ``history``, into the aggregate."""
         layers = divergence["layers"]
-        self.aggregate.update({metric: {fqn: d[metric] for fqn, d in layers.items()}
-                               for metric in ("loss_divergence", "weight_divergence")})
+        self.aggregate.update({metric: {fqn: d[metric] for fqn, d in layers.items() if metric in d}
+                               for metric in ("loss_divergence", "weight_divergence", "rel_error_wgrad")})
 
     def _grad_noise_ratios(self, result: DivergenceResult) -> dict[str, float]:
         """Per unpinned layer: ||G^T X|| / ||Q(G)^T Q(X) - G^T X|| on the round's rows, for the best
@@ -406,21 +410,36 @@ class SNIPCallback(Callback):
                 ratios[fqn] = 1.0 / min(errors) if min(errors) > 0 else math.inf
         return ratios
 
+    def _guarded_formats(self) -> dict[str, frozenset[Format]]:
+        """fqn -> the FP4 candidates whose gradient/noise ratio, from the aggregate over rounds (as the
+        plan's LD and WD: one round's single SR draw made the guarded set churn), is below
+        snip.noise_guard_threshold; unpinned layers with at least one such format."""
+        rel = self.aggregate.values("rel_error_wgrad")
+        threshold = self.config.noise_guard_threshold
+        out = {}
+        for fqn, layer in self.layers.items():
+            if layer.pinned is not None:
+                continue
+            failing = frozenset(f for f in self.config.formats if f.is_fp4 and f in layer.allowed_formats
+                                and rel.get(fqn, {}).get(f.value, 0.0) * threshold > 1.0)  # 1/rel < threshold
+            if failing:
+                out[fqn] = failing
+        return out
+
     def _start_solve(self, trainer, stats_step: int, apply_step: int) -> None:
         """Rank 0 solves the plan on the current aggregate in a background thread."""
         pending = _PendingSolve(stats_step=stats_step, apply_step=apply_step)
         if trainer.is_global_zero:
             candidates = self._candidates()
-            threshold = self.config.noise_guard_threshold
-            guarded = frozenset(fqn for fqn, r in self.grad_noise_ratios.items() if r < threshold) \
-                if self.config.noise_guard else frozenset()
+            guarded = self._guarded_formats() if self.config.noise_guard else {}
             pending.thread = threading.Thread(target=self._solve, args=(pending, candidates, guarded), daemon=True,
                                               name="snip-solver")
             pending.thread.start()
         self._pending = pending
 
     def _reduce(self, trainer, result: DivergenceResult | None) -> DivergenceResult | None:
-        """Average LD and WD over data-parallel ranks (same order of layers and formats everywhere)."""
+        """Average LD, WD and the relative wgrad error over data-parallel ranks (same order of layers
+        and formats everywhere)."""
         if trainer.world_size <= 1:
             return result
         fqns = list(self.layers)
@@ -463,26 +482,35 @@ class SNIPCallback(Callback):
             ))
         return out
 
-    def _solve(self, pending: _PendingSolve, candidates: list[LayerCandidates], guarded: frozenset[str]) -> None:
-        """``guarded``: layers the gradient-noise guard keeps out of FP4 backward GEMMs (the whole
-        layer at granularity layer). Where that makes snip.fp4_fraction unreachable, the plan takes
-        the largest reachable fraction instead, with a warning (the guard wins over the target)."""
+    def _solve(self, pending: _PendingSolve, candidates: list[LayerCandidates],
+               guarded: Mapping[str, frozenset[Format]]) -> None:
+        """``guarded``: fqn -> FP4 formats the gradient-noise guard keeps out of the layer's backward
+        GEMMs (out of the whole layer at granularity layer). Where that makes snip.fp4_fraction or
+        snip.cost_budget unreachable, the plan takes the nearest reachable target instead, with a
+        warning (the guard wins over the target)."""
         cfg = self.config
         if Granularity(cfg.granularity) is Granularity.GEMM:
             items = gemm_items(candidates, guarded)
         else:
-            items = [keep_out_of_fp4(c) if c.fqn in guarded else c for c in candidates]
-        targets = dict(cost_budget=cfg.cost_budget, weight_divergence_weight=cfg.weight_divergence_weight,
-                       time_limit_seconds=cfg.time_limit_seconds, relative_cost=cfg.cost_model.relative_cost)
+            items = [keep_out_of_fp4(c, guarded[c.fqn]) if c.fqn in guarded else c for c in candidates]
+        relative_cost = cfg.cost_model.relative_cost
+        fraction, budget = cfg.fp4_fraction, cfg.cost_budget
         try:
-            fraction = cfg.fp4_fraction
+            why = f"SNIP noise guard: {len(guarded)} layers keep FP4 formats out of their backward (gradient/noise ratio < " \
+                  f"{cfg.noise_guard_threshold:.3g}); "
             if guarded and fraction is not None and max_fp4_fraction(items) < fraction:
                 fraction = max_fp4_fraction(items) * (1 - 1e-9)
-                logger.warning("SNIP noise guard: %d layers keep their backward out of FP4 (gradient/noise ratio < %.3g); "
-                               "the largest reachable FP4 fraction, %.3f, is used instead of snip.fp4_fraction=%s",
-                               len(guarded), cfg.noise_guard_threshold, fraction, cfg.fp4_fraction)
-            plan = solve_plan(items, fp4_fraction=fraction, **targets)
-            pending.plan = dataclasses.replace(plan, noise_guarded=guarded)
+                logger.warning("%sthe largest reachable FP4 fraction, %.3f, is used instead of snip.fp4_fraction=%s",
+                               why, fraction, cfg.fp4_fraction)
+            if guarded and budget is not None and min_relative_cost(items, relative_cost) > budget:
+                budget = min_relative_cost(items, relative_cost) * (1 + 1e-9)
+                logger.warning("%sthe lowest reachable relative GEMM cost, %.3f, is used instead of snip.cost_budget=%s",
+                               why, budget, cfg.cost_budget)
+            plan = solve_plan(items, fp4_fraction=fraction, cost_budget=budget,
+                              weight_divergence_weight=cfg.weight_divergence_weight,
+                              time_limit_seconds=cfg.time_limit_seconds, relative_cost=relative_cost)
+            pending.plan = dataclasses.replace(plan, noise_guarded={fqn: tuple(sorted(f, key=lambda x: x.value))
+                                                                   for fqn, f in guarded.items()})
         except BaseException as err:  # noqa: BLE001 - reported on the training thread at apply time
             pending.error = err
 

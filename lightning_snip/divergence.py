@@ -109,6 +109,7 @@ class DivergenceResult:
                 fqn: {
                     "loss_divergence": {f.value: v for f, v in d.loss_divergence.items()},
                     "weight_divergence": {f.value: v for f, v in d.weight_divergence.items()},
+                    "rel_error_wgrad": {f.value: v for f, v in d.rel_error_wgrad.items()},
                 }
                 for fqn, d in self.layers.items()
             },
@@ -120,6 +121,7 @@ class DivergenceResult:
             fqn: LayerDivergence(
                 loss_divergence={Format(k): float(v) for k, v in d["loss_divergence"].items()},
                 weight_divergence={Format(k): float(v) for k, v in d["weight_divergence"].items()},
+                rel_error_wgrad={Format(k): float(v) for k, v in d.get("rel_error_wgrad", {}).items()},
             )
             for fqn, d in data["layers"].items()
         }
@@ -422,7 +424,8 @@ def _layer_divergence(r: _RoundInputs, s: LayerStats, y, fmts, kappa) -> LayerDi
             metrics["first_acc"][fmt], metrics["first_acc_se"][fmt] = first_acc / norm, first_acc_se / norm
         metrics["direct"][fmt], metrics["prop"][fmt] = direct / r.denominator, propagated / r.denominator
         metrics["rel_y"][fmt] = float(dy.norm() / y.norm().clamp_min(1e-30))
-        metrics["rel_w"][fmt] = float(e_w.norm() / gw_ref.norm().clamp_min(1e-30))
+        rel_w = float(e_w.norm() / gw_ref.norm().clamp_min(1e-30))
+        metrics["rel_w"][fmt] = rel_w if math.isfinite(rel_w) else math.inf  # as LD/WD: non-finite = invalid
         metrics["abs_y"][fmt] = float(dy.pow(2).sum())
         metrics["abs_w"][fmt] = float(e_w.pow(2).sum())
     if m_hat is None:

@@ -216,11 +216,20 @@ def run_kernel(name: str, *args):
         # costs ~20-30 us, so only where another stance is active.)
         # Inputs detached (no autograd view base, no requires_grad) and grad mode off: dynamo guards
         # on both, and forward/backward calls otherwise recompiled the same kernel several times.
+        inputs = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
         with _default_stance(), torch.no_grad():
-            out = fn(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
+            try:
+                out = fn(*inputs)
+            except Exception as err:  # noqa: BLE001
+                if type(err).__name__ != "FailOnRecompileLimitHit":
+                    raise
+                # A new variant (a size-1 dimension, another element grid) past dynamo's global
+                # recompile_limit: compile it anyway, under a limit that applies to this call only.
+                with torch._dynamo.config.patch(recompile_limit=64):
+                    out = fn(*inputs)
     except Exception as err:  # noqa: BLE001 - any compiler failure falls back to the same eager code
         _broken.add(key)
-        logger.warning("lightning_snip: compiling quantizer %s on %s failed (%s: %s); running it eagerly "
+        logger.warning("lightning_snip: quantizer %s could not be compiled on %s (%s: %s); running it eagerly "
                        "(same numerics, slower)", name, device_type, type(err).__name__, str(err).splitlines()[0][:200])
         return kernel(*args)
     if first:

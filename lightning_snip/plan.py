@@ -52,8 +52,9 @@ class Plan(Mapping[str, Format]):
         relative_cost: Format -> GEMM cost relative to bf16.
         policy: who made it ("snip", "random", ...).
         status, objective, solve_seconds: what the solver reported.
-        noise_guarded: layer fqns whose backward the gradient-noise guard kept out of FP4
-            (SNIPConfig.noise_guard); the table marks them.
+        noise_guarded: fqn -> the FP4 formats the gradient-noise guard kept out of the layer's
+            backward (SNIPConfig.noise_guard; at granularity layer, out of the whole layer); the table
+            marks these layers.
     """
 
     formats: Mapping[str, Format]
@@ -63,7 +64,7 @@ class Plan(Mapping[str, Format]):
     status: SolveStatus = SolveStatus.HEURISTIC
     objective: float | None = None
     solve_seconds: float = 0.0
-    noise_guarded: frozenset[str] = frozenset()
+    noise_guarded: Mapping[str, tuple[Format, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         formats = {fqn: Format.parse(f, field_name=f"formats[{fqn}]") for fqn, f in self.formats.items()}
@@ -74,7 +75,11 @@ class Plan(Mapping[str, Format]):
         object.__setattr__(self, "formats", MappingProxyType(formats))
         object.__setattr__(self, "flops", MappingProxyType(flops))
         object.__setattr__(self, "relative_cost", MappingProxyType(costs))
-        object.__setattr__(self, "noise_guarded", frozenset(self.noise_guarded))
+        guarded = self.noise_guarded
+        if not isinstance(guarded, Mapping):  # a plain collection of fqns: every FP4 format
+            guarded = {fqn: tuple(f for f in Format if f.is_fp4) for fqn in guarded}
+        object.__setattr__(self, "noise_guarded", MappingProxyType(
+            {fqn: tuple(Format.parse(f, field_name=f"noise_guarded[{fqn}]") for f in fmts) for fqn, fmts in guarded.items()}))
 
     def __getitem__(self, fqn: str) -> Format:
         return self.formats[fqn]
@@ -127,7 +132,7 @@ class Plan(Mapping[str, Format]):
                 "status": self.status.value,
                 "objective": self.objective,
                 "solve_seconds": self.solve_seconds,
-                "noise_guarded": sorted(self.noise_guarded),
+                "noise_guarded": {fqn: [f.value for f in fmts] for fqn, fmts in self.noise_guarded.items()},
             }
         )
 
@@ -142,7 +147,7 @@ class Plan(Mapping[str, Format]):
             status=SolveStatus(data["status"]),
             objective=data["objective"],
             solve_seconds=data["solve_seconds"],
-            noise_guarded=data.get("noise_guarded", ()),  # absent in plans saved before the guard
+            noise_guarded=data.get("noise_guarded", {}),  # absent in plans saved before the guard
         )
 
     def table(self) -> str:
@@ -152,13 +157,16 @@ class Plan(Mapping[str, Format]):
         lines = [f"{'layer':<{width}}  format  flops share", f"{'-' * width}  ------  -----------"]
         for key, fmt in self.formats.items():
             fqn, direction = split_key(key)
-            guarded = fqn in self.noise_guarded and direction != FORWARD
-            lines.append(f"{key:<{width}}  {fmt.value:<6}  {100 * self.flops[key] / total:10.2f}%"
-                         + ("  (noise guard: backward kept out of FP4)" if guarded else ""))
+            mark = ""
+            if fqn in self.noise_guarded and direction != FORWARD:
+                kept_out = "/".join(f.value for f in self.noise_guarded[fqn])
+                mark = f"  (noise guard: no {kept_out}{' backward' if direction == BACKWARD else ''})"
+            lines.append(f"{key:<{width}}  {fmt.value:<6}  {100 * self.flops[key] / total:10.2f}%" + mark)
         counts = ", ".join(f"{fmt.value} {self.count(fmt)}" for fmt in Format if self.count(fmt))
         lines.append(
             f"policy {self.policy} ({self.status.value}); layers: {counts}; FP4 FLOPs fraction "
             f"{self.fp4_fraction:.3f}; relative GEMM cost {self.relative_gemm_cost:.3f}"
-            + (f"; noise guard: {len(self.noise_guarded)} layers" if self.noise_guarded else "")
+            + (f"; noise guard: {len(self.noise_guarded)} layer{'s' if len(self.noise_guarded) != 1 else ''}"
+               if self.noise_guarded else "")
         )
         return "\n".join(lines)

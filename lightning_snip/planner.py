@@ -23,7 +23,7 @@ from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from lightning_snip.formats import DEFAULT_RELATIVE_COST, Format
+from lightning_snip.formats import DEFAULT_RELATIVE_COST, FP4_FORMATS, Format
 from lightning_snip.plan import BACKWARD, FORWARD, Granularity, Plan, SolveStatus, gemm_key, split_key
 
 logger = logging.getLogger(__name__)
@@ -286,13 +286,15 @@ def split_directions(layer: LayerCandidates) -> tuple[LayerCandidates, LayerCand
     return forward, backward
 
 
-def keep_out_of_fp4(layer: LayerCandidates) -> LayerCandidates:
-    """The layer (or GEMM item) with its FP4 formats excluded; bf16 at zero divergence where no
-    other format is left. A pinned layer is returned as it is (a pin wins over the noise guard)."""
+def keep_out_of_fp4(layer: LayerCandidates, formats: Collection[Format] | None = None) -> LayerCandidates:
+    """The layer (or GEMM item) with ``formats`` (default: every FP4 format) excluded; bf16 at zero
+    divergence where no other format is left. A pinned layer is returned as it is (a pin wins over
+    the noise guard)."""
     if layer.pinned is not None:
         return layer
-    ld = {f: math.inf if f.is_fp4 else v for f, v in layer.loss_divergence.items()}
-    wd = {f: math.inf if f.is_fp4 else v for f, v in layer.weight_divergence.items()}
+    out = set(formats) if formats is not None else FP4_FORMATS
+    ld = {f: math.inf if f in out else v for f, v in layer.loss_divergence.items()}
+    wd = {f: math.inf if f in out else v for f, v in layer.weight_divergence.items()}
     if not any(math.isfinite(ld[f]) and math.isfinite(wd[f]) for f in ld):
         ld[Format.BF16] = wd[Format.BF16] = 0.0
     return LayerCandidates(fqn=layer.fqn, flops=layer.flops, loss_divergence=ld, weight_divergence=wd)
@@ -305,18 +307,29 @@ def max_fp4_fraction(layers: Sequence[LayerCandidates]) -> float:
     return reachable / total if total else 0.0
 
 
-def gemm_items(layers: Sequence[LayerCandidates], backward_blocked: Collection[str] = ()) -> list[LayerCandidates]:
-    """Each layer's forward and backward items (split_directions); layers in ``backward_blocked``
-    (fqns) get a backward item kept out of FP4 (the gradient-noise guard)."""
+def min_relative_cost(layers: Sequence[LayerCandidates], relative_cost: Mapping[Format, float] = DEFAULT_RELATIVE_COST) -> float:
+    """The lowest relative GEMM cost any plan over these layers (or GEMM items) can reach."""
+    total = sum(layer.flops for layer in layers)
+    cheapest = sum(layer.flops * min(relative_cost[f] for f in layer.choices()) for layer in layers)
+    return cheapest / total if total else 0.0
+
+
+def gemm_items(layers: Sequence[LayerCandidates],
+               backward_blocked: Mapping[str, Collection[Format]] | Collection[str] = ()) -> list[LayerCandidates]:
+    """Each layer's forward and backward items (split_directions). ``backward_blocked``: fqn -> the
+    formats its backward may not take (the gradient-noise guard), or fqns kept out of every FP4 format."""
     items = []
     for layer in layers:
         forward, backward = split_directions(layer)
-        items += [forward, keep_out_of_fp4(backward) if layer.fqn in backward_blocked else backward]
+        if layer.fqn in backward_blocked:
+            formats = backward_blocked[layer.fqn] if isinstance(backward_blocked, Mapping) else None
+            backward = keep_out_of_fp4(backward, formats)
+        items += [forward, backward]
     return items
 
 
 def solve_gemm_plan(layers: Sequence[LayerCandidates], *, stages: Mapping[str, Hashable] | None = None,
-                    backward_blocked: Collection[str] = (), **targets) -> Plan:
+                    backward_blocked: Mapping[str, Collection[Format]] | Collection[str] = (), **targets) -> Plan:
     """The SNIP ILP at granularity "gemm": a Plan keyed by ``gemm_key(fqn, FORWARD | BACKWARD)``,
     whose FLOPs accounting (fp4_fraction, relative_gemm_cost) is per GEMM direction. Pins hold both
     directions; stages apply to both. ``backward_blocked``: fqns whose backward may not be FP4.

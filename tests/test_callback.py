@@ -414,10 +414,10 @@ def test_grad_noise_ratios_are_logged_every_round_and_the_guard_raises_low_ratio
     on = SNIPCallback(_snip(fp4_fraction=0.5, noise_guard=True, noise_guard_threshold=threshold))
     _fit(tmp_path / "on", on)
     first = Plan.from_json(json.dumps(on.history[0]["plan"]))
-    assert first.noise_guarded == expected
+    assert set(first.noise_guarded) == expected and all(f == (Format.MXFP4,) for f in first.noise_guarded.values())
     assert all(not first[fqn].is_fp4 for fqn in expected)
     assert first.fp4_fraction >= 0.5
-    assert sum("noise guard: backward kept out of FP4" in line for line in first.table().splitlines()) == len(expected)
+    assert sum("(noise guard: no mxfp4)" in line for line in first.table().splitlines()) == len(expected)
     guarded_counts = _tb_scalars(tmp_path / "on", "snip/noise_guarded_layers")["snip/noise_guarded_layers"]
     assert guarded_counts[3] == len(expected)
 
@@ -430,7 +430,8 @@ def test_noise_guard_at_gemm_granularity_keeps_backward_out_of_fp4_and_lowers_an
         _fit(tmp_path, snip)
     plan = snip.plan
     unpinned = {fqn for fqn, layer in snip.layers.items() if layer.pinned is None}
-    assert plan.noise_guarded == unpinned and snip.num_plans_applied == 2
+    assert set(plan.noise_guarded) == unpinned and snip.num_plans_applied == 2
+    assert sum("(noise guard: no mxfp4 backward)" in line for line in plan.table().splitlines()) == len(unpinned)
     for fqn in unpinned:
         assert not plan[gemm_key(fqn, BACKWARD)].is_fp4 and not snip.layers[fqn].backward_format.is_fp4
     assert any(plan[gemm_key(fqn, FORWARD)].is_fp4 for fqn in unpinned)  # forwards still take FP4
@@ -453,3 +454,21 @@ def test_plan_image_of_a_per_gemm_plan_has_a_column_per_layer_type_and_direction
     assert image.shape == (3, 2, 4)  # blocks x (q fwd, q bwd, up fwd, up bwd)
     assert image[:, 1, 0].tolist() == list(FORMAT_COLORS[Format.FP8])
     assert image[:, 1, 3].tolist() == list(FORMAT_COLORS[Format.MXFP4])
+
+
+def test_noise_guard_with_a_cost_budget_lowers_an_unreachable_budget_instead_of_failing(tmp_path, caplog):
+    snip = SNIPCallback(_snip(fp4_fraction=None, cost_budget=0.45, noise_guard=True, noise_guard_threshold=1e12))
+    with caplog.at_level(logging.WARNING, logger="lightning_snip"):
+        _fit(tmp_path, snip)
+    assert snip.num_plans_applied == 2 and snip.num_consecutive_failures == 0
+    plan = snip.plan
+    assert not any(fmt.is_fp4 for fmt in plan.values())  # every FP4 format is guarded out
+    assert plan.relative_gemm_cost > 0.45
+    assert any("lowest reachable relative GEMM cost" in r.getMessage() and "snip.cost_budget=0.45" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_guard_threshold_without_the_guard_warns_at_setup(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="lightning_snip"):
+        _fit(tmp_path, SNIPCallback(_snip(noise_guard_threshold=3.0)), max_steps=1)
+    assert any("noise_guard_threshold=3.0 has no effect" in r.getMessage() for r in caplog.records)

@@ -179,3 +179,41 @@ def test_unknown_quantizer_mode_names_the_variable(monkeypatch):
     monkeypatch.setenv("LIGHTNING_SNIP_QUANTIZERS", "fastest")
     with pytest.raises(ValueError, match="LIGHTNING_SNIP_QUANTIZERS.*fastest.*compiled, eager, reference"):
         fake_quantize(torch.randn(4, 32), Format.MXFP4, axis=1)
+
+
+def test_sr_uniforms_are_uniform_and_independent():
+    """The SR random source on its own (the fused and reference paths share it, so the bit-for-bit
+    tests cannot see it): 24-bit uniforms in [0, 1) with the moments of U(0, 1), and the two
+    uniforms cut from one 64-bit draw uncorrelated."""
+    from lightning_snip.formats import random_bits, uniforms_from_bits
+
+    n = 2_000_000
+    bits = random_bits(n, torch.Generator().manual_seed(0), "cpu")
+    u = uniforms_from_bits(bits, (n,)).double()
+    assert u.min() >= 0 and u.max() < 1 and torch.equal(u * 2**24, (u * 2**24).round())
+    assert abs(float(u.mean()) - 0.5) < 4 * (1 / 12) ** 0.5 / n**0.5
+    assert abs(float(u.var()) - 1 / 12) < 1e-3
+    half = n // 2  # u[i] and u[half + i] come from the same draw
+    corr = float(torch.corrcoef(torch.stack([u[:half], u[half:]]))[0, 1])
+    assert abs(corr) < 4 / half**0.5, corr
+    counts = torch.histc(u.float(), bins=64, min=0, max=1)
+    assert float(((counts - n / 64) ** 2 / (n / 64)).sum()) < 120  # chi-square, 63 dof: p ~ 1e-5
+
+
+@pytest.mark.parametrize("fmt", [Format.MXFP4, Format.NVFP4])
+def test_sr_rounds_up_with_probability_equal_to_the_distance_from_below(fmt):
+    """Each block holds 6.0 (scale exactly 1 for MXFP4) and copies of one value between two grid
+    points: the share rounded up must match the fractional distance, to sampling precision."""
+    rows = 20000
+    for value, lo, hi in ((0.3, 0.0, 0.5), (2.6, 2.0, 3.0), (4.5, 4.0, 6.0)):
+        x = torch.full((rows, 32), value)
+        x[:, 0] = x[:, 16] = 6.0
+        q = fake_quantize(x, fmt, axis=1, rounding=Rounding.STOCHASTIC, generator=torch.Generator().manual_seed(1))
+        body = torch.cat([q[:, 1:16], q[:, 17:]], 1)
+        if fmt is Format.NVFP4:  # two-level scale: compare in units of this tensor's actual scale
+            scale = 6.0 / q[:, 0].max()
+            body = body * scale
+        assert set(body.unique().tolist()) <= {lo, hi}, (value, body.unique())
+        share_up = float((body == hi).double().mean())
+        expected = (value - lo) / (hi - lo)
+        assert abs(share_up - expected) < 4 * (expected * (1 - expected) / body.numel()) ** 0.5 + 1e-4, (value, share_up)

@@ -352,6 +352,9 @@ def test_keep_out_of_fp4_leaves_pins_and_falls_back_to_bf16():
     assert keep_out_of_fp4(layer("b", 1.0, [0, 1, 2])).choices() == [Format.BF16, Format.FP8]
     pinned = layer("c", 1.0, [0, 1, 2], pinned=Format.MXFP4)
     assert keep_out_of_fp4(pinned) is pinned
+    both = LayerCandidates("d", 1.0, {Format.FP8: 1, Format.MXFP4: 2, Format.NVFP4: 3},
+                           {Format.FP8: 1, Format.MXFP4: 2, Format.NVFP4: 3})
+    assert keep_out_of_fp4(both, {Format.MXFP4}).choices() == [Format.FP8, Format.NVFP4]  # one format at a time
 
 
 def test_plan_json_keeps_noise_guarded_layers_and_the_table_marks_them():
@@ -360,14 +363,16 @@ def test_plan_json_keeps_noise_guarded_layers_and_the_table_marks_them():
     from lightning_snip.plan import BACKWARD, gemm_key
     from lightning_snip.planner import solve_gemm_plan
 
-    plan = dataclasses.replace(solve_gemm_plan(_llama_layers(2), fp4_fraction=0.3), noise_guarded={"layers.0.up"})
+    plan = dataclasses.replace(solve_gemm_plan(_llama_layers(2), fp4_fraction=0.3),
+                               noise_guarded={"layers.0.up": ("mxfp4",)})
     again = Plan.from_json(plan.to_json())
-    assert again.noise_guarded == frozenset({"layers.0.up"})
+    assert dict(again.noise_guarded) == {"layers.0.up": (Format.MXFP4,)}
     marked = [line for line in again.table().splitlines() if "noise guard" in line]
     assert len(marked) == 2 and marked[0].startswith(gemm_key("layers.0.up", BACKWARD))  # the row, and the totals
+    assert "(noise guard: no mxfp4 backward)" in marked[0] and "noise guard: 1 layer" in marked[1]
     old = json.loads(plan.to_json())
     del old["noise_guarded"]  # a plan saved before the guard existed
-    assert Plan.from_json(json.dumps(old)).noise_guarded == frozenset()
+    assert dict(Plan.from_json(json.dumps(old)).noise_guarded) == {}
 
 
 @pytest.mark.parametrize("fraction", [0.3, 0.6, 0.85])
