@@ -498,12 +498,14 @@ class SNIPCallback(Callback):
         try:
             why = f"SNIP noise guard: {len(guarded)} layers keep FP4 formats out of their backward (gradient/noise ratio < " \
                   f"{cfg.noise_guard_threshold:.3g}); "
-            if guarded and fraction is not None and max_fp4_fraction(items) < fraction:
-                fraction = max_fp4_fraction(items) * (1 - 1e-9)
+            reachable = max_fp4_fraction(items) if guarded and fraction is not None else 1.0
+            if fraction is not None and reachable < fraction:
+                fraction = reachable * (1 - 1e-9)
                 logger.warning("%sthe largest reachable FP4 fraction, %.3f, is used instead of snip.fp4_fraction=%s",
                                why, fraction, cfg.fp4_fraction)
-            if guarded and budget is not None and min_relative_cost(items, relative_cost) > budget:
-                budget = min_relative_cost(items, relative_cost) * (1 + 1e-9)
+            cheapest = min_relative_cost(items, relative_cost) if guarded and budget is not None else 0.0
+            if budget is not None and cheapest > budget:
+                budget = cheapest * (1 + 1e-9)
                 logger.warning("%sthe lowest reachable relative GEMM cost, %.3f, is used instead of snip.cost_budget=%s",
                                why, budget, cfg.cost_budget)
             plan = solve_plan(items, fp4_fraction=fraction, cost_budget=budget,

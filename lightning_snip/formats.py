@@ -345,16 +345,12 @@ def _stochastic_round_e2m1(v: "torch.Tensor", generator: "torch.Generator | None
     E2M1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6} is uniform inside each binade (step 0.5 below 2, 1 in
     [2, 4), 2 in [4, 6]), so lo = floor(|v| / step) * step. E[q] = v for |v| <= 6; larger magnitudes
     (only where an E4M3 block scale rounded down) saturate at 6. Non-finite values pass through.
+    The arithmetic is fused.stochastic_round_e2m1 (one copy; the fused kernels trace it), tested on
+    its own in tests/test_fused.py (P(round up) = distance, unbiasedness).
     """
-    import torch
+    from lightning_snip.fused import stochastic_round_e2m1
 
-    mag = v.abs().clamp(max=6.0)
-    step = torch.where(mag < 2.0, 0.5, torch.where(mag < 4.0, 1.0, 2.0))
-    lo = torch.floor(mag / step) * step
-    u = uniforms_from_bits(random_bits(v.numel(), generator, v.device), v.shape)
-    q = torch.where(u * step < mag - lo, lo + step, lo).clamp(max=6.0)
-    q = torch.copysign(q, v)
-    return torch.where(torch.isfinite(v), q, v)
+    return stochastic_round_e2m1(v, random_bits(v.numel(), generator, v.device))
 
 
 def random_bits(n: int, generator: "torch.Generator | None", device) -> "torch.Tensor":

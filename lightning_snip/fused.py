@@ -65,7 +65,8 @@ def round_to_grid(v: torch.Tensor, grid: tuple[int, int, float]) -> torch.Tensor
 
 
 def stochastic_round_e2m1(v: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """formats._stochastic_round_e2m1 with the random bits given (same arithmetic, same results)."""
+    """Stochastic rounding onto E2M1 with the random bits given (formats._stochastic_round_e2m1 says
+    why it is written by hand and what it guarantees)."""
     from lightning_snip.formats import uniforms_from_bits
 
     u = uniforms_from_bits(bits, v.shape)

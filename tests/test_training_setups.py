@@ -534,3 +534,22 @@ def test_round_leaves_buffers_as_it_found_them(tmp_path, monkeypatch):
     snip = SNIPCallback(_snip())
     _fit(tmp_path, snip, max_steps=4, module=_BatchNormLM())
     assert seen == [True] and snip.num_plans_applied == 1
+
+
+def test_noise_guard_on_a_hugging_face_llama_under_bf16_mixed_and_accumulation(tmp_path):
+    """The gradient-noise guard where users train: a module we did not write, bf16-mixed, 2 micro-
+    batches per step, per-GEMM plans. Every ratio is finite; a threshold above all of them keeps
+    every unpinned backward out of FP4 while forwards still take it."""
+    pytest.importorskip("transformers")
+    from lightning_snip.plan import BACKWARD, FORWARD, gemm_key
+
+    snip = SNIPCallback(_snip(pins={"*lm_head": "bf16"}, granularity="gemm", fp4_fraction=0.3, noise_guard=True,
+                              noise_guard_threshold=1e12))
+    _fit(tmp_path, snip, module=_HFLlamaLM(), precision="bf16-mixed", accumulate_grad_batches=2)
+    unpinned = {fqn for fqn, layer in snip.layers.items() if layer.pinned is None}
+    assert set(snip.grad_noise_ratios) == unpinned
+    assert all(0 < r < math.inf for r in snip.grad_noise_ratios.values())
+    plan = snip.plan
+    assert snip.num_plans_applied == 2 and set(plan.noise_guarded) == unpinned
+    assert not any(plan[gemm_key(f, BACKWARD)].is_fp4 for f in unpinned)
+    assert any(plan[gemm_key(f, FORWARD)].is_fp4 for f in unpinned)
