@@ -29,7 +29,7 @@ from lightning_snip.plan import Granularity, Plan, SolveStatus, split_key
 from lightning_snip.planner import (LayerCandidates, PlanInfeasibleError, check_target, gemm_items, keep_out_of_fp4,
                                     max_fp4_fraction, min_relative_cost, solve_plan)
 from lightning_snip.reporting import divergence_scalars, log_to_loggers, plan_scalars
-from lightning_snip.stats import FirstOrderSampler, collect_stats, slice_batch
+from lightning_snip.stats import FirstOrderSampler, Propagation, collect_stats, slice_batch
 
 logger = logging.getLogger(__name__)
 
@@ -311,7 +311,7 @@ class SNIPCallback(Callback):
                         stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws, noise_scale=cfg.noise_scale,
                         loss_estimator=cfg.loss_estimator, first_order_history=self._first_order_history,
                         allowed={fqn: layer.allowed_formats for fqn, layer in self.layers.items()},
-                        generator=_round_generator(pl_module.device, step, trainer.global_rank),
+                        generator=_round_generator(pl_module.device, step, trainer.global_rank), probes=cfg.wd_probes,
                     )
                 finally:
                     stats.release()
@@ -345,7 +345,8 @@ class SNIPCallback(Callback):
         """collect_stats; under fp16 a loss scale that overflows is lowered (by 2^8, as often as it
         takes, down to 1) instead of losing the round, as GradScaler lowers its own."""
         while True:
-            stats = collect_stats(pl_module, loss_fn, layers=self.layers, optimizer=optimizer, loss_scale=loss_scale)
+            stats = collect_stats(pl_module, loss_fn, layers=self.layers, optimizer=optimizer, loss_scale=loss_scale,
+                                  propagation=Propagation(self.config.wd_propagation))
             finite = all(torch.isfinite(s.g).all() for s in stats.layers.values())
             if finite or loss_scale <= 1.0:
                 return stats

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_snip.divergence import LossEstimator
+from lightning_snip.stats import Propagation
 from lightning_snip.formats import CostModel, Format, QuantRecipe
 from lightning_snip.plan import Granularity
 
@@ -67,6 +68,12 @@ class SNIPConfig:
             first-order term (the ``accumulated`` estimator averages them with the round's own); at
             most the interval - 1 steps since the previous round.
         first_order_rows: token rows of each such step's batch sampled (spread over the batch).
+        wd_propagation: how WD's propagated term is computed: probe (forward-mode random probes, a
+            round's cost linear in depth, one module's parameters of extra memory at a time) or exact
+            (one vector-Jacobian product per layer: quadratic in depth, holds the round's graph and a
+            copy of every gradient; for small models). See lightning_snip.stats.Propagation.
+        wd_probes: forward-mode probes per round (probe): the propagated term's relative standard
+            error per layer and round is at most sqrt(2 / wd_probes); rounds are aggregated after.
         aggregate_decay: EMA decay of LD and WD over statistics rounds, in [0, 1); plans are solved on
             the aggregate (0: the last round alone). See lightning_snip.aggregate.
         weight_divergence_weight: lambda in LD + lambda * WD.
@@ -107,6 +114,8 @@ class SNIPConfig:
     loss_estimator: str = "accumulated"
     first_order_steps: int = 32
     first_order_rows: int = 256
+    wd_propagation: str = "probe"
+    wd_probes: int = 8
     aggregate_decay: float = 0.5
     weight_divergence_weight: float = 1.0
     time_limit_seconds: float = 10.0
@@ -120,7 +129,7 @@ class SNIPConfig:
     noise_guard_threshold: float = math.sqrt(3.0)
 
     def __post_init__(self) -> None:
-        for name in ("interval", "max_rows", "first_order_rows"):
+        for name in ("interval", "max_rows", "first_order_rows", "wd_probes"):
             value = getattr(self, name)
             check_field(isinstance(value, int) and not isinstance(value, bool) and value > 0, f"snip.{name}", value, "an integer > 0")
         for name in ("warmup_steps", "apply_delay", "noise_draws", "first_order_steps"):
@@ -146,6 +155,8 @@ class SNIPConfig:
                     ", ".join(g.value for g in Granularity))
         check_field(self.loss_estimator in {e.value for e in LossEstimator}, "snip.loss_estimator", self.loss_estimator,
                ", ".join(e.value for e in LossEstimator))
+        check_field(self.wd_propagation in {p.value for p in Propagation}, "snip.wd_propagation", self.wd_propagation,
+                    ", ".join(p.value for p in Propagation))
         check_field(isinstance(self.aggregate_decay, (int, float)) and 0.0 <= self.aggregate_decay < 1.0,
                "snip.aggregate_decay", self.aggregate_decay, "a number in [0, 1)")
         check_field(isinstance(self.noise_guard, bool), "snip.noise_guard", self.noise_guard, "true or false")

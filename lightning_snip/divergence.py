@@ -41,7 +41,7 @@ import torch
 
 from lightning_snip.formats import Format, QuantRecipe, fake_quantize
 from lightning_snip.linear import quantized_matmul
-from lightning_snip.stats import AdamState, LayerStats, Statistics
+from lightning_snip.stats import AdamState, LayerStats, Propagation, Statistics
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,8 @@ class LayerDivergence:
     second_order: Mapping[Format, float] = field(default_factory=dict)
     wd_direct: Mapping[Format, float] = field(default_factory=dict)
     wd_propagated: Mapping[Format, float] = field(default_factory=dict)
+    # Standard error of wd_propagated over the round's probes (Propagation.PROBE; 0 when exact).
+    wd_propagated_stderr: Mapping[Format, float] = field(default_factory=dict)
     rel_error_forward: Mapping[Format, float] = field(default_factory=dict)
     rel_error_wgrad: Mapping[Format, float] = field(default_factory=dict)
     curvature: float = 0.0
@@ -209,6 +211,7 @@ def estimate_divergence(
     first_order_history: Mapping[tuple[str, Format], list[float]] | None = None,
     allowed: Mapping[str, Iterable[Format]] | None = None,
     generator: torch.Generator | None = None,
+    probes: int = 8,
 ) -> DivergenceResult:
     """LD and WD for every recorded layer and each of ``formats``.
 
@@ -224,6 +227,8 @@ def estimate_divergence(
         first_order_history: (fqn, format) -> the first-order terms of other batches (from
             ``FirstOrderTerms``), averaged with this round's for the ACCUMULATED estimator.
         allowed: fqn -> formats the layer supports; others get +inf (never chosen).
+        probes: forward-mode probes of WD's propagated term when ``stats`` was collected with
+            Propagation.PROBE (relative standard error per layer <= sqrt(2 / probes)).
 
     A layer whose sample holds NaN/Inf, or whose metric comes out non-finite, gets +inf for its
     low-precision formats (the planner then keeps it high) and a warning naming it.
@@ -238,15 +243,18 @@ def estimate_divergence(
             valid[fqn] = formats if allowed is None else [f for f in formats if f in set(allowed[fqn])]
         else:
             logger.warning("statistics of layer %s hold non-finite values: its low-precision formats are marked invalid", fqn)
-    # The high-precision output Y = X W^T of each layer's sample, computed once and shared below.
-    outputs = {fqn: s.x.float() @ s.weight.float().t() for fqn, s in stats.layers.items()}
-    output_errors = {
-        (fqn, fmt): quantized_matmul(stats.layers[fqn].x.float(), stats.layers[fqn].weight.float(), fmt, recipe=recipe)
-        - outputs[fqn]
-        for fqn, fmts in valid.items() for fmt in fmts
-    }
+    # dY per (layer, format) and the RMS of each layer's high-precision output Y = X W^T (Y itself
+    # is not kept: one layer's at a time).
+    output_errors, output_rms = {}, {}
+    for fqn, s in stats.layers.items():
+        x, w = s.x.float(), s.weight.float()
+        y = x @ w.t()
+        output_rms[fqn] = float(y.pow(2).mean().sqrt())
+        for fmt in valid.get(fqn, ()):
+            output_errors[fqn, fmt] = quantized_matmul(x, w, fmt, recipe=recipe) - y
+        del y
     if curvature_probe is CurvatureProbe.GAUSSIAN:
-        curvature = _estimate_curvature(stats, outputs, noise_draws, noise_scale, generator)
+        curvature = _estimate_curvature(stats, output_rms, noise_draws, noise_scale, generator)
         second_order = {(fqn, f): 0.5 * curvature.get(fqn, 0.0) * float(dy.pow(2).sum()) for (fqn, f), dy in output_errors.items()}
     else:
         curvature = {}
@@ -255,27 +263,35 @@ def estimate_divergence(
     if not used_adam and not _warned_no_adam:
         logger.warning("weight divergence: optimizer keeps no Adam moments for every parameter; using plain gradient errors (A = 1)")
         _warned_no_adam = True
-    # WD perturbs the next AdamW step, the one that takes this batch's gradient: its moments include
-    # that gradient (SNIP_METHOD section 5 reads them before it; measured, that let one batch with
-    # unusually large gradients dominate a round: WD's two-round agreement fell to 0.16-0.36).
-    next_adam = {name: a.after(stats.param_grads.get(name)) for name, a in stats.param_adam.items() if a is not None}
-    if used_adam:  # relative to the size of AdamW's actual update
-        denominator = sum(float(a.update().pow(2).sum()) for a in next_adam.values())
-    else:
-        denominator = sum(float(g.float().pow(2).sum()) for g in stats.param_grads.values())
+    adam = {name: stats.param_adam.get(name) if used_adam else None for name in stats.param_names}
+    denominator = _update_energy(stats, adam)
+    # The dgrad errors E_X of every (layer, format), drawn before any propagation (one order of
+    # stochastic-rounding draws for both Propagation modes).
+    input_errors = {}
+    for fqn, fmts in valid.items():
+        if not fmts:
+            continue
+        s = stats.layers[fqn]
+        g, w = s.g.float(), s.weight.float()
+        gx_ref = g @ w
+        input_errors[fqn] = torch.stack([
+            quantized_matmul(g, w.t(), fmt, recipe=recipe, a_is_grad=True, generator=generator) - gx_ref for fmt in fmts])
+    propagated = None
+    if stats.propagation is Propagation.PROBE:
+        propagated = _probe_propagated(stats, adam, input_errors, probes, generator)
     round_inputs = _RoundInputs(
         stats=stats, formats=tuple(formats), recipe=recipe, output_errors=output_errors, second_order=second_order,
-        adam={name: stats.param_adam.get(name) if used_adam else None for name in stats.param_grads},
-        denominator=denominator if denominator > 0 else 1.0,
+        adam=adam, denominator=denominator if denominator > 0 else 1.0,
         loss_norm=abs(stats.loss) if stats.loss else 1.0, loss_estimator=loss_estimator,
-        first_order_history=first_order_history or {}, generator=generator,
+        first_order_history=first_order_history or {}, generator=generator, input_errors=input_errors,
+        propagated=propagated,
     )
     out: dict[str, LayerDivergence] = {}
     for fqn, s in stats.layers.items():
         if fqn not in valid:
             out[fqn] = _invalid(formats)
             continue
-        out[fqn] = _layer_divergence(round_inputs, s, outputs[fqn], valid[fqn], curvature.get(fqn, 0.0))
+        out[fqn] = _layer_divergence(round_inputs, s, output_rms[fqn], valid[fqn], curvature.get(fqn, 0.0))
     return DivergenceResult(layers=out, loss=stats.loss, used_adam=used_adam)
 
 
@@ -294,6 +310,9 @@ class _RoundInputs:
     loss_estimator: LossEstimator
     first_order_history: Mapping[tuple[str, Format], list[float]]
     generator: torch.Generator | None  # stochastic rounding of the gradient GEMMs' errors
+    input_errors: Mapping[str, torch.Tensor]  # fqn -> E_X of its valid formats (formats x rows x k)
+    # Propagation.PROBE: fqn -> (estimates, standard errors) of the propagated term per valid format.
+    propagated: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class FirstOrderTerms:
@@ -333,12 +352,81 @@ def _invalid(formats) -> LayerDivergence:
     return LayerDivergence(loss_divergence={Format.BF16: 0.0, **inf}, weight_divergence={Format.BF16: 0.0, **inf})
 
 
-def _update_deviation(r: _RoundInputs, name: str, delta: torch.Tensor) -> torch.Tensor:
-    """D(delta): the deviation of parameter ``name``'s next update when its gradient is off by delta."""
+def _update_deviation(r: _RoundInputs, name: str, delta: torch.Tensor, grad: torch.Tensor | None = None) -> torch.Tensor:
+    """D(delta): the deviation of parameter ``name``'s next update when its gradient is off by delta
+    (``grad``: the slice's gradient of ``name`` when the caller has it)."""
     adam = r.adam.get(name)
     if adam is None:
         return delta.float()
-    return adam.update_deviation(r.stats.param_grads[name], delta)
+    return adam.update_deviation(r.stats.param_grad(name) if grad is None else grad, delta)
+
+
+def _update_energy(stats: Statistics, adam: Mapping[str, AdamState | None]) -> float:
+    """sum_k ||u_k||^2, one parameter at a time: AdamW's next update (its moments advanced by the
+    slice's own gradient), or the gradient itself without Adam moments.
+
+    WD perturbs the next AdamW step, the one that takes this batch's gradient: its moments include
+    that gradient (SNIP_METHOD section 5 reads them before it; measured, that let one batch with
+    unusually large gradients dominate a round: WD's two-round agreement fell to 0.16-0.36)."""
+    total = 0.0
+    for name in stats.param_names:
+        grad = stats.param_grad(name)
+        state = adam.get(name)
+        if state is not None:
+            total += float(state.after(grad).update().pow(2).sum())
+        elif grad is not None:
+            total += float(grad.pow(2).sum())
+    return total
+
+
+def _probe_propagated(stats: Statistics, adam: Mapping[str, AdamState | None], input_errors: Mapping[str, torch.Tensor],
+                      probes: int, generator: torch.Generator | None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """sum_k ||Lambda_k J_kl^T E_X(l, p)||^2 for every layer l and format p from ``probes`` forward-mode
+    passes (stats.Propagation.PROBE): parameter tangents Lambda * r with random signs r, read
+    <t_l, E_X(l, p)> at each layer's input; the mean of its square over probes, and its standard error.
+
+    Lambda_k = dD_k/de at 0 (AdamState.update_sensitivity; 1 without Adam moments): the exact D of
+    the EXACT mode is not linear, and a probe needs a linear map. Signs, not Gaussians: a smaller
+    variance, 2 (||a||^4 - sum a_i^4) instead of 2 ||a||^4 per probe."""
+    if probes < 1:
+        raise ValueError(f"probes: invalid value {probes!r}; allowed: an integer >= 1")
+    index = {name: i for i, name in enumerate(stats.param_names)}
+    sums = {fqn: torch.zeros(len(e), dtype=torch.float64) for fqn, e in input_errors.items()}
+    squares = {fqn: torch.zeros(len(e), dtype=torch.float64) for fqn, e in input_errors.items()}
+    touched: set[str] = set()
+    # Seeds from the round generator's seed, without drawing from it: the stochastic rounding of the
+    # gradient GEMMs after the probes sees the same draws in both Propagation modes.
+    base = (generator.initial_seed() if generator is not None else int(torch.randint(0, 2**62, ()))) * 0x9E3779B1
+    for probe in range(probes):
+        seed = (base + 0x632BE5AB * (probe + 1)) % 2**62
+
+        def tangent_of(name: str, param: torch.Tensor) -> torch.Tensor:
+            # Regenerated from (probe, parameter), not stored: the same tangent wherever the
+            # parameter is used (tied weights), one module's tangents in memory at a time.
+            draw = torch.Generator(device=param.device).manual_seed((seed + 7919 * index[name]) % 2**63)
+            signs = torch.randint(0, 2, param.shape, generator=draw, device=param.device, dtype=torch.int8)
+            state = adam.get(name)
+            scale = state.update_sensitivity(stats.param_grad(name)) if state is not None else 1.0
+            return (2.0 * signs - 1.0) * scale
+
+        def measure(fqn: str, tangent: torch.Tensor) -> None:
+            if fqn in input_errors:
+                value = (input_errors[fqn] * tangent).sum(dim=(1, 2)).double().cpu().pow(2)
+                sums[fqn] += value
+                squares[fqn] += value.pow(2)
+
+        touched |= stats.input_tangents(tangent_of, measure)
+    missing = [n for n in stats.param_names if n not in touched and stats.param_grad(n) is not None]
+    if missing:
+        logger.warning("weight divergence: parameters %s have gradients but were not used by the module that "
+                       "registers them; their share of the propagated term is missing (use "
+                       "snip.wd_propagation=exact for this model)", missing[:5])
+    out = {}
+    for fqn in input_errors:
+        mean = sums[fqn] / probes
+        var = (squares[fqn] / probes - mean.pow(2)).clamp_min(0) * probes / max(probes - 1, 1)
+        out[fqn] = (mean, (var / probes).sqrt() if probes > 1 else torch.full_like(mean, math.inf))
+    return out
 
 
 def _sum_and_stderr(per_row: torch.Tensor, num_samples: int) -> tuple[float, float]:
@@ -352,13 +440,12 @@ def _sum_and_stderr(per_row: torch.Tensor, num_samples: int) -> tuple[float, flo
 
 
 _METRICS = ("ld", "wd", "first", "second", "direct", "prop", "rel_y", "rel_w", "first_w", "first_x", "first_se",
-            "first_x_se", "first_mom", "first_mom_se", "first_acc", "first_acc_se", "abs_y", "abs_w")
+            "first_x_se", "first_mom", "first_mom_se", "first_acc", "first_acc_se", "abs_y", "abs_w", "prop_se")
 
 
-def _layer_divergence(r: _RoundInputs, s: LayerStats, y, fmts, kappa) -> LayerDivergence:
+def _layer_divergence(r: _RoundInputs, s: LayerStats, y_rms: float, fmts, kappa) -> LayerDivergence:
     x, g, w = s.x.float(), s.g.float(), s.weight.float()
     gw_ref = g.t() @ x
-    gx_ref = g @ w
     # A frozen weight has no gradient and no update to deviate: only its propagated error counts.
     weight_name = s.weight_name or s.fqn + ".weight"
     metrics: dict[str, dict[Format, float]] = {k: {Format.BF16: 0.0} for k in _METRICS}
@@ -368,14 +455,16 @@ def _layer_divergence(r: _RoundInputs, s: LayerStats, y, fmts, kappa) -> LayerDi
                 metrics[k][fmt] = math.inf
     if not fmts:
         return _metrics_to_divergence(metrics, kappa)
-    e_x = {fmt: quantized_matmul(g, w.t(), fmt, recipe=r.recipe, a_is_grad=True, generator=r.generator) - gx_ref
-           for fmt in fmts}
-    # One batched vector-Jacobian product carries every format's dgrad error upstream.
-    upstream = r.stats.propagate_input_grad(s.fqn, torch.stack([e_x[f] for f in fmts]))
-    propagated_by_format = torch.zeros(len(fmts), dtype=torch.float64)  # sum_k ||D_k(J_kl(E_X))||^2
-    for name, deltas in upstream.items():
-        propagated_by_format += _update_deviation(r, name, deltas).pow(2).reshape(len(fmts), -1).sum(1).double().cpu()
-    del upstream
+    if r.propagated is not None:
+        propagated_by_format, propagated_stderr = r.propagated[s.fqn]
+    else:
+        # One batched vector-Jacobian product carries every format's dgrad error upstream.
+        upstream = r.stats.propagate_input_grad(s.fqn, r.input_errors[s.fqn])
+        propagated_by_format = torch.zeros(len(fmts), dtype=torch.float64)  # sum_k ||D_k(J_kl(E_X))||^2
+        for name, deltas in upstream.items():
+            propagated_by_format += _update_deviation(r, name, deltas).pow(2).reshape(len(fmts), -1).sum(1).double().cpu()
+        propagated_stderr = torch.zeros(len(fmts), dtype=torch.float64)
+        del upstream
     m_hat = m_var = None
     if s.adam is not None and s.adam.step > 0:  # before the first step there is no m_hat
         b1, t = s.adam.beta1, s.adam.step
@@ -402,7 +491,8 @@ def _layer_divergence(r: _RoundInputs, s: LayerStats, y, fmts, kappa) -> LayerDi
                         if len(batch_values) > 1 else first_se)
         e_w = quantized_matmul(g.t(), x.t(), fmt, recipe=r.recipe, a_is_grad=True, generator=r.generator) - gw_ref
         # A frozen weight (no gradient) has no update to deviate: only its propagated error counts.
-        direct = float(_update_deviation(r, weight_name, e_w).pow(2).sum()) if weight_name in r.stats.param_grads else 0.0
+        own_grad = gw_ref if r.stats.is_recomputed(weight_name) else r.stats.param_grad(weight_name)
+        direct = float(_update_deviation(r, weight_name, e_w, own_grad).pow(2).sum()) if own_grad is not None else 0.0
         propagated = float(propagated_by_format[i])
         ld = _combine_loss_divergence(
             r.loss_estimator, first=first / norm, first_stderr=first_se / norm, first_activation=first_x / norm,
@@ -423,7 +513,8 @@ def _layer_divergence(r: _RoundInputs, s: LayerStats, y, fmts, kappa) -> LayerDi
         if history:
             metrics["first_acc"][fmt], metrics["first_acc_se"][fmt] = first_acc / norm, first_acc_se / norm
         metrics["direct"][fmt], metrics["prop"][fmt] = direct / r.denominator, propagated / r.denominator
-        metrics["rel_y"][fmt] = float(dy.norm() / y.norm().clamp_min(1e-30))
+        metrics["prop_se"][fmt] = float(propagated_stderr[i]) / r.denominator
+        metrics["rel_y"][fmt] = float(dy.norm()) / max(y_rms * math.sqrt(dy.numel()), 1e-30)
         rel_w = float(e_w.norm() / gw_ref.norm().clamp_min(1e-30))
         metrics["rel_w"][fmt] = rel_w if math.isfinite(rel_w) else math.inf  # as LD/WD: non-finite = invalid
         metrics["abs_y"][fmt] = float(dy.pow(2).sum())
@@ -437,6 +528,7 @@ def _metrics_to_divergence(metrics, kappa) -> LayerDivergence:
     return LayerDivergence(
         loss_divergence=metrics["ld"], weight_divergence=metrics["wd"], first_order=metrics["first"],
         second_order=metrics["second"], wd_direct=metrics["direct"], wd_propagated=metrics["prop"],
+        wd_propagated_stderr=metrics["prop_se"],
         rel_error_forward=metrics["rel_y"], rel_error_wgrad=metrics["rel_w"], curvature=kappa,
         first_weight=metrics["first_w"], first_activation=metrics["first_x"], first_stderr=metrics["first_se"],
         first_activation_stderr=metrics["first_x_se"], first_weight_momentum=metrics["first_mom"],
@@ -446,7 +538,7 @@ def _metrics_to_divergence(metrics, kappa) -> LayerDivergence:
     )
 
 
-def _estimate_curvature(stats: Statistics, outputs, draws: int, scale: float, generator) -> dict[str, float]:
+def _estimate_curvature(stats: Statistics, output_rms, draws: int, scale: float, generator) -> dict[str, float]:
     """kappa_l = <d_l, G'_l - G_l> / ||d_l||^2, averaged over ``draws`` independent noise draws.
 
     Noise goes into every layer at once: cross-layer terms vanish in expectation because the draws
@@ -454,7 +546,7 @@ def _estimate_curvature(stats: Statistics, outputs, draws: int, scale: float, ge
     if draws <= 0:
         return {}
     totals = {fqn: 0.0 for fqn in stats.layers}
-    noise_std = {fqn: scale * max(float(y.pow(2).mean().sqrt()), 1e-12) for fqn, y in outputs.items()}
+    noise_std = {fqn: scale * max(rms, 1e-12) for fqn, rms in output_rms.items()}
     for _ in range(draws):
         noise = {}
         for fqn, s in stats.layers.items():

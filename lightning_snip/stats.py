@@ -1,15 +1,18 @@
 """The statistics step: one high-precision pass over a bounded slice of a batch that records, per
 switchable layer, its input X, output gradient G, weight W and the AdamW state of W.
 
-The slice holds at most ``max_rows`` token rows (whole sequences), which bounds memory. The pass keeps
-its autograd graph until ``release()`` so divergence.py can run vector-Jacobian products (the dgrad
-error propagated upstream) and noise-injected passes (the curvature) on the same slice.
+The slice holds at most ``max_rows`` token rows (whole samples, or a prefix of one sample longer than
+that), which bounds the recorded tensors. Further passes over the same slice serve divergence.py:
+noise-injected passes (the curvature), and for WD's propagated term either forward-mode probes
+(Propagation.PROBE: one pass per probe for all layers, no graph kept) or one vector-Jacobian product
+per layer on the recording pass's retained graph (Propagation.EXACT).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -84,6 +87,23 @@ class AdamState:
         ds = torch.where(s1 + s2 > 0, dv / bc2 / (s1 + s2), torch.zeros_like(dv))
         return self.lr / bc1 * ((1 - b1) * d / (s2 + self.eps) - m1 * ds / ((s1 + self.eps) * (s2 + self.eps)))
 
+    def update_sensitivity(self, grad: torch.Tensor | None) -> torch.Tensor:
+        """dD/d(delta) at delta = 0, per element: the linear map that update_deviation becomes for
+        small gradient errors (the forward-mode probes of WD's propagated term need a linear map).
+
+        With m1, v1 the moments after this step's gradient g and s1 = sqrt(v1 / (1 - beta2^t)):
+        lr / (1 - beta1^t) * ((1 - beta1) / (s1 + eps) - m1 (1 - beta2) g / ((1 - beta2^t) s1 (s1 + eps)^2)).
+        Taken after the step, v1 >= (1 - beta2) g^2, so an element that has a gradient now is not
+        scaled by 1/eps (the failure of the before-step linearization in the method text)."""
+        b1, b2, t = self.beta1, self.beta2, self.step + 1
+        bc1, bc2 = 1 - b1**t, 1 - b2**t
+        g = torch.zeros_like(self.exp_avg, dtype=torch.float32) if grad is None else grad.float()
+        m1 = b1 * self.exp_avg.float() + (1 - b1) * g
+        s1 = ((b2 * self.exp_avg_sq.float() + (1 - b2) * g * g) / bc2).sqrt()
+        through_v = torch.where(s1 > 0, m1 * (1 - b2) * g / (bc2 * s1.clamp_min(1e-38) * (s1 + self.eps) ** 2),
+                                torch.zeros_like(s1))
+        return self.lr / bc1 * ((1 - b1) / (s1 + self.eps) - through_v)
+
     def gradient_gain(self) -> float:
         """lr * (1 - beta1) / (1 - beta1^t): how much of a gradient change reaches this step's update."""
         return self.lr * (1 - self.beta1) / (1 - self.beta1**self.step)
@@ -138,30 +158,79 @@ class LayerStats:
         return self.x.shape[0]
 
 
+class Propagation(enum.Enum):
+    """How WD's propagated term, sum_k ||D_k(J_kl^T E_X)||^2 over the parameters k upstream of layer l
+    (the dgrad error's effect on their updates), is computed.
+
+    PROBE: forward-mode random probes. For a random sign vector r over all parameters and
+        Lambda_k = dD_k/de at 0 (AdamState.update_sensitivity), one forward pass with parameter
+        tangents Lambda * r gives at every layer's input the tangent t_l = J_l(Lambda r), and
+        <t_l, E_X(l, p)>^2 is an unbiased estimate of ||Lambda J_l^T E_X(l, p)||^2 (E[r r^T] = I).
+        One pass per probe covers every layer and format: the round's cost is linear in depth, and
+        tangents exist one module's parameters at a time. Per layer and round the relative standard
+        error is at most sqrt(2 / probes) (the estimate's own spread is reported with it).
+    EXACT: one vector-Jacobian product per layer through every upstream layer, on the recording
+        pass's retained graph, with D_k exact (not linearized). Quadratic in depth, and holds the
+        graph and every parameter's gradient; for small models and as the reference for PROBE.
+    """
+
+    PROBE = "probe"
+    EXACT = "exact"
+
+
 class Statistics:
-    """What one statistics pass recorded; holds its autograd graph until ``release()``."""
+    """What one statistics pass recorded.
+
+    PROBE keeps no autograd graph; EXACT keeps the recording pass's graph until ``release()``.
+    Parameter gradients of the slice: kept for parameters that are not a switchable layer's own
+    weight (embeddings, norms, biases, tied weights); a switchable layer's weight gradient is G^T X of
+    its recorded rows, recomputed when needed (``param_grad``) instead of held for the whole model.
+    """
 
     def __init__(self, loss: float, layers: dict[str, LayerStats], param_grads: dict[str, torch.Tensor],
                  param_adam: dict[str, AdamState | None], inputs: dict[str, torch.Tensor],
                  params: dict[str, nn.Parameter], rerun: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]],
-                 loss_scale: float = 1.0, layer_modules: Mapping[str, SNIPLinear] | None = None):
+                 loss_scale: float = 1.0, layer_modules: Mapping[str, SNIPLinear] | None = None, *,
+                 propagation: Propagation = Propagation.EXACT, recomputed: Mapping[str, str] | None = None,
+                 probe: Callable | None = None):
         self.loss = loss
         self._loss_scale = loss_scale
         self._batched_vjp = True
         self._layers = layer_modules or {}
         self.layers = layers
-        # Every trainable parameter of the model (by name): its high-precision gradient on the slice
-        # and its Adam state. Dgrad errors reach all upstream parameters, not only switchable ones.
+        self.propagation = propagation
+        # Every trainable parameter of the model (by name) and its Adam state. Dgrad errors reach all
+        # upstream parameters, not only switchable ones.
         self.param_grads = param_grads
         self.param_adam = param_adam
-        self._inputs = inputs  # fqn -> X with its graph (for the vector-Jacobian products)
+        self.param_names = list(params)
+        self._recomputed = dict(recomputed or {})  # parameter name -> fqn whose G^T X is its gradient
+        self._inputs = inputs  # fqn -> X with its graph (EXACT: for the vector-Jacobian products)
         self._params = params
         self._rerun = rerun
+        self._probe = probe
+
+    def param_grad(self, name: str) -> torch.Tensor | None:
+        """The slice's float32 gradient of parameter ``name`` (None: it received none)."""
+        if name in self.param_grads:
+            return self.param_grads[name]
+        fqn = self._recomputed.get(name)
+        if fqn is None:
+            return None
+        s = self.layers[fqn]
+        return s.g.float().t() @ s.x.float()
+
+    def is_recomputed(self, name: str) -> bool:
+        """Whether ``name``'s gradient is exactly its layer's G^T X (not held, see param_grad)."""
+        return name in self._recomputed
 
     def propagate_input_grad(self, fqn: str, grad_inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """J^T e: the change of every upstream parameter's gradient when the gradient arriving at
-        ``fqn``'s input changes by e. ``grad_inputs`` stacks several e (num x rows x k); one batched
-        vector-Jacobian product returns, per parameter name, the stacked changes (num x param shape)."""
+        ``fqn``'s input changes by e (Propagation.EXACT only). ``grad_inputs`` stacks several e
+        (num x rows x k); one batched vector-Jacobian product returns, per parameter name, the
+        stacked changes (num x param shape)."""
+        if self.propagation is not Propagation.EXACT:
+            raise RuntimeError("statistics: propagate_input_grad needs collect_stats(..., propagation=Propagation.EXACT)")
         x = self._inputs[fqn]
         if not x.requires_grad:
             return {}
@@ -190,6 +259,17 @@ class Statistics:
         return {n: torch.stack([grads[i] for grads in per_vector]).float() / scale
                 for i, n in enumerate(names) if per_vector[0][i] is not None}
 
+    def input_tangents(self, tangent_of: Callable[[str, nn.Parameter], torch.Tensor],
+                       measure: Callable[[str, torch.Tensor], None]) -> set[str]:
+        """One forward-mode pass over the slice (Propagation.PROBE) with every trainable parameter's
+        tangent ``tangent_of(name, param)`` (called when the module owning it runs; it must return
+        the same tangent for a parameter used by two modules); ``measure(fqn, t)`` receives each
+        layer's input tangent t = J_l(tangents) (rows x k, float32). Returns the names of the
+        parameters that got a tangent."""
+        if self._probe is None:
+            raise RuntimeError("statistics: input_tangents needs collect_stats(..., propagation=Propagation.PROBE)")
+        return self._probe(tangent_of, measure)
+
     def output_grads_with_noise(self, noise: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Re-run the slice with ``noise[fqn]`` (rows x m) added to each layer's output; return the
         output gradients G' (rows x m) of every layer."""
@@ -198,6 +278,7 @@ class Statistics:
     def release(self) -> None:
         self._inputs.clear()
         self._rerun = None
+        self._probe = None
         self._layers = {}
 
 
@@ -208,6 +289,7 @@ def collect_stats(
     layers: Mapping[str, SNIPLinear],
     optimizer: torch.optim.Optimizer | None = None,
     loss_scale: float = 1.0,
+    propagation: Propagation = Propagation.PROBE,
 ) -> Statistics:
     """Run ``loss_fn`` once with every layer of ``layers`` in high precision and record statistics.
 
@@ -215,18 +297,25 @@ def collect_stats(
     hooks removed on return and on error. ``loss_scale`` multiplies the loss before every backward
     and is divided out of every recorded gradient (float32): under fp16 autocast, gradients of an
     unscaled mean loss fall into fp16's subnormal range (AMP's GradScaler exists for this reason).
+    ``propagation``: see Propagation (EXACT keeps the graph: call ``release()`` after use).
     """
+    propagation = Propagation(propagation)
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     name_of = {id(p): name for name, p in params.items()}  # parameter identity, not module path
+    registrations: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        registrations[id(p)] = registrations.get(id(p), 0) + 1
     rng_states = _RandomStreams.capture(model)
 
-    def run(noise: Mapping[str, torch.Tensor] | None, keep_graph: bool):
+    def run(noise: Mapping[str, torch.Tensor] | None, record: bool):
         inputs: dict[str, torch.Tensor] = {}
         outputs: dict[str, torch.Tensor] = {}
+        calls: dict[str, int] = {}
 
         def make_hook(fqn):
             def hook(module, args, output):
                 inputs[fqn] = args[0]
+                calls[fqn] = calls.get(fqn, 0) + 1
                 if noise is not None and fqn in noise:
                     output = output + noise[fqn].reshape(output.shape).to(output.dtype)
                 outputs[fqn] = output
@@ -244,17 +333,25 @@ def collect_stats(
             missing = [f for f in layers if f not in outputs]
             if missing:
                 raise RuntimeError(f"statistics: layers {missing[:5]} were not called by the loss function")
+            # A weight's gradient is its layer's G^T X when the layer owns it alone and ran once;
+            # otherwise (tied, shared, called twice) it is taken from autograd and held.
+            recomputed = {} if not record or propagation is Propagation.EXACT else {
+                name_of[id(layer.weight)]: fqn for fqn, layer in layers.items()
+                if id(layer.weight) in name_of and registrations.get(id(layer.weight)) == 1 and calls[fqn] == 1}
             names = list(outputs)
-            param_names = list(params) if keep_graph else []
+            param_names = [n for n in params if n not in recomputed] if record else []
             grads = torch.autograd.grad(
                 loss * loss_scale, [outputs[f] for f in names] + [params[n] for n in param_names],
-                retain_graph=keep_graph, allow_unused=True,
+                retain_graph=record and propagation is Propagation.EXACT, allow_unused=True,
             )
         out_grads = {f: g.detach().reshape(-1, g.shape[-1]).float() / loss_scale for f, g in zip(names, grads[: len(names)])}
         param_grads = {n: g.detach().float() / loss_scale for n, g in zip(param_names, grads[len(names):]) if g is not None}
-        return loss, inputs, out_grads, param_grads
+        return loss, inputs, out_grads, param_grads, recomputed
 
-    loss, inputs, out_grads, param_grads = run(None, keep_graph=True)
+    def probe(tangent_of, measure) -> set[str]:
+        return _forward_mode_pass(model, loss_fn, layers, name_of, rng_states, tangent_of, measure)
+
+    loss, inputs, out_grads, param_grads, recomputed = run(None, record=True)
     recorded = {
         fqn: LayerStats(
             fqn=fqn,
@@ -268,17 +365,74 @@ def collect_stats(
         )
         for fqn in layers
     }
+    exact = propagation is Propagation.EXACT
     return Statistics(
         loss=float(loss.detach()),
         layers=recorded,
         param_grads=param_grads,
         param_adam={n: read_adam_state(optimizer, p) for n, p in params.items()},
-        inputs=inputs,
+        inputs=inputs if exact else {},
         params=params,
-        rerun=lambda noise: run(noise, keep_graph=False)[2],
+        rerun=lambda noise: run(noise, record=False)[2],
         loss_scale=loss_scale,
         layer_modules=layers,
+        propagation=propagation,
+        recomputed=recomputed,
+        probe=None if exact else probe,
     )
+
+
+def _forward_mode_pass(model, loss_fn, layers, name_of, rng_states, tangent_of, measure) -> set[str]:
+    """Statistics.input_tangents: ``loss_fn`` once under forward-mode AD (no backward, no graph).
+
+    A forward pre-hook on every module that owns trainable parameters swaps them for dual tensors
+    (primal: the parameter, tangent: ``tangent_of``) while the module runs, so tangents exist one
+    module's parameters at a time. Attention runs in SDPA's math kernel: the fused CPU and CUDA
+    kernels have no forward-mode derivative."""
+    import torch.autograd.forward_ad as fwAD
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    swapped: dict[int, list[tuple[str, nn.Parameter]]] = {}
+    touched: set[str] = set()
+
+    def swap_in(module, args):
+        saved = swapped.setdefault(id(module), [])
+        for attr, p in list(module._parameters.items()):
+            name = name_of.get(id(p)) if p is not None else None
+            if name is None:
+                continue
+            tangent = tangent_of(name, p)
+            module._parameters[attr] = fwAD.make_dual(p.detach(), tangent.to(p.dtype))
+            saved.append((attr, p))
+            touched.add(name)
+
+    def restore(module, *_):
+        for attr, p in reversed(swapped.pop(id(module), [])):
+            module._parameters[attr] = p
+
+    def make_layer_hook(fqn, in_features):
+        def hook(module, args, output):
+            tangent = fwAD.unpack_dual(args[0]).tangent
+            if tangent is not None:
+                measure(fqn, tangent.reshape(-1, in_features).float())
+
+        return hook
+
+    owners = [m for m in model.modules() if any(name_of.get(id(p)) for p in m._parameters.values() if p is not None)]
+    with contextlib.ExitStack() as stack:
+        for module in owners:
+            stack.callback(module.register_forward_pre_hook(swap_in).remove)
+            stack.callback(module.register_forward_hook(restore, always_call=True).remove)
+        for fqn, layer in layers.items():
+            stack.callback(layer.register_forward_hook(make_layer_hook(fqn, layer.in_features)).remove)
+        try:
+            with (torch.no_grad(), fwAD.dual_level(), sdpa_kernel([SDPBackend.MATH]), high_precision(layers),
+                  rng_states.replayed()):
+                loss_fn()
+        finally:
+            for module in owners:  # a module whose forward raised
+                restore(module)
+    return touched
 
 
 @dataclass(frozen=True)
@@ -319,15 +473,23 @@ def high_precision(layers: Mapping[str, SNIPLinear]):
 
 def slice_batch(batch, max_rows: int, *, tokens_per_sample: int | None = None):
     """The first samples of ``batch`` (a tensor, or a tuple/list/dict of them) holding at most
-    ``max_rows`` token rows; at least one sample. ``tokens_per_sample`` defaults to the product of
-    the first tensor's non-batch dimensions except a trailing feature dimension for float tensors."""
+    ``max_rows`` token rows. ``tokens_per_sample`` defaults to the product of the first tensor's
+    non-batch dimensions except a trailing feature dimension for float tensors.
+
+    A sample longer than ``max_rows`` (a 4096-token sequence at max_rows 1024) is cut to its first
+    ``max_rows`` tokens: every tensor whose dimension 1 has the sequence's length is sliced along it
+    (a causal LM's prefix is a valid shorter sample). Samples with several token dimensions (an
+    image's rows and columns) are kept whole: at least one sample."""
     first = _first_tensor(batch)
     if first is None:
         raise ValueError("statistics: the batch holds no tensor to slice")
+    token_dims = first.shape[1:] if not first.is_floating_point() else first.shape[1:-1]
     if tokens_per_sample is None:
-        shape = first.shape[1:] if not first.is_floating_point() else first.shape[1:-1]
-        tokens_per_sample = max(1, int(torch.Size(shape).numel()))
+        tokens_per_sample = max(1, int(torch.Size(token_dims).numel()))
     num = max(1, min(first.shape[0], max_rows // tokens_per_sample))
+    if tokens_per_sample > max_rows and len(token_dims) == 1:
+        length = token_dims[0]
+        return _map_tensors(batch, lambda t: t[:1, :max_rows] if t.dim() >= 2 and t.shape[1] == length else t[:1])
     return _map_tensors(batch, lambda t: t[:num])
 
 

@@ -11,7 +11,7 @@ from lightning_snip.divergence import DivergenceResult, estimate_divergence
 from lightning_snip.formats import Format
 from lightning_snip.linear import quantized_matmul
 from lightning_snip.formats import QuantRecipe
-from lightning_snip.stats import collect_stats, read_adam_state, slice_batch
+from lightning_snip.stats import Propagation, collect_stats, read_adam_state, slice_batch
 
 
 class TwoLayer(nn.Module):
@@ -75,7 +75,7 @@ def test_first_order_term_equals_inner_product():
 
 def test_vjp_matches_finite_difference_of_upstream_gradients():
     model, layers, opt, loss_fn, x = _setup()
-    stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
+    stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt, propagation=Propagation.EXACT)
     e = torch.randn(64, 64) * 1e-3
     delta = stats.propagate_input_grad("second", e.unsqueeze(0))["first.weight"][0]
     # Finite difference: the first layer's weight gradient when the gradient arriving at h (the
@@ -165,6 +165,12 @@ def test_result_round_trip_and_slice_batch():
     sliced = slice_batch(batch, 40)
     assert sliced[0].shape == (2, 16) and isinstance(sliced, tuple)
     assert slice_batch({"x": torch.zeros(8, 16)}, 1)["x"].shape == (1, 16)
+    # Rows by tokens: one 64-token sequence is cut to a 40-token prefix, in every tensor of that length.
+    long = {"input_ids": torch.arange(4 * 64).reshape(4, 64), "mask": torch.ones(4, 64), "lengths": torch.full((4,), 64)}
+    cut = slice_batch(long, 40)
+    assert cut["input_ids"].shape == (1, 40) and cut["mask"].shape == (1, 40) and cut["lengths"].shape == (1,)
+    assert torch.equal(cut["input_ids"][0], torch.arange(40))
+    assert slice_batch(torch.zeros(4, 8, 8, dtype=torch.long), 16).shape == (1, 8, 8)  # 2-D samples stay whole
 
 
 def test_first_order_sampler_matches_autograd_inner_product():
@@ -305,3 +311,120 @@ def test_first_order_standard_error_is_over_samples_not_rows():
     # Rows that do not split into the samples are treated as independent units; one unit has no spread.
     assert _sum_and_stderr(per_row, num_samples=3)[1] == pytest.approx(math.sqrt(8 * per_row.var().item()))
     assert _sum_and_stderr(torch.tensor([2.0]), num_samples=1) == (2.0, math.inf)
+
+
+class _TiedLM(nn.Module):
+    """Embedding -> two blocks of (norm, up, gelu, down) with residuals -> a head tied to the
+    embedding: every kind of upstream parameter the propagated term must reach."""
+
+    def __init__(self, vocab=64, dim=32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(2))
+        self.ups = nn.ModuleList(nn.Linear(dim, 4 * dim) for _ in range(2))
+        self.downs = nn.ModuleList(nn.Linear(4 * dim, dim, bias=False) for _ in range(2))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for norm, up, down in zip(self.norms, self.ups, self.downs):
+            h = h + down(nn.functional.gelu(up(norm(h))))
+        return self.head(h)
+
+
+def _trained_tied_lm(steps=5):
+    torch.manual_seed(0)
+    model = _TiedLM()
+    tokens = torch.randint(0, 64, (8, 33))
+    loss_fn = lambda: nn.functional.cross_entropy(model(tokens[:, :-1]).reshape(-1, 64), tokens[:, 1:].reshape(-1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_fn().backward()
+        opt.step()
+    return model, convert_linears(model), opt, loss_fn
+
+
+def test_probed_propagated_term_agrees_with_the_exact_one_within_its_stated_error():
+    model, layers, opt, loss_fn = _trained_tied_lm()
+    results = {}
+    for propagation in (Propagation.EXACT, Propagation.PROBE):
+        stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt, propagation=propagation)
+        results[propagation] = estimate_divergence(stats, [Format.MXFP4, Format.NVFP4], noise_draws=0, probes=256,
+                                                   generator=torch.Generator().manual_seed(0)).layers
+        stats.release()
+    exact, probed = results[Propagation.EXACT], results[Propagation.PROBE]
+    checked = 0
+    for fqn in exact:
+        for fmt in (Format.MXFP4, Format.NVFP4):
+            truth, estimate = exact[fqn].wd_propagated[fmt], probed[fqn].wd_propagated[fmt]
+            stderr = probed[fqn].wd_propagated_stderr[fmt]
+            if fqn == "ups.0":  # nothing trainable upstream but the embedding and a norm: still reached
+                assert truth > 0
+            # The stated error: at most sqrt(2 / probes) relative, and the probes' own spread.
+            assert stderr <= math.sqrt(2 / 256) * truth * 1.5 + 1e-30, (fqn, fmt)
+            # 4 standard errors, plus 5% for the linearized AdamW map the probes use (D is not linear).
+            assert abs(estimate - truth) <= 4 * stderr + 0.05 * truth, (fqn, fmt, estimate, truth, stderr)
+            # The same SR draws of the gradient GEMMs in both modes: the direct terms are identical.
+            assert probed[fqn].wd_direct[fmt] == pytest.approx(exact[fqn].wd_direct[fmt], rel=1e-6)
+            checked += 1
+    assert checked == 2 * len(layers) == 10
+
+
+def test_update_sensitivity_is_the_derivative_of_the_update_deviation():
+    torch.manual_seed(0)
+    state = read_adam_state(None, nn.Parameter(torch.zeros(3)))
+    assert state is None
+    m, v = torch.randn(1000) * 1e-3, torch.rand(1000) * 1e-6
+    v[:10] = 0.0  # never a gradient before: only this step's enters v
+    from lightning_snip.stats import AdamState
+
+    adam = AdamState(exp_avg=m, exp_avg_sq=v, step=7, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8)
+    grad = torch.randn(1000, dtype=torch.float64).float() * 1e-3
+    delta = torch.randn(1000) * 1e-3
+    h = 1e-3
+    finite_difference = (adam.update_deviation(grad, h * delta).double() - adam.update_deviation(grad, -h * delta).double()) / (2 * h)
+    assert torch.allclose(adam.update_sensitivity(grad).double() * delta, finite_difference, rtol=1e-3, atol=1e-9)
+    # Without a gradient the map is AdamW's plain 1/(sqrt(v_hat) + eps) scale.
+    zero = adam.update_sensitivity(None)
+    expected = adam.lr / (1 - 0.9**8) * 0.1 / ((0.95 * v / (1 - 0.95**8)).sqrt() + 1e-8)
+    assert torch.allclose(zero, expected, rtol=1e-5)
+
+
+def test_a_parameter_used_outside_its_module_is_reported_not_silently_dropped(caplog):
+    class Outside(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.holder = nn.Module()
+            self.holder.scale = nn.Parameter(torch.ones(16))  # read by the parent, holder never runs
+            self.first = nn.Linear(16, 16)
+            self.second = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.second(torch.tanh(self.first(x * self.holder.scale)))
+
+    model = Outside()
+    layers = convert_linears(model)
+    x = torch.randn(32, 16)
+    stats = collect_stats(model, lambda: model(x).pow(2).mean(), layers=layers)
+    with caplog.at_level(logging.WARNING, logger="lightning_snip.divergence"):
+        estimate_divergence(stats, [Format.MXFP4], noise_draws=0, probes=2)
+    assert "holder.scale" in caplog.text and "wd_propagation=exact" in caplog.text
+
+
+def test_probe_round_keeps_no_graph_and_no_copy_of_the_layers_weight_gradients():
+    model, layers, opt, loss_fn = _trained_tied_lm()
+    stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
+    # Held: the embedding (tied to the head), norms and biases; the layers' own weights: recomputed.
+    assert set(stats.param_grads) == {"embed.weight", "norms.0.weight", "norms.0.bias", "norms.1.weight",
+                                      "norms.1.bias", "ups.0.bias", "ups.1.bias"}
+    assert all(stats.is_recomputed(f"{fqn}.weight") for fqn in ("ups.0", "ups.1", "downs.0", "downs.1"))
+    assert not stats.is_recomputed("embed.weight")
+    assert not any(s.x.requires_grad or s.x.grad_fn is not None for s in stats.layers.values())
+    exact = collect_stats(model, loss_fn, layers=layers, optimizer=opt, propagation=Propagation.EXACT)
+    for name in exact.param_grads:  # recomputed G^T X equals autograd's gradient
+        assert torch.allclose(stats.param_grad(name), exact.param_grads[name], rtol=1e-4, atol=1e-7), name
+    exact.release()
+    with pytest.raises(RuntimeError, match="Propagation.EXACT"):
+        stats.propagate_input_grad("ups.1", torch.zeros(1, 8 * 32, 32))

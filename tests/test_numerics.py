@@ -18,7 +18,7 @@ from lightning_snip.convert import convert_linears
 from lightning_snip.divergence import estimate_divergence
 from lightning_snip.formats import Format, QuantRecipe, fake_quantize
 from lightning_snip.linear import SNIPLinear
-from lightning_snip.stats import collect_stats
+from lightning_snip.stats import Propagation, collect_stats
 
 LOW_FORMATS = [Format.FP8, Format.MXFP8, Format.MXFP4, Format.NVFP4]
 RTN = QuantRecipe(fp4_grad_rounding="nearest")  # deterministic gradient operands for exact checks
@@ -374,7 +374,7 @@ def _brute_force_wd(model, opt, x, target, fmt, *, moments_after_step=True):
 def test_weight_divergence_matches_brute_force():
     model, layers, opt, x, target = _trained_two_layer()
     loss_fn = lambda: nn.functional.mse_loss(model(x), target)
-    stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
+    stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt, propagation=Propagation.EXACT)
     result = estimate_divergence(stats, LOW_FORMATS, recipe=RTN, noise_draws=0)
     stats.release()
     assert result.used_adam

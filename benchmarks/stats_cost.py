@@ -1,0 +1,208 @@
+"""Cost of one statistics round against depth: time in training steps and peak extra memory.
+
+For the demo architecture at several depths and two widths, each configuration in its own
+subprocess (so its peak RSS is its own): a model with AdamW state, a 2048-row batch (16 x 128
+tokens) and the callback's defaults (SNIPConfig(): max_rows 1024, candidates fp8 and mxfp4, 2 noise
+draws per format, 8 forward-mode probes). Measured:
+
+- round time / the high-precision training step on the 2048-row batch (forward, backward, AdamW);
+- round time / the same step with every layer in emulated mxfp4;
+- the round's peak extra memory: the rise of the process's peak RSS (VmHWM, reset through
+  /proc/self/clear_refs) over its RSS before the round. glibc's malloc runs with a fixed mmap
+  threshold (MALLOC_MMAP_THRESHOLD_) so freed tensors leave the RSS instead of staying in its arenas;
+- the bound of issue 11: one block's parameters in fp32 + 4 x the slice's activations (the rise of
+  peak RSS during a forward pass with autograd on the 1024-row slice, i.e. what a training step
+  holds for its backward).
+
+``--exact-max-blocks``: also the EXACT propagation (one vector-Jacobian product per layer), the
+round before issue 11, at depths up to that.
+
+    python benchmarks/stats_cost.py [--blocks 2,4,8,16,32] [--widths 128,256] [--repeats 2] [--quick]
+
+Prints ``round_cost <blocks> <hp_steps> <emulated_steps> <extra_mib> width=<w>``, ``memory_bound ...``,
+``round_cost_exact ...`` and ``depth_scaling <width> <hp_steps at max depth / at 4 blocks>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from lightning_snip.config import SNIPConfig
+from lightning_snip.convert import convert_linears
+from lightning_snip.demo.model import LlamaConfig, TinyLlama
+from lightning_snip.divergence import estimate_divergence
+from lightning_snip.formats import Format
+from lightning_snip.stats import Propagation, collect_stats, slice_batch
+
+SEQ_LEN, BATCH = 128, 16  # 2048 rows per training step
+
+
+def model_config(width: int, blocks: int) -> LlamaConfig:
+    return LlamaConfig(dim=width, num_layers=blocks, num_heads=width // 32, num_kv_heads=width // 64,
+                       hidden_dim=round(width * 2.75 / 32) * 32)
+
+
+def _rss_mib() -> tuple[float, float]:
+    """(VmRSS, VmHWM) of this process in MiB."""
+    values = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = int(rest.split()[0]) / 1024
+    return values["VmRSS"], values["VmHWM"]
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+
+
+def _peak_rise(fn) -> float:
+    """MiB the peak RSS rises above the RSS before ``fn()`` while it runs."""
+    before, _ = _rss_mib()
+    _reset_peak()
+    fn()
+    return _rss_mib()[1] - before
+
+
+def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int) -> dict:
+    torch.manual_seed(seed)
+    cfg = SNIPConfig()
+    model = TinyLlama(model_config(width, blocks))
+    layers = convert_linears(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    vocab = model.config.vocab_size if hasattr(model, "config") else 256
+    tokens = torch.randint(0, 256, (BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(seed))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    tiny = (tokens[:1, :32], tokens[:1, 1:33])
+
+    def loss_of(b):
+        return F.cross_entropy(model(b[0]).reshape(-1, vocab), b[1].reshape(-1))
+
+    def step(b, fmt: Format):
+        for layer in layers.values():
+            layer.format = fmt
+        opt.zero_grad(set_to_none=True)
+        loss_of(b).backward()
+        opt.step()
+        for layer in layers.values():
+            layer.format = Format.BF16
+
+    def round_on(b, propagation: Propagation):
+        sliced = slice_batch(b, cfg.max_rows)
+        stats = collect_stats(model, lambda: loss_of(sliced), layers=layers, optimizer=opt, propagation=propagation)
+        try:
+            estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
+                                noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator, probes=cfg.wd_probes,
+                                generator=torch.Generator().manual_seed(seed))
+        finally:
+            stats.release()
+
+    # Adam state and every compiled quantizer kernel, on a tiny batch (no large temporaries yet).
+    step(tiny, Format.BF16)
+    step(tiny, Format.MXFP4)
+    round_on(tiny, Propagation.PROBE)
+    opt.zero_grad(set_to_none=True)
+
+    out = {"width": width, "blocks": blocks, "layers": len(layers), "rows": BATCH * SEQ_LEN, "max_rows": cfg.max_rows}
+    out["block_param_mib"] = sum(p.numel() for p in model.layers[0].parameters()) * 4 / 2**20
+    out["model_param_mib"] = sum(p.numel() for p in model.parameters()) * 4 / 2**20
+    sliced = slice_batch(batch, cfg.max_rows)
+    holder = []
+    out["slice_activation_mib"] = _peak_rise(lambda: holder.append(loss_of(sliced)))
+    holder.clear()
+    out["round_extra_mib"] = _peak_rise(lambda: round_on(batch, Propagation.PROBE))
+    if exact:
+        out["round_extra_mib_exact"] = _peak_rise(lambda: round_on(batch, Propagation.EXACT))
+
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    hp, emulated, probe, exact_times = [], [], [], []
+    for _ in range(repeats):  # interleaved: the machine is shared
+        hp.append(timed(lambda: step(batch, Format.BF16)))
+        emulated.append(timed(lambda: step(batch, Format.MXFP4)))
+        probe.append(timed(lambda: round_on(batch, Propagation.PROBE)))
+        if exact:
+            exact_times.append(timed(lambda: round_on(batch, Propagation.EXACT)))
+    out["hp_step_seconds"] = statistics.median(hp)
+    out["emulated_step_seconds"] = statistics.median(emulated)
+    out["round_seconds"] = statistics.median(probe)
+    if exact:
+        out["round_seconds_exact"] = statistics.median(exact_times)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", default="2,4,8,16,32")
+    parser.add_argument("--widths", default="128,256")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--exact-max-blocks", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="2 and 4 blocks, width 64, one repeat")
+    parser.add_argument("--one", nargs=2, type=int, metavar=("WIDTH", "BLOCKS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.one:
+        width, blocks = args.one
+        result = measure_one(width, blocks, args.repeats, blocks <= args.exact_max_blocks, args.seed)
+        print(json.dumps(result))
+        return
+    if args.quick:
+        args.blocks, args.widths, args.repeats, args.exact_max_blocks = "2,4", "64", 1, 2
+    blocks_list = [int(b) for b in args.blocks.split(",")]
+    widths = [int(w) for w in args.widths.split(",")]
+    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.machine()} python "
+          f"{platform.python_version()} torch {torch.__version__}; {args.threads} thread(s); seed {args.seed}; "
+          f"median of {args.repeats} repeat(s); batch {BATCH}x{SEQ_LEN}; SNIPConfig() defaults", flush=True)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(args.threads)}
+    results = []
+    for width in widths:
+        for blocks in blocks_list:
+            cmd = [sys.executable, __file__, "--one", str(width), str(blocks), "--repeats", str(args.repeats),
+                   "--exact-max-blocks", str(args.exact_max_blocks), "--threads", str(args.threads), "--seed", str(args.seed)]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"stats_cost: width {width}, {blocks} blocks failed:\n{proc.stderr[-3000:]}")
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            results.append(r)
+            print(f"# width {width}, {blocks} blocks, {r['layers']} layers: hp step {r['hp_step_seconds']:.3f} s, "
+                  f"mxfp4 step {r['emulated_step_seconds']:.3f} s, round {r['round_seconds']:.3f} s"
+                  + (f", exact round {r['round_seconds_exact']:.3f} s" if "round_seconds_exact" in r else "")
+                  + f"; model {r['model_param_mib']:.1f} MiB, block {r['block_param_mib']:.2f} MiB, "
+                  f"slice activations {r['slice_activation_mib']:.1f} MiB", flush=True)
+    for r in results:
+        w, b = r["width"], r["blocks"]
+        hp = r["round_seconds"] / r["hp_step_seconds"]
+        emulated = r["round_seconds"] / r["emulated_step_seconds"]
+        print(f"round_cost {b} {hp:.2f} {emulated:.2f} {r['round_extra_mib']:.1f} width={w}")
+        bound = r["block_param_mib"] + 4 * r["slice_activation_mib"]
+        print(f"memory_bound {b} {r['round_extra_mib']:.1f} {bound:.1f} width={w}")
+        if "round_seconds_exact" in r:
+            print(f"round_cost_exact {b} {r['round_seconds_exact'] / r['hp_step_seconds']:.2f} "
+                  f"{r['round_seconds_exact'] / r['emulated_step_seconds']:.2f} {r['round_extra_mib_exact']:.1f} width={w}")
+    for w in widths:
+        by_blocks = {r["blocks"]: r["round_seconds"] / r["hp_step_seconds"] for r in results if r["width"] == w}
+        base = 4 if 4 in by_blocks else min(by_blocks)
+        print(f"depth_scaling {w} {by_blocks[max(by_blocks)] / by_blocks[base]:.2f} "
+              f"({max(by_blocks)} blocks / {base} blocks, round cost in hp steps)")
+
+
+if __name__ == "__main__":
+    main()
