@@ -53,7 +53,7 @@ from lightning_snip.aggregate import DivergenceAggregate
 from lightning_snip.config import SNIPConfig
 from lightning_snip.divergence import FirstOrderTerms, LossEstimator, estimate_divergence
 from lightning_snip.formats import Format
-from lightning_snip.stats import FirstOrderSampler, collect_stats, slice_batch
+from lightning_snip.stats import FirstOrderSampler, Propagation, collect_stats, slice_batch
 
 FORMATS = (Format.MXFP4, Format.NVFP4)
 DEFAULT_ESTIMATOR = LossEstimator(SNIPConfig().loss_estimator)  # what the callback uses
@@ -181,6 +181,7 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
     # term is sampled on its own first_order_steps training batches (what the callback samples in the
     # steps before a round; here at the same checkpoint, no optimizer step).
     results, slices, round_seconds, sample_seconds, histories = [], [], [], [], []
+    results_exact, exact_seconds = [], []
     terms = FirstOrderTerms(FORMATS)
     sampler = FirstOrderSampler(layers, args.first_order_rows, terms.add)
     first_steps = 4 if quick else args.first_order_steps
@@ -197,11 +198,22 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
         start = time.perf_counter()
         stats = collect_stats(model, lambda: model.loss(sliced), layers=layers, optimizer=opt)
         results.append(estimate_divergence(stats, FORMATS, noise_draws=args.noise_draws, first_order_history=history,
-                                           generator=torch.Generator().manual_seed(args.seed + r)))
+                                           generator=torch.Generator().manual_seed(args.seed + r), probes=args.probes))
         stats.release()
         round_seconds.append(time.perf_counter() - start)
+        # The same round with WD's propagated term exact (one VJP per layer): the same random draws
+        # everywhere else (the probes draw from their own seeds), so only that term differs.
+        start = time.perf_counter()
+        stats = collect_stats(model, lambda: model.loss(sliced), layers=layers, optimizer=opt,
+                              propagation=Propagation.EXACT)
+        results_exact.append(estimate_divergence(stats, FORMATS, noise_draws=args.noise_draws,
+                                                 first_order_history=history,
+                                                 generator=torch.Generator().manual_seed(args.seed + r)))
+        stats.release()
+        exact_seconds.append(time.perf_counter() - start)
         slices.append(sliced)
-    print(f"# [{name}] statistics round {min(round_seconds[1:] or round_seconds):.2f} s; first-order sample "
+    print(f"# [{name}] statistics round {min(round_seconds[1:] or round_seconds):.2f} s ({args.probes} WD probes; "
+          f"with the exact propagated term {min(exact_seconds[1:] or exact_seconds):.2f} s); first-order sample "
           f"{min(sample_seconds):.2f} s per step (incl. the step's own forward/backward), {first_steps} steps per round",
           flush=True)
 
@@ -227,8 +239,11 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
         def ld(r, est=DEFAULT_ESTIMATOR):
             return [results[r].layers[f].loss_divergence_as(est)[fmt] for f in fqns]
 
-        def wd(r):
-            return [results[r].layers[f].weight_divergence[fmt] for f in fqns]
+        def wd(r, source=results):
+            return [source[r].layers[f].weight_divergence[fmt] for f in fqns]
+
+        def wd_exact(r):
+            return wd(r, results_exact)
 
         def mean_rounds(fn):
             vals = [fn(r) for r in range(rounds)]
@@ -254,6 +269,11 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
                             "weight_divergence": {f: {fmt.value: v} for f, v in zip(fqns, wd(r))}})
             out[f"loss_divergence_ema{decay}"] = spearman([agg.values("loss_divergence")[f][fmt.value] for f in fqns], truth)
         out[f"weight_divergence_mean{rounds}"] = spearman(mean_rounds(wd), wd_truth)
+        out["weight_divergence_exact"] = spearman(wd_exact(0), wd_truth)
+        out[f"weight_divergence_exact_mean{rounds}"] = spearman(mean_rounds(wd_exact), wd_truth)
+        lines.append(f"# [{name}] {fmt.value}: WD probes vs exact, per round: "
+                     + ", ".join(f"{spearman(wd(r), wd_exact(r)):.3f}" for r in range(rounds))
+                     + f"; propagated term alone: " + ", ".join(f"{spearman([results[r].layers[f].wd_propagated[fmt] for f in fqns], [results_exact[r].layers[f].wd_propagated[fmt] for f in fqns]):.3f}" for r in range(rounds)))
         parts = {
             "first_order_batch": [d0[f].first_order[fmt] for f in fqns],
             "first_order_weight_part": [d0[f].first_weight[fmt] for f in fqns],
@@ -275,6 +295,7 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
         for est in LossEstimator:
             lines.append(f"round_agreement loss_divergence_{est.value} {fmt.value} {spearman(ld(0, est), ld(1, est)):.3f}")
         lines.append(f"round_agreement weight_divergence {fmt.value} {spearman(wd(0), wd(1)):.3f}")
+        lines.append(f"round_agreement weight_divergence_exact {fmt.value} {spearman(wd_exact(0), wd_exact(1)):.3f}")
         lines.append(f"round_agreement loss_divergence {fmt.value} {spearman(ld(0), ld(1)):.3f}")
         for key, value in out.items():
             lines.append(f"spearman_out {key} {fmt.value} {value:.3f}")
@@ -338,6 +359,8 @@ def main() -> None:
     parser.add_argument("--sr-seeds", type=int, default=4)
     parser.add_argument("--max-rows", type=int, default=1024)
     parser.add_argument("--noise-draws", type=int, default=2)
+    parser.add_argument("--probes", type=int, default=SNIPConfig().wd_probes,
+                        help="forward-mode probes of WD's propagated term (the callback's default)")
     parser.add_argument("--tail", action="store_true",
                         help="held-out truth on the corpus's last 5%% (other files: a distribution shift) "
                              "instead of interleaved held-out chunks of the same files")

@@ -8,8 +8,9 @@ draws per format, 8 forward-mode probes). Measured:
 - round time / the high-precision training step on the 2048-row batch (forward, backward, AdamW);
 - round time / the same step with every layer in emulated mxfp4;
 - the round's peak extra memory: the rise of the process's peak RSS (VmHWM, reset through
-  /proc/self/clear_refs) over its RSS before the round. glibc's malloc runs with a fixed mmap
-  threshold (MALLOC_MMAP_THRESHOLD_) so freed tensors leave the RSS instead of staying in its arenas;
+  /proc/self/clear_refs) over its RSS before the round, in a separate subprocess whose glibc malloc
+  runs with a fixed mmap threshold (MALLOC_MMAP_THRESHOLD_) so freed tensors leave the RSS instead
+  of staying in its arenas (that costs system time, so the timings run in another subprocess);
 - the bound of issue 11: one block's parameters in fp32 + 4 x the slice's activations (the rise of
   peak RSS during a forward pass with autograd on the 1024-row slice, i.e. what a training step
   holds for its backward).
@@ -77,7 +78,7 @@ def _peak_rise(fn) -> float:
     return _rss_mib()[1] - before
 
 
-def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int) -> dict:
+def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, mode: str) -> dict:
     torch.manual_seed(seed)
     cfg = SNIPConfig()
     model = TinyLlama(model_config(width, blocks))
@@ -119,13 +120,15 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int) -
     out = {"width": width, "blocks": blocks, "layers": len(layers), "rows": BATCH * SEQ_LEN, "max_rows": cfg.max_rows}
     out["block_param_mib"] = sum(p.numel() for p in model.layers[0].parameters()) * 4 / 2**20
     out["model_param_mib"] = sum(p.numel() for p in model.parameters()) * 4 / 2**20
-    sliced = slice_batch(batch, cfg.max_rows)
-    holder = []
-    out["slice_activation_mib"] = _peak_rise(lambda: holder.append(loss_of(sliced)))
-    holder.clear()
-    out["round_extra_mib"] = _peak_rise(lambda: round_on(batch, Propagation.PROBE))
-    if exact:
-        out["round_extra_mib_exact"] = _peak_rise(lambda: round_on(batch, Propagation.EXACT))
+    if mode == "memory":
+        sliced = slice_batch(batch, cfg.max_rows)
+        holder = []
+        out["slice_activation_mib"] = _peak_rise(lambda: holder.append(loss_of(sliced)))
+        holder.clear()
+        out["round_extra_mib"] = _peak_rise(lambda: round_on(batch, Propagation.PROBE))
+        if exact:
+            out["round_extra_mib_exact"] = _peak_rise(lambda: round_on(batch, Propagation.EXACT))
+        return out
 
     def timed(fn) -> float:
         start = time.perf_counter()
@@ -157,11 +160,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="2 and 4 blocks, width 64, one repeat")
     parser.add_argument("--one", nargs=2, type=int, metavar=("WIDTH", "BLOCKS"), help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=["memory", "time"], default="time", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.one:
         width, blocks = args.one
-        result = measure_one(width, blocks, args.repeats, blocks <= args.exact_max_blocks, args.seed)
+        result = measure_one(width, blocks, args.repeats, blocks <= args.exact_max_blocks, args.seed, args.mode)
         print(json.dumps(result))
         return
     if args.quick:
@@ -171,16 +175,20 @@ def main() -> None:
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.machine()} python "
           f"{platform.python_version()} torch {torch.__version__}; {args.threads} thread(s); seed {args.seed}; "
           f"median of {args.repeats} repeat(s); batch {BATCH}x{SEQ_LEN}; SNIPConfig() defaults", flush=True)
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(args.threads)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     results = []
     for width in widths:
         for blocks in blocks_list:
-            cmd = [sys.executable, __file__, "--one", str(width), str(blocks), "--repeats", str(args.repeats),
-                   "--exact-max-blocks", str(args.exact_max_blocks), "--threads", str(args.threads), "--seed", str(args.seed)]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise SystemExit(f"stats_cost: width {width}, {blocks} blocks failed:\n{proc.stderr[-3000:]}")
-            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            r = {}
+            for mode in ("memory", "time"):
+                cmd = [sys.executable, __file__, "--one", str(width), str(blocks), "--repeats", str(args.repeats),
+                       "--exact-max-blocks", str(args.exact_max_blocks), "--threads", str(args.threads),
+                       "--seed", str(args.seed), "--mode", mode]
+                mode_env = {**env, "MALLOC_MMAP_THRESHOLD_": "65536"} if mode == "memory" else env
+                proc = subprocess.run(cmd, env=mode_env, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    raise SystemExit(f"stats_cost: width {width}, {blocks} blocks ({mode}) failed:\n{proc.stderr[-3000:]}")
+                r.update(json.loads(proc.stdout.strip().splitlines()[-1]))
             results.append(r)
             print(f"# width {width}, {blocks} blocks, {r['layers']} layers: hp step {r['hp_step_seconds']:.3f} s, "
                   f"mxfp4 step {r['emulated_step_seconds']:.3f} s, round {r['round_seconds']:.3f} s"

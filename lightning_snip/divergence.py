@@ -31,6 +31,7 @@ estimator is clamped at 0, so no format looks better than high precision.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import math
@@ -243,55 +244,72 @@ def estimate_divergence(
             valid[fqn] = formats if allowed is None else [f for f in formats if f in set(allowed[fqn])]
         else:
             logger.warning("statistics of layer %s hold non-finite values: its low-precision formats are marked invalid", fqn)
-    # dY per (layer, format) and the RMS of each layer's high-precision output Y = X W^T (Y itself
-    # is not kept: one layer's at a time).
-    output_errors, output_rms = {}, {}
-    for fqn, s in stats.layers.items():
-        x, w = s.x.float(), s.weight.float()
-        y = x @ w.t()
-        output_rms[fqn] = float(y.pow(2).mean().sqrt())
-        for fmt in valid.get(fqn, ()):
-            output_errors[fqn, fmt] = quantized_matmul(x, w, fmt, recipe=recipe) - y
-        del y
-    if curvature_probe is CurvatureProbe.GAUSSIAN:
-        curvature = _estimate_curvature(stats, output_rms, noise_draws, noise_scale, generator)
-        second_order = {(fqn, f): 0.5 * curvature.get(fqn, 0.0) * float(dy.pow(2).sum()) for (fqn, f), dy in output_errors.items()}
-    else:
-        curvature = {}
-        second_order = _error_probe_second_order(stats, output_errors, formats, noise_draws, generator)
     used_adam = all(a is not None for a in stats.param_adam.values())
     if not used_adam and not _warned_no_adam:
         logger.warning("weight divergence: optimizer keeps no Adam moments for every parameter; using plain gradient errors (A = 1)")
         _warned_no_adam = True
     adam = {name: stats.param_adam.get(name) if used_adam else None for name in stats.param_names}
-    denominator = _update_energy(stats, adam)
-    # The dgrad errors E_X of every (layer, format), drawn before any propagation (one order of
-    # stochastic-rounding draws for both Propagation modes).
+    r = _RoundInputs(
+        stats=stats, formats=tuple(formats), recipe=recipe, adam=adam, denominator=1.0,
+        loss_norm=abs(stats.loss) if stats.loss else 1.0, loss_estimator=loss_estimator,
+        first_order_history=first_order_history or {}, generator=generator,
+    )
+    metrics = {fqn: {k: {Format.BF16: 0.0} for k in _METRICS} for fqn in stats.layers}
+    for fqn, fmts in valid.items():
+        for fmt in formats:
+            if fmt not in fmts:
+                metrics[fqn]["ld"][fmt] = metrics[fqn]["wd"][fmt] = math.inf
+    # Forward (LD): one format at a time, so the round holds one format's dY of every layer (the
+    # error probe injects them all at once), not all of them. Y itself is kept one layer at a time.
+    output_rms = {}
+    for fqn, st in stats.layers.items():
+        output_rms[fqn] = float((st.x.float() @ st.weight.float().t()).pow(2).mean().sqrt())
+    curvature = {}
+    if curvature_probe is CurvatureProbe.GAUSSIAN:
+        curvature = _estimate_curvature(stats, output_rms, noise_draws, noise_scale, generator)
+    moments = {fqn: _momentum_and_variance(stats.layers[fqn].adam) for fqn in valid}
+    for fmt in formats:
+        output_errors = {}
+        for fqn, fmts in valid.items():
+            if fmt in fmts:
+                st = stats.layers[fqn]
+                x, w = st.x.float(), st.weight.float()
+                output_errors[fqn, fmt] = quantized_matmul(x, w, fmt, recipe=recipe) - x @ w.t()
+        if curvature_probe is CurvatureProbe.GAUSSIAN:
+            second_order = {(fqn, f): 0.5 * curvature.get(fqn, 0.0) * float(dy.pow(2).sum())
+                            for (fqn, f), dy in output_errors.items()}
+        else:
+            second_order = _error_probe_second_order(stats, output_errors, [fmt], noise_draws, generator)
+        for (fqn, _), dy in output_errors.items():
+            _forward_metrics(r, stats.layers[fqn], fmt, dy, second_order[fqn, fmt], output_rms[fqn], moments[fqn],
+                             metrics[fqn])
+        del output_errors
+    # Backward (WD): the dgrad errors E_X of every (layer, format), drawn before any propagation (one
+    # order of stochastic-rounding draws for both Propagation modes), then each layer's wgrad error.
+    r = dataclasses.replace(r, denominator=_update_energy(stats, adam) or 1.0)
     input_errors = {}
     for fqn, fmts in valid.items():
         if not fmts:
             continue
-        s = stats.layers[fqn]
-        g, w = s.g.float(), s.weight.float()
+        st = stats.layers[fqn]
+        g, w = st.g.float(), st.weight.float()
         gx_ref = g @ w
         input_errors[fqn] = torch.stack([
             quantized_matmul(g, w.t(), fmt, recipe=recipe, a_is_grad=True, generator=generator) - gx_ref for fmt in fmts])
     propagated = None
     if stats.propagation is Propagation.PROBE:
         propagated = _probe_propagated(stats, adam, input_errors, probes, generator)
-    round_inputs = _RoundInputs(
-        stats=stats, formats=tuple(formats), recipe=recipe, output_errors=output_errors, second_order=second_order,
-        adam=adam, denominator=denominator if denominator > 0 else 1.0,
-        loss_norm=abs(stats.loss) if stats.loss else 1.0, loss_estimator=loss_estimator,
-        first_order_history=first_order_history or {}, generator=generator, input_errors=input_errors,
-        propagated=propagated,
-    )
     out: dict[str, LayerDivergence] = {}
-    for fqn, s in stats.layers.items():
+    for fqn, st in stats.layers.items():
         if fqn not in valid:
             out[fqn] = _invalid(formats)
             continue
-        out[fqn] = _layer_divergence(round_inputs, s, output_rms[fqn], valid[fqn], curvature.get(fqn, 0.0))
+        if valid[fqn]:
+            _backward_metrics(r, st, valid[fqn], input_errors.pop(fqn),
+                              None if propagated is None else propagated[fqn], metrics[fqn])
+        if moments[fqn][0] is None:
+            metrics[fqn]["first_mom"], metrics[fqn]["first_mom_se"] = {}, {}
+        out[fqn] = _metrics_to_divergence(metrics[fqn], curvature.get(fqn, 0.0))
     return DivergenceResult(layers=out, loss=stats.loss, used_adam=used_adam)
 
 
@@ -302,17 +320,12 @@ class _RoundInputs:
     stats: Statistics
     formats: tuple[Format, ...]
     recipe: QuantRecipe
-    output_errors: Mapping[tuple[str, Format], torch.Tensor]  # dY per (fqn, format)
-    second_order: Mapping[tuple[str, Format], float]
     adam: Mapping[str, AdamState | None]  # parameter name -> AdamW state before the step (None: no Adam)
     denominator: float  # sum_k ||u_k||^2 (or ||g_k||^2 without Adam)
     loss_norm: float
     loss_estimator: LossEstimator
     first_order_history: Mapping[tuple[str, Format], list[float]]
     generator: torch.Generator | None  # stochastic rounding of the gradient GEMMs' errors
-    input_errors: Mapping[str, torch.Tensor]  # fqn -> E_X of its valid formats (formats x rows x k)
-    # Propagation.PROBE: fqn -> (estimates, standard errors) of the propagated term per valid format.
-    propagated: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class FirstOrderTerms:
@@ -443,85 +456,92 @@ _METRICS = ("ld", "wd", "first", "second", "direct", "prop", "rel_y", "rel_w", "
             "first_x_se", "first_mom", "first_mom_se", "first_acc", "first_acc_se", "abs_y", "abs_w", "prop_se")
 
 
-def _layer_divergence(r: _RoundInputs, s: LayerStats, y_rms: float, fmts, kappa) -> LayerDivergence:
+def _momentum_and_variance(adam: AdamState | None):
+    """AdamW's m_hat of a weight and its noise variance (LossEstimator.MOMENTUM); (None, None) before
+    the first step, when there is no m_hat."""
+    if adam is None or adam.step == 0:
+        return None, None
+    b1, t = adam.beta1, adam.step
+    m_hat = adam.exp_avg.float() / (1 - b1**t)
+    v_hat = adam.exp_avg_sq.float() / (1 - adam.beta2**t)
+    m_var = (v_hat - m_hat.pow(2)).clamp_min(0) * ((1 - b1) * (1 - b1 ** (2 * t)) / ((1 + b1) * (1 - b1**t) ** 2))
+    return m_hat, m_var
+
+
+def _forward_metrics(r: _RoundInputs, s: LayerStats, fmt: Format, dy: torch.Tensor, second: float, y_rms: float,
+                     moments, metrics: dict) -> None:
+    """LD and its parts for one layer and format, from its dY, into ``metrics``."""
     x, g, w = s.x.float(), s.g.float(), s.weight.float()
+    m_hat, m_var = moments
+    norm = r.loss_norm
+    # The weight part of dY: X (Q(W) - W)^T; its first-order term is <G^T X, Q(W) - W>.
+    dw_fwd = fake_quantize(w, fmt, axis=1, recipe=r.recipe) - w
+    per_row = (g * dy).sum(1)
+    per_row_w = (g * (x @ dw_fwd.t())).sum(1)
+    first, first_se = _sum_and_stderr(per_row, s.num_samples)
+    first_x, first_x_se = _sum_and_stderr(per_row - per_row_w, s.num_samples)
+    first_mom = None if m_hat is None else float((m_hat * dw_fwd).sum())
+    first_mom_se = math.inf if m_var is None else math.sqrt(float((m_var * dw_fwd.pow(2)).sum()))
+    # This batch and the sampled batches before the round: independent draws of the first-order term.
+    history = r.first_order_history.get((s.fqn, fmt), ())
+    batch_values = [*history, first]
+    first_acc = sum(batch_values) / len(batch_values)
+    first_acc_se = (math.sqrt(sum((v - first_acc) ** 2 for v in batch_values) / (len(batch_values) - 1) / len(batch_values))
+                    if len(batch_values) > 1 else first_se)
+    ld = _combine_loss_divergence(
+        r.loss_estimator, first=first / norm, first_stderr=first_se / norm, first_activation=first_x / norm,
+        first_activation_stderr=first_x_se / norm,
+        first_weight_momentum=None if first_mom is None else first_mom / norm,
+        first_weight_momentum_stderr=first_mom_se / norm, first_accumulated=first_acc / norm if history else None,
+        first_accumulated_stderr=first_acc_se / norm, second=second / norm)
+    if not math.isfinite(ld):
+        logger.warning("layer %s: non-finite loss divergence for %s; format marked invalid", s.fqn, fmt.value)
+        ld = math.inf
+    metrics["ld"][fmt] = ld
+    metrics["first"][fmt], metrics["second"][fmt] = first / norm, second / norm
+    metrics["first_w"][fmt], metrics["first_x"][fmt] = (first - first_x) / norm, first_x / norm
+    metrics["first_se"][fmt], metrics["first_x_se"][fmt] = first_se / norm, first_x_se / norm
+    if first_mom is not None:
+        metrics["first_mom"][fmt], metrics["first_mom_se"][fmt] = first_mom / norm, first_mom_se / norm
+    if history:
+        metrics["first_acc"][fmt], metrics["first_acc_se"][fmt] = first_acc / norm, first_acc_se / norm
+    metrics["rel_y"][fmt] = float(dy.norm()) / max(y_rms * math.sqrt(dy.numel()), 1e-30)
+    metrics["abs_y"][fmt] = float(dy.pow(2).sum())
+
+
+def _backward_metrics(r: _RoundInputs, s: LayerStats, fmts, input_errors: torch.Tensor, propagated, metrics: dict) -> None:
+    """WD and its parts for one layer and its valid formats, into ``metrics``. ``input_errors``: E_X
+    per format (formats x rows x k); ``propagated``: the probes' (estimates, standard errors), or
+    None for the exact vector-Jacobian products."""
+    x, g = s.x.float(), s.g.float()
     gw_ref = g.t() @ x
-    # A frozen weight has no gradient and no update to deviate: only its propagated error counts.
     weight_name = s.weight_name or s.fqn + ".weight"
-    metrics: dict[str, dict[Format, float]] = {k: {Format.BF16: 0.0} for k in _METRICS}
-    for fmt in r.formats:
-        if fmt not in fmts:
-            for k in ("ld", "wd"):
-                metrics[k][fmt] = math.inf
-    if not fmts:
-        return _metrics_to_divergence(metrics, kappa)
-    if r.propagated is not None:
-        propagated_by_format, propagated_stderr = r.propagated[s.fqn]
+    if propagated is not None:
+        propagated_by_format, propagated_stderr = propagated
     else:
         # One batched vector-Jacobian product carries every format's dgrad error upstream.
-        upstream = r.stats.propagate_input_grad(s.fqn, r.input_errors[s.fqn])
+        upstream = r.stats.propagate_input_grad(s.fqn, input_errors)
         propagated_by_format = torch.zeros(len(fmts), dtype=torch.float64)  # sum_k ||D_k(J_kl(E_X))||^2
         for name, deltas in upstream.items():
             propagated_by_format += _update_deviation(r, name, deltas).pow(2).reshape(len(fmts), -1).sum(1).double().cpu()
         propagated_stderr = torch.zeros(len(fmts), dtype=torch.float64)
         del upstream
-    m_hat = m_var = None
-    if s.adam is not None and s.adam.step > 0:  # before the first step there is no m_hat
-        b1, t = s.adam.beta1, s.adam.step
-        m_hat = s.adam.exp_avg.float() / (1 - b1**t)
-        v_hat = s.adam.exp_avg_sq.float() / (1 - s.adam.beta2**t)
-        m_var = (v_hat - m_hat.pow(2)).clamp_min(0) * ((1 - b1) * (1 - b1 ** (2 * t)) / ((1 + b1) * (1 - b1**t) ** 2))
-    norm = r.loss_norm
+    # A frozen weight (no gradient) has no update to deviate: only its propagated error counts.
+    own_grad = gw_ref if r.stats.is_recomputed(weight_name) else r.stats.param_grad(weight_name)
     for i, fmt in enumerate(fmts):
-        dy = r.output_errors[s.fqn, fmt]
-        # The weight part of dY: X (Q(W) - W)^T; its first-order term is <G^T X, Q(W) - W>.
-        dw_fwd = fake_quantize(w, fmt, axis=1, recipe=r.recipe) - w
-        per_row = (g * dy).sum(1)
-        per_row_w = (g * (x @ dw_fwd.t())).sum(1)
-        first, first_se = _sum_and_stderr(per_row, s.num_samples)
-        first_x, first_x_se = _sum_and_stderr(per_row - per_row_w, s.num_samples)
-        first_mom = None if m_hat is None else float((m_hat * dw_fwd).sum())
-        first_mom_se = math.inf if m_var is None else math.sqrt(float((m_var * dw_fwd.pow(2)).sum()))
-        second = r.second_order[s.fqn, fmt]
-        # This batch and the sampled batches before the round: independent draws of the first-order term.
-        history = r.first_order_history.get((s.fqn, fmt), ())
-        batch_values = [*history, first]
-        first_acc = sum(batch_values) / len(batch_values)
-        first_acc_se = (math.sqrt(sum((v - first_acc) ** 2 for v in batch_values) / (len(batch_values) - 1) / len(batch_values))
-                        if len(batch_values) > 1 else first_se)
         e_w = quantized_matmul(g.t(), x.t(), fmt, recipe=r.recipe, a_is_grad=True, generator=r.generator) - gw_ref
-        # A frozen weight (no gradient) has no update to deviate: only its propagated error counts.
-        own_grad = gw_ref if r.stats.is_recomputed(weight_name) else r.stats.param_grad(weight_name)
         direct = float(_update_deviation(r, weight_name, e_w, own_grad).pow(2).sum()) if own_grad is not None else 0.0
-        propagated = float(propagated_by_format[i])
-        ld = _combine_loss_divergence(
-            r.loss_estimator, first=first / norm, first_stderr=first_se / norm, first_activation=first_x / norm,
-            first_activation_stderr=first_x_se / norm,
-            first_weight_momentum=None if first_mom is None else first_mom / norm,
-            first_weight_momentum_stderr=first_mom_se / norm, first_accumulated=first_acc / norm if history else None,
-            first_accumulated_stderr=first_acc_se / norm, second=second / norm)
-        wd = (direct + propagated) / r.denominator
-        if not (math.isfinite(ld) and math.isfinite(wd)):
+        propagated_value = float(propagated_by_format[i])
+        wd = (direct + propagated_value) / r.denominator
+        if not math.isfinite(wd) or not math.isfinite(metrics["ld"][fmt]):
             logger.warning("layer %s: non-finite divergence for %s; format marked invalid", s.fqn, fmt.value)
-            ld = wd = math.inf
-        metrics["ld"][fmt], metrics["wd"][fmt] = ld, wd
-        metrics["first"][fmt], metrics["second"][fmt] = first / norm, second / norm
-        metrics["first_w"][fmt], metrics["first_x"][fmt] = (first - first_x) / norm, first_x / norm
-        metrics["first_se"][fmt], metrics["first_x_se"][fmt] = first_se / norm, first_x_se / norm
-        if first_mom is not None:
-            metrics["first_mom"][fmt], metrics["first_mom_se"][fmt] = first_mom / norm, first_mom_se / norm
-        if history:
-            metrics["first_acc"][fmt], metrics["first_acc_se"][fmt] = first_acc / norm, first_acc_se / norm
-        metrics["direct"][fmt], metrics["prop"][fmt] = direct / r.denominator, propagated / r.denominator
+            metrics["ld"][fmt] = wd = math.inf
+        metrics["wd"][fmt] = wd
+        metrics["direct"][fmt], metrics["prop"][fmt] = direct / r.denominator, propagated_value / r.denominator
         metrics["prop_se"][fmt] = float(propagated_stderr[i]) / r.denominator
-        metrics["rel_y"][fmt] = float(dy.norm()) / max(y_rms * math.sqrt(dy.numel()), 1e-30)
         rel_w = float(e_w.norm() / gw_ref.norm().clamp_min(1e-30))
         metrics["rel_w"][fmt] = rel_w if math.isfinite(rel_w) else math.inf  # as LD/WD: non-finite = invalid
-        metrics["abs_y"][fmt] = float(dy.pow(2).sum())
         metrics["abs_w"][fmt] = float(e_w.pow(2).sum())
-    if m_hat is None:
-        metrics["first_mom"], metrics["first_mom_se"] = {}, {}
-    return _metrics_to_divergence(metrics, kappa)
 
 
 def _metrics_to_divergence(metrics, kappa) -> LayerDivergence:
