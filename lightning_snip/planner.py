@@ -234,6 +234,9 @@ def solve_plan(
                 mip.xsum(share[layer.fqn] * target.relative_cost[f] * x[layer.fqn, f] for layer in group for f in choices[layer.fqn])
                 <= target.cost_budget + 1e-9
             )
+        if target.fp4_fraction is not None:
+            for better, worse in _interchangeable_pairs(group, choices, scores):
+                model += x[better] >= x[worse]
     model.objective = mip.xsum((scores[key] / scale) * var for key, var in x.items())
     status = model.optimize(max_seconds=time_limit_seconds)
     seconds = time.perf_counter() - start
@@ -258,6 +261,32 @@ def solve_plan(
     if plan.status is SolveStatus.FEASIBLE:
         logger.warning("solver time limit (%ss) reached: using the best feasible plan found, not proven optimal", time_limit_seconds)
     return plan
+
+
+def _interchangeable_pairs(group: Sequence[LayerCandidates], choices: Mapping[str, list[Format]],
+                           scores: Mapping[tuple[str, Format], float]) -> list[tuple[tuple[str, Format], tuple[str, Format]]]:
+    """Symmetry-breaking constraints x(a, fp4_a) >= x(b, fp4_b) under an FP4-fraction target.
+
+    Layers of one stage with equal FLOPs and two choices left (one FP4, one not) are interchangeable
+    in the constraint: for any plan that puts some of them in FP4, putting the same number of those
+    with the smallest score increase (FP4 score - other score) there instead is as feasible and no
+    worse. So an optimum exists that fills each such class in that order; saying so removes the
+    equivalent branches that made CBC's optimality proof slow on models of identical blocks (7B:
+    up to 1.6 s for 224 layers, benchmarks/results/planner_scale_gemm_2026-11-30.md).
+    Returns (better, worse) variable keys, consecutive in each class's order."""
+    classes: dict[float, list[tuple[float, str, Format]]] = {}
+    for layer in group:
+        options = choices[layer.fqn]
+        if len(options) != 2 or options[0].is_fp4 == options[1].is_fp4:
+            continue
+        fp4, other = (options[0], options[1]) if options[0].is_fp4 else (options[1], options[0])
+        increase = scores[layer.fqn, fp4] - scores[layer.fqn, other]
+        classes.setdefault(layer.flops, []).append((increase, layer.fqn, fp4))
+    pairs = []
+    for members in classes.values():
+        members.sort(key=lambda m: (m[0], m[1]))
+        pairs.extend(((a[1], a[2]), (b[1], b[2])) for a, b in zip(members, members[1:]))
+    return pairs
 
 
 # Granularity "gemm" (issue 12, in progress): a layer's forward GEMM and its backward GEMMs (dgrad and

@@ -66,6 +66,28 @@ def _brute_force(layers, fraction=None, budget=None, stages=None, lam=1.0):
     return best
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_equal_flops_layers_agree_with_brute_force(seed):
+    """Layers of equal FLOPs (identical blocks) get symmetry-breaking order constraints in the ILP;
+    the optimum must not change: brute force over many such instances, with stages and pins."""
+    rng = random.Random(100 + seed)
+    n = rng.randint(6, 9)
+    layers = [
+        layer(f"l{i}", rng.choice([1, 3]) * 1e9, [rng.uniform(-0.1, 1) for _ in F3], [rng.uniform(0, 1) for _ in F3],
+              pinned=Format.FP8 if rng.random() < 0.1 else None)
+        for i in range(n)
+    ]
+    stages = {l.fqn: i % 2 for i, l in enumerate(layers)} if seed % 2 else None
+    for fraction in (0.25, 0.5, 0.75, 0.9):
+        expected = _brute_force(layers, fraction, None, stages, 1.0)
+        try:
+            plan = solve_plan(layers, stages=stages, fp4_fraction=fraction, relative_cost=COST)
+        except PlanInfeasibleError:
+            assert expected == math.inf
+            continue
+        assert plan.objective == pytest.approx(expected, abs=1e-7), fraction
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_agrees_with_brute_force(seed):
     rng = random.Random(seed)
