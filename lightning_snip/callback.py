@@ -76,6 +76,8 @@ class SNIPCallback(Callback):
             per layer/format, before the clamp at 0 that planning applies.
         ``snip/wd/<fqn>/<format>``: backward weight divergence (relative update deviation).
         ``snip/stats_seconds``: wall time of the statistics round (statistics step).
+        ``snip/wd_probe_rel_stderr``: (``wd_propagation=probe``) the median over layers and formats of
+            the probes' relative standard error of WD's propagated term in the round (this rank's).
         ``snip/solver_seconds``: ILP solve time (apply step).
         ``snip/fp4_fraction``: FP4 share of the switched layers' linear FLOPs under the applied plan.
         ``snip/relative_gemm_cost``: GEMM cost of the applied plan relative to all-bf16.
@@ -327,6 +329,7 @@ class SNIPCallback(Callback):
         else:
             cause = f"statistics at step {step} failed on another rank"
         self._first_order_history = {}
+        probe_noise = _probe_noise(result) if result is not None else None
         # Every rank reaches the reduction (a failed rank contributes NaN, which invalidates the round).
         result = self._reduce(trainer, result)
         self.num_stats_rounds += 1
@@ -335,6 +338,8 @@ class SNIPCallback(Callback):
             self._count_failure(cause)
             return
         self.grad_noise_ratios = self._grad_noise_ratios(result)
+        if probe_noise is not None:
+            log_to_loggers(trainer.loggers, step, {"snip/wd_probe_rel_stderr": probe_noise})
         log_to_loggers(trainer.loggers, step, {**divergence_scalars(result), "snip/stats_seconds": seconds,
                                                **{f"snip/grad_noise_ratio/{fqn}": r for fqn, r in self.grad_noise_ratios.items()}})
         self.history.append({"step": step, "divergence": result.as_dict()})
@@ -567,6 +572,17 @@ def _buffers_restored(module: torch.nn.Module):
         with torch.no_grad():
             for buffer, value in saved:
                 buffer.copy_(value)
+
+
+def _probe_noise(result: DivergenceResult) -> float | None:
+    """Median relative standard error of the probed propagated term over (layer, format); None when
+    the round computed it exactly (no spread) or nothing was probed."""
+    ratios = sorted(d.wd_propagated_stderr[f] / d.wd_propagated[f] for d in result.layers.values()
+                    for f in d.wd_propagated_stderr if f is not Format.BF16 and d.wd_propagated.get(f, 0) > 0
+                    and math.isfinite(d.wd_propagated_stderr[f]))
+    if not ratios or ratios[-1] == 0:
+        return None
+    return ratios[len(ratios) // 2]
 
 
 def _stream_seed(seed: int, rank: int, step: int, batch_idx: int) -> int:

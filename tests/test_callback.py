@@ -159,6 +159,8 @@ def test_slow_solver_thread_never_blocks_exit(tmp_path, monkeypatch):
         ({"noise_guard": "yes"}, "snip.noise_guard"),
         ({"noise_guard_threshold": 0}, "snip.noise_guard_threshold"),
         ({"noise_guard_threshold": float("inf")}, "snip.noise_guard_threshold"),
+        ({"wd_propagation": "vjp"}, "snip.wd_propagation"),
+        ({"wd_probes": 0}, "snip.wd_probes"),
     ],
 )
 def test_invalid_config_names_the_field(kw, field):
@@ -472,3 +474,25 @@ def test_guard_threshold_without_the_guard_warns_at_setup(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="lightning_snip"):
         _fit(tmp_path, SNIPCallback(_snip(noise_guard_threshold=3.0)), max_steps=1)
     assert any("noise_guard_threshold=3.0 has no effect" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("propagation", ["probe", "exact"])
+def test_wd_propagation_setting_reaches_the_round(tmp_path, monkeypatch, propagation):
+    import lightning_snip.callback as cb
+    import lightning_snip.stats as stats_module
+
+    modes, probes = [], []
+    real_collect, real_estimate = cb.collect_stats, cb.estimate_divergence
+    monkeypatch.setattr(cb, "collect_stats", lambda *a, **kw: modes.append(kw["propagation"]) or real_collect(*a, **kw))
+    monkeypatch.setattr(cb, "estimate_divergence", lambda *a, **kw: probes.append(kw["probes"]) or real_estimate(*a, **kw))
+    snip = SNIPCallback(_snip(wd_propagation=propagation, wd_probes=3))
+    _fit(tmp_path, snip, max_steps=4)
+    assert modes == [stats_module.Propagation(propagation)] and probes == [3]
+    wd = snip.history[-1]["divergence"]["layers"]["model.layers.0.mlp.down"]["weight_divergence"]["mxfp4"]
+    assert 0 < wd < math.inf
+    events = EventAccumulator(glob.glob(str(tmp_path / "tb" / "version_0"))[0])
+    events.Reload()
+    logged = "snip/wd_probe_rel_stderr" in events.Tags()["scalars"]
+    assert logged == (propagation == "probe")
+    if logged:  # 3 probes: at most sqrt(2/3) ~ 0.82 expected, and never 0
+        assert 0 < events.Scalars("snip/wd_probe_rel_stderr")[0].value < 1.5

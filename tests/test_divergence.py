@@ -428,3 +428,41 @@ def test_probe_round_keeps_no_graph_and_no_copy_of_the_layers_weight_gradients()
     exact.release()
     with pytest.raises(RuntimeError, match="Propagation.EXACT"):
         stats.propagate_input_grad("ups.1", torch.zeros(1, 8 * 32, 32))
+
+
+@pytest.mark.parametrize("propagation", [Propagation.PROBE, Propagation.EXACT])
+def test_round_passes_do_not_grow_with_depth_under_probes(propagation, monkeypatch):
+    """What makes a round linear in depth, counted rather than timed: with probes, the backward
+    passes (recording + noise re-runs) and forward passes (those + probes) are the same for 2 and 4
+    blocks; the exact mode adds one vector-Jacobian product per layer."""
+    from lightning_snip.demo.model import LlamaConfig, TinyLlama
+
+    counts = {}
+    real_grad = torch.autograd.grad
+
+    def counting_grad(*args, **kwargs):
+        counts["backward"] = counts.get("backward", 0) + 1
+        return real_grad(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", counting_grad)
+    per_depth = {}
+    for blocks in (2, 4):
+        torch.manual_seed(0)
+        model = TinyLlama(LlamaConfig(dim=32, num_layers=blocks, num_heads=2, num_kv_heads=1, hidden_dim=64))
+        tokens = torch.randint(0, 256, (2, 17))
+        tokens = (tokens[:, :-1], tokens[:, 1:])
+        forwards = []
+        model.register_forward_hook(lambda *_: forwards.append(1))
+        layers = convert_linears(model)
+        counts.clear()
+        stats = collect_stats(model, lambda: model.loss(tokens), layers=layers, propagation=propagation)
+        estimate_divergence(stats, [Format.MXFP4, Format.NVFP4], noise_draws=2, probes=3,
+                            generator=torch.Generator().manual_seed(0))
+        stats.release()
+        per_depth[blocks] = (counts.get("backward", 0), len(forwards), len(layers))
+    (b2, f2, l2), (b4, f4, l4) = per_depth[2], per_depth[4]
+    if propagation is Propagation.PROBE:
+        assert b2 == b4 == 1 + 2 * 2  # recording + 2 draws x 2 formats
+        assert f2 == f4 == 1 + 2 * 2 + 3  # ... + 3 probes
+    else:
+        assert b4 - b2 == l4 - l2  # one product per layer (every layer but the first has something upstream)
