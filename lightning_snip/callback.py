@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from typing_extensions import override
 
 from lightning_snip.aggregate import DivergenceAggregate
@@ -33,10 +33,10 @@ from lightning_snip.stats import FirstOrderSampler, Propagation, collect_stats, 
 
 logger = logging.getLogger(__name__)
 
-# Strategies that keep every parameter whole on every rank (what convert/apply_plan need).
-# FSDP, DeepSpeed and model-parallel strategies are not among them; DeepSpeedStrategy subclasses
-# DDPStrategy, so it is excluded by name.
-SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
+# Single device, DDP, and FSDP2 through ModelParallelStrategy without tensor parallelism (the user
+# shards with fully_shard in configure_model). FSDP1 and DeepSpeed are not among them;
+# DeepSpeedStrategy subclasses DDPStrategy, so it is excluded by name.
+SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
 UNSUPPORTED_STRATEGIES = (DeepSpeedStrategy,)
 
 
@@ -55,7 +55,10 @@ class SNIPCallback(Callback):
     """Adaptive per-layer FP4/FP8 precision (SNIP) for a LightningModule's linear layers.
 
     On fit setup the selected ``nn.Linear`` layers become SNIPLinear (same Parameters) in
-    ``config.initial_format``, pinned layers in their pin. Every ``interval`` steps from
+    ``config.initial_format``, pinned layers in their pin. Strategies: single device, DDP, and FSDP2
+    through ModelParallelStrategy with tensor_parallel_size=1 (layers converted in place after
+    ``fully_shard``; statistics from the sharded weights and optimizer state, see
+    lightning_snip.divergence); others fail at setup. Every ``interval`` steps from
     ``warmup_steps`` on, a statistics round runs on the first ``max_rows`` token rows of the batch
     (high precision, see lightning_snip.stats). In the ``first_order_steps`` training steps before
     it, hooks sample LD's first-order term on the live steps (FirstOrderSampler, ``first_order_rows``
@@ -142,8 +145,19 @@ class SNIPCallback(Callback):
         if not isinstance(strategy, SUPPORTED_STRATEGIES) or isinstance(strategy, UNSUPPORTED_STRATEGIES):
             raise ValueError(
                 f"trainer.strategy: {type(strategy).__name__} is not supported by SNIPCallback; "
-                "allowed: single device, DDP (ddp, ddp_spawn, ddp_find_unused_parameters_*)"
+                "allowed: single device, DDP (ddp, ddp_spawn, ddp_find_unused_parameters_*), FSDP2 "
+                "(ModelParallelStrategy with tensor_parallel_size=1, fully_shard in configure_model)"
             )
+        if isinstance(strategy, ModelParallelStrategy):
+            tensor_parallel = strategy.device_mesh["tensor_parallel"].size()
+            if tensor_parallel > 1:
+                raise ValueError(
+                    f"trainer.strategy: ModelParallelStrategy(tensor_parallel_size={tensor_parallel}) is not supported "
+                    "by SNIPCallback (a tensor-parallel layer's GEMMs and statistics span ranks); allowed: "
+                    "tensor_parallel_size=1 (FSDP2 data parallelism)")
+            if Propagation(self.config.wd_propagation) is Propagation.EXACT:
+                raise ValueError("snip.wd_propagation: exact is not supported under FSDP2 (ModelParallelStrategy): it "
+                                 "holds every parameter's gradient whole; allowed: probe")
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -72,7 +72,12 @@ def convert_linears(
 
     converted: dict[str, SNIPLinear] = {}
     for fqn, linear in targets:
-        layer = linear if isinstance(linear, SNIPLinear) else SNIPLinear.from_linear(linear, recipe=recipe)
+        if isinstance(linear, SNIPLinear):
+            layer = linear
+        elif _held_by_identity(linear):
+            layer = SNIPLinear.convert_in_place(linear, recipe=recipe)
+        else:
+            layer = SNIPLinear.from_linear(linear, recipe=recipe)
         pinned = next((f for p, f in pin_formats.items() if fnmatch.fnmatchcase(fqn, p)), None)
         if pinned is not None and pinned not in layer.allowed_formats:
             raise ValueError(f"pins: layer {fqn} ({layer.in_features}->{layer.out_features}) cannot run in {pinned.value}")
@@ -92,6 +97,14 @@ def convert_linears(
             setattr(model.get_submodule(parent_name), child, layer)
         converted[fqn] = layer
     return converted
+
+
+def _held_by_identity(linear: nn.Linear) -> bool:
+    """FSDP2-managed (DTensor parameters, or a class fully_shard composed): converted in place."""
+    from lightning_snip.stats import is_sharded
+
+    composed = len(type(linear).__bases__) == 2 and type(linear).__bases__[1] is nn.Linear
+    return composed or any(is_sharded(p) for p in linear.parameters(recurse=False))
 
 
 def switchable_layers(model: nn.Module) -> dict[str, SNIPLinear]:

@@ -19,6 +19,12 @@ an embedding made WD 10-100x larger). Without Adam moments D(e) = e and u = g (p
 errors). LD is normalized by the loss (a relative loss increase) so LD + lambda * WD adds two
 dimensionless numbers.
 
+Under FSDP2 (DTensor weights and AdamW state) every sum over parameter elements (the update energy,
+the direct terms) is taken on this rank's shard and summed over ranks with one all-reduce (the sums
+of squares are additive), weights are all-gathered one layer at a time, and each probe's tangent is
+built from this rank's shard of AdamW's moments and all-gathered: the numbers equal the unsharded
+ones up to float rounding (tests/test_fsdp.py).
+
 Where LD departs from the method text (LossEstimator): a plan needs the *expected* loss increase,
 and the statistics batch's first-order term <G, dY> is mostly that batch's noise (signed, with a
 sampling error larger than its mean; benchmarks/results/divergence_fidelity_*.md). dY splits into a
@@ -42,7 +48,8 @@ import torch
 
 from lightning_snip.formats import Format, QuantRecipe, fake_quantize
 from lightning_snip.linear import quantized_matmul
-from lightning_snip.stats import AdamState, LayerStats, Propagation, Statistics
+from lightning_snip.stats import (AdamState, LayerStats, Propagation, Statistics, all_reduce_sum, dense,
+                                  from_local_parts, is_sharded, local_part)
 
 logger = logging.getLogger(__name__)
 
@@ -238,9 +245,17 @@ def estimate_divergence(
     formats = [f for f in dict.fromkeys(formats) if f is not Format.BF16]
     curvature_probe = CurvatureProbe(curvature_probe)
     loss_estimator = LossEstimator(loss_estimator)
+    finite = {fqn: bool(torch.isfinite(s.x).all() and torch.isfinite(s.g).all()
+                        and torch.isfinite(s.weight.to_local() if is_sharded(s.weight) else s.weight).all())
+              for fqn, s in stats.layers.items()}
+    if stats.sharded and finite:
+        # Every rank runs the same all-gathers below, layer by layer: agree on which layers take part.
+        like = next(s.weight for s in stats.layers.values() if is_sharded(s.weight))
+        flags = all_reduce_sum(torch.tensor([float(not f) for f in finite.values()], device=like.device), like)
+        finite = {fqn: float(flag) == 0.0 for fqn, flag in zip(finite, flags.cpu())}
     valid = {}
     for fqn, s in stats.layers.items():
-        if torch.isfinite(s.x).all() and torch.isfinite(s.g).all() and torch.isfinite(s.weight).all():
+        if finite[fqn]:
             valid[fqn] = formats if allowed is None else [f for f in formats if f in set(allowed[fqn])]
         else:
             logger.warning("statistics of layer %s hold non-finite values: its low-precision formats are marked invalid", fqn)
@@ -263,17 +278,18 @@ def estimate_divergence(
     # error probe injects them all at once), not all of them. Y itself is kept one layer at a time.
     output_rms = {}
     for fqn, st in stats.layers.items():
-        output_rms[fqn] = float((st.x.float() @ st.weight.float().t()).pow(2).mean().sqrt())
+        output_rms[fqn] = float((st.x.float() @ dense(st.weight).float().t()).pow(2).mean().sqrt())
     curvature = {}
     if curvature_probe is CurvatureProbe.GAUSSIAN:
         curvature = _estimate_curvature(stats, output_rms, noise_draws, noise_scale, generator)
-    moments = {fqn: _momentum_and_variance(stats.layers[fqn].adam) for fqn in valid}
+    # (FSDP2: m_hat is sharded; the MOMENTUM estimator's parts are not computed there.)
+    moments = {fqn: _momentum_and_variance(None if stats.sharded else stats.layers[fqn].adam) for fqn in valid}
     for fmt in formats:
         output_errors = {}
         for fqn, fmts in valid.items():
             if fmt in fmts:
                 st = stats.layers[fqn]
-                x, w = st.x.float(), st.weight.float()
+                x, w = st.x.float(), dense(st.weight).float()
                 output_errors[fqn, fmt] = quantized_matmul(x, w, fmt, recipe=recipe) - x @ w.t()
         if curvature_probe is CurvatureProbe.GAUSSIAN:
             second_order = {(fqn, f): 0.5 * curvature.get(fqn, 0.0) * float(dy.pow(2).sum())
@@ -292,21 +308,35 @@ def estimate_divergence(
         if not fmts:
             continue
         st = stats.layers[fqn]
-        g, w = st.g.float(), st.weight.float()
+        g, w = st.g.float(), dense(st.weight).float()
         gx_ref = g @ w
         input_errors[fqn] = torch.stack([
             quantized_matmul(g, w.t(), fmt, recipe=recipe, a_is_grad=True, generator=generator) - gx_ref for fmt in fmts])
     propagated = None
     if stats.propagation is Propagation.PROBE:
         propagated = _probe_propagated(stats, adam, input_errors, probes, generator)
+    direct = {}  # (fqn, format) -> the direct term's sum of squares over this rank's shard
+    for fqn, st in stats.layers.items():
+        if valid.get(fqn):
+            direct.update(_backward_metrics(r, st, valid[fqn], input_errors.pop(fqn),
+                                            None if propagated is None else propagated[fqn], metrics[fqn]))
+    if stats.sharded and direct:  # one all-reduce for every layer's direct term
+        like = next(s.weight for s in stats.layers.values() if is_sharded(s.weight))
+        summed = all_reduce_sum(torch.tensor(list(direct.values()), dtype=torch.float64, device=like.device), like)
+        direct = dict(zip(direct, summed.cpu().tolist()))
     out: dict[str, LayerDivergence] = {}
     for fqn, st in stats.layers.items():
         if fqn not in valid:
             out[fqn] = _invalid(formats)
             continue
-        if valid[fqn]:
-            _backward_metrics(r, st, valid[fqn], input_errors.pop(fqn),
-                              None if propagated is None else propagated[fqn], metrics[fqn])
+        for fmt in valid[fqn]:
+            m = metrics[fqn]
+            m["direct"][fmt] = direct[fqn, fmt] / r.denominator
+            wd = m["direct"][fmt] + m["prop"][fmt]
+            if not math.isfinite(wd) or not math.isfinite(m["ld"][fmt]):
+                logger.warning("layer %s: non-finite divergence for %s; format marked invalid", fqn, fmt.value)
+                m["ld"][fmt] = wd = math.inf
+            m["wd"][fmt] = wd
         if moments[fqn][0] is None:
             metrics[fqn]["first_mom"], metrics[fqn]["first_mom_se"] = {}, {}
         out[fqn] = _metrics_to_divergence(metrics[fqn], curvature.get(fqn, 0.0))
@@ -369,9 +399,12 @@ def _update_deviation(r: _RoundInputs, name: str, delta: torch.Tensor, grad: tor
     """D(delta): the deviation of parameter ``name``'s next update when its gradient is off by delta
     (``grad``: the slice's gradient of ``name`` when the caller has it)."""
     adam = r.adam.get(name)
+    like = r.stats.parameter(name)
     if adam is None:
-        return delta.float()
-    return adam.update_deviation(r.stats.param_grad(name) if grad is None else grad, delta)
+        return local_part(delta.float(), like)
+    grad = r.stats.param_grad(name) if grad is None else grad
+    # FSDP2: this rank's shard of the error and gradient, with its shard of the moments.
+    return adam.local().update_deviation(local_part(grad, like), local_part(delta, like))
 
 
 def _update_energy(stats: Statistics, adam: Mapping[str, AdamState | None]) -> float:
@@ -381,14 +414,20 @@ def _update_energy(stats: Statistics, adam: Mapping[str, AdamState | None]) -> f
     WD perturbs the next AdamW step, the one that takes this batch's gradient: its moments include
     that gradient (SNIP_METHOD section 5 reads them before it; measured, that let one batch with
     unusually large gradients dominate a round: WD's two-round agreement fell to 0.16-0.36)."""
-    total = 0.0
+    total, like = 0.0, None
     for name in stats.param_names:
         grad = stats.param_grad(name)
+        param = stats.parameter(name)
+        like = param if is_sharded(param) else like
+        if grad is not None:  # FSDP2: this rank's shard of it, with its shard of the moments
+            grad = local_part(grad, param)
         state = adam.get(name)
         if state is not None:
-            total += float(state.after(grad).update().pow(2).sum())
+            total += float(state.local().after(grad).update().pow(2).sum())
         elif grad is not None:
             total += float(grad.pow(2).sum())
+    if like is not None:
+        total = float(all_reduce_sum(torch.tensor([total], dtype=torch.float64, device=like.device), like))
     return total
 
 
@@ -415,12 +454,17 @@ def _probe_propagated(stats: Statistics, adam: Mapping[str, AdamState | None], i
 
         def tangent_of(name: str, param: torch.Tensor) -> torch.Tensor:
             # Regenerated from (probe, parameter), not stored: the same tangent wherever the
-            # parameter is used (tied weights), one module's tangents in memory at a time.
+            # parameter is used (tied weights), one module's tangents in memory at a time. FSDP2:
+            # every rank draws the whole parameter's signs (the same ones as unsharded), scales its
+            # shard by its shard of the moments, and one all-gather joins the shards.
+            like = stats.parameter(name)
             draw = torch.Generator(device=param.device).manual_seed((seed + 7919 * index[name]) % 2**63)
-            signs = torch.randint(0, 2, param.shape, generator=draw, device=param.device, dtype=torch.int8)
+            signs = torch.randint(0, 2, like.shape, generator=draw, device=param.device, dtype=torch.int8)
             state = adam.get(name)
-            scale = state.update_sensitivity(stats.param_grad(name)) if state is not None else 1.0
-            return (2.0 * signs - 1.0) * scale
+            grad = stats.param_grad(name)
+            scale = (state.local().update_sensitivity(None if grad is None else local_part(grad, like))
+                     if state is not None else 1.0)
+            return from_local_parts((2.0 * local_part(signs, like) - 1.0) * scale, like)
 
         def measure(fqn: str, tangent: torch.Tensor) -> None:
             if fqn in input_errors:
@@ -471,7 +515,7 @@ def _momentum_and_variance(adam: AdamState | None):
 def _forward_metrics(r: _RoundInputs, s: LayerStats, fmt: Format, dy: torch.Tensor, second: float, y_rms: float,
                      moments, metrics: dict) -> None:
     """LD and its parts for one layer and format, from its dY, into ``metrics``."""
-    x, g, w = s.x.float(), s.g.float(), s.weight.float()
+    x, g, w = s.x.float(), s.g.float(), dense(s.weight).float()
     m_hat, m_var = moments
     norm = r.loss_norm
     # The weight part of dY: X (Q(W) - W)^T; its first-order term is <G^T X, Q(W) - W>.
@@ -509,10 +553,12 @@ def _forward_metrics(r: _RoundInputs, s: LayerStats, fmt: Format, dy: torch.Tens
     metrics["abs_y"][fmt] = float(dy.pow(2).sum())
 
 
-def _backward_metrics(r: _RoundInputs, s: LayerStats, fmts, input_errors: torch.Tensor, propagated, metrics: dict) -> None:
-    """WD and its parts for one layer and its valid formats, into ``metrics``. ``input_errors``: E_X
-    per format (formats x rows x k); ``propagated``: the probes' (estimates, standard errors), or
-    None for the exact vector-Jacobian products."""
+def _backward_metrics(r: _RoundInputs, s: LayerStats, fmts, input_errors: torch.Tensor, propagated,
+                      metrics: dict) -> dict[tuple[str, Format], float]:
+    """WD's parts for one layer and its valid formats, into ``metrics``; returns its direct term's
+    sum of squares per format (over this rank's shard under FSDP2: summed over ranks before WD is
+    formed). ``input_errors``: E_X per format (formats x rows x k); ``propagated``: the probes'
+    (estimates, standard errors), or None for the exact vector-Jacobian products."""
     x, g = s.x.float(), s.g.float()
     gw_ref = g.t() @ x
     weight_name = s.weight_name or s.fqn + ".weight"
@@ -528,20 +574,17 @@ def _backward_metrics(r: _RoundInputs, s: LayerStats, fmts, input_errors: torch.
         del upstream
     # A frozen weight (no gradient) has no update to deviate: only its propagated error counts.
     own_grad = gw_ref if r.stats.is_recomputed(weight_name) else r.stats.param_grad(weight_name)
+    direct = {}
     for i, fmt in enumerate(fmts):
         e_w = quantized_matmul(g.t(), x.t(), fmt, recipe=r.recipe, a_is_grad=True, generator=r.generator) - gw_ref
-        direct = float(_update_deviation(r, weight_name, e_w, own_grad).pow(2).sum()) if own_grad is not None else 0.0
-        propagated_value = float(propagated_by_format[i])
-        wd = (direct + propagated_value) / r.denominator
-        if not math.isfinite(wd) or not math.isfinite(metrics["ld"][fmt]):
-            logger.warning("layer %s: non-finite divergence for %s; format marked invalid", s.fqn, fmt.value)
-            metrics["ld"][fmt] = wd = math.inf
-        metrics["wd"][fmt] = wd
-        metrics["direct"][fmt], metrics["prop"][fmt] = direct / r.denominator, propagated_value / r.denominator
+        direct[s.fqn, fmt] = (float(_update_deviation(r, weight_name, e_w, own_grad).pow(2).sum())
+                              if own_grad is not None else 0.0)
+        metrics["prop"][fmt] = float(propagated_by_format[i]) / r.denominator
         metrics["prop_se"][fmt] = float(propagated_stderr[i]) / r.denominator
         rel_w = float(e_w.norm() / gw_ref.norm().clamp_min(1e-30))
         metrics["rel_w"][fmt] = rel_w if math.isfinite(rel_w) else math.inf  # as LD/WD: non-finite = invalid
         metrics["abs_w"][fmt] = float(e_w.pow(2).sum())
+    return direct
 
 
 def _metrics_to_divergence(metrics, kappa) -> LayerDivergence:

@@ -168,9 +168,12 @@ class SNIPLinear(nn.Linear):
         allowed_formats: Iterable[Format] | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._init_switching(format, recipe, allowed_formats)
+
+    def _init_switching(self, format, recipe: QuantRecipe, allowed_formats: Iterable[Format] | None) -> None:
         self.recipe = recipe
         self.allowed_formats = frozenset(allowed_formats) if allowed_formats is not None else supported_formats(
-            in_features, out_features
+            self.in_features, self.out_features
         )
         self.pinned: Format | None = None  # set by convert_linears; plans may not change it
         # dgrad/wgrad format when it differs from the forward's (None: same as ``format``): per-GEMM
@@ -191,6 +194,18 @@ class SNIPLinear(nn.Linear):
         new.bias = linear.bias
         new.format = format
         return new
+
+    @classmethod
+    def convert_in_place(cls, linear: nn.Linear, *, format: Format | str = Format.BF16,
+                         recipe: QuantRecipe = QuantRecipe()) -> "SNIPLinear":
+        """Turn ``linear`` itself into a SNIPLinear (its class changes; the object, its Parameters and
+        every hook on it stay). For modules that others hold by identity: FSDP2 all-gathers a
+        block's parameters into the very module objects it recorded at ``fully_shard``, so a new
+        module in their place would never see its weights. A class that a wrapper composed with
+        nn.Linear (FSDP2's ``FSDPLinear`` when a linear is sharded on its own) keeps the wrapper."""
+        linear.__class__ = _switchable_class(type(linear))
+        linear._init_switching(format, recipe, None)
+        return linear
 
     @property
     def format(self) -> Format:
@@ -244,6 +259,24 @@ class SNIPLinear(nn.Linear):
     def extra_repr(self) -> str:
         backward = "" if self._backward_format is None else f", backward_format={self._backward_format.value}"
         return f"{super().extra_repr()}, format={self._format.value}{backward}"
+
+
+_SWITCHABLE_CLASSES: dict[type, type] = {}
+
+
+def _switchable_class(linear_cls: type) -> type:
+    """SNIPLinear, or for a wrapper class composed with nn.Linear (``class FSDPLinear(FSDPModule,
+    nn.Linear)``), the same wrapper composed with SNIPLinear."""
+    if linear_cls is nn.Linear or issubclass(linear_cls, SNIPLinear):
+        return SNIPLinear if linear_cls is nn.Linear else linear_cls
+    bases = linear_cls.__bases__
+    if len(bases) == 2 and bases[1] is nn.Linear:
+        if linear_cls not in _SWITCHABLE_CLASSES:
+            extra = {k: v for k, v in vars(linear_cls).items() if k == "__deepcopy__"}
+            name = linear_cls.__name__.replace("Linear", "") + "SNIPLinear"
+            _SWITCHABLE_CLASSES[linear_cls] = type(name, (bases[0], SNIPLinear), extra)
+        return _SWITCHABLE_CLASSES[linear_cls]
+    return SNIPLinear
 
 
 def supported_formats(in_features: int, out_features: int) -> frozenset[Format]:

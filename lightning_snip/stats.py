@@ -104,6 +104,12 @@ class AdamState:
                                 torch.zeros_like(s1))
         return self.lr / bc1 * ((1 - b1) / (s1 + self.eps) - through_v)
 
+    def local(self) -> "AdamState":
+        """This rank's shard of the moments (FSDP2: DTensors -> their local tensors)."""
+        if not is_sharded(self.exp_avg):
+            return self
+        return dataclasses.replace(self, exp_avg=self.exp_avg.to_local(), exp_avg_sq=self.exp_avg_sq.to_local())
+
     def gradient_gain(self) -> float:
         """lr * (1 - beta1) / (1 - beta1^t): how much of a gradient change reaches this step's update."""
         return self.lr * (1 - self.beta1) / (1 - self.beta1**self.step)
@@ -158,6 +164,52 @@ class LayerStats:
         return self.x.shape[0]
 
 
+def is_sharded(tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (a parameter or optimizer state sharded by FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def dense(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor all-gathered (a collective: every rank must call it in the same
+    order), anything else as it is."""
+    return tensor.full_tensor() if is_sharded(tensor) else tensor
+
+
+def local_part(full: torch.Tensor, like) -> torch.Tensor:
+    """The part of ``full`` (a whole-parameter-shaped tensor of this rank) that this rank's shard of
+    ``like`` (a DTensor) holds; ``full`` itself when ``like`` is not sharded."""
+    if not is_sharded(like):
+        return full
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+
+def from_local_parts(local: torch.Tensor, like) -> torch.Tensor:
+    """The whole tensor whose shards (one per rank, as ``like`` is sharded) are every rank's
+    ``local``: one all-gather. ``local`` itself when ``like`` is not sharded."""
+    if not is_sharded(like):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local.contiguous(), like.device_mesh, like.placements, shape=like.shape,
+                              stride=like.stride()).full_tensor()
+
+
+def all_reduce_sum(values: torch.Tensor, like) -> torch.Tensor:
+    """``values`` summed over the ranks that shard ``like`` (unchanged when it is not sharded)."""
+    if not is_sharded(like):
+        return values
+    import torch.distributed as dist
+
+    out = values.clone()
+    dist.all_reduce(out, group=like.device_mesh.get_group())
+    return out
+
+
 class Propagation(enum.Enum):
     """How WD's propagated term, sum_k ||D_k(J_kl^T E_X)||^2 over the parameters k upstream of layer l
     (the dgrad error's effect on their updates), is computed.
@@ -192,13 +244,16 @@ class Statistics:
                  params: dict[str, nn.Parameter], rerun: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]],
                  loss_scale: float = 1.0, layer_modules: Mapping[str, SNIPLinear] | None = None, *,
                  propagation: Propagation = Propagation.EXACT, recomputed: Mapping[str, str] | None = None,
-                 probe: Callable | None = None):
+                 probe: Callable | None = None, sharded: bool = False):
         self.loss = loss
         self._loss_scale = loss_scale
         self._batched_vjp = True
         self._layers = layer_modules or {}
         self.layers = layers
         self.propagation = propagation
+        # FSDP2: weights and optimizer state are DTensors; sums over parameter elements are taken on
+        # this rank's shard and summed over ranks (divergence.py).
+        self.sharded = sharded
         # Every trainable parameter of the model (by name) and its Adam state. Dgrad errors reach all
         # upstream parameters, not only switchable ones.
         self.param_grads = param_grads
@@ -209,6 +264,10 @@ class Statistics:
         self._params = params
         self._rerun = rerun
         self._probe = probe
+
+    def parameter(self, name: str) -> nn.Parameter:
+        """The registered parameter ``name`` (a DTensor shard under FSDP2)."""
+        return self._params[name]
 
     def param_grad(self, name: str) -> torch.Tensor | None:
         """The slice's float32 gradient of parameter ``name`` (None: it received none)."""
@@ -300,17 +359,34 @@ def collect_stats(
     ``propagation``: see Propagation (EXACT keeps the graph: call ``release()`` after use).
     """
     propagation = Propagation(propagation)
-    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    name_of = {id(p): name for name, p in params.items()}  # parameter identity, not module path
+    all_params = dict(model.named_parameters())
+    params = {name: p for name, p in all_params.items() if p.requires_grad}
+    name_of = {id(p): name for name, p in all_params.items()}  # parameter identity, not module path
     registrations: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         registrations[id(p)] = registrations.get(id(p), 0) + 1
+    # (module, attribute) -> parameter name, read now, between forward passes. FSDP2 puts other
+    # tensors (the all-gathered parameters) at those attributes while a module runs, so the passes
+    # below find parameters by where they sit, not by identity.
+    owner_names = {(id(m), attr): name_of[id(p)] for m in model.modules() for attr, p in m._parameters.items()
+                   if p is not None and id(p) in name_of}
+    trainable_owners = {key: name for key, name in owner_names.items() if name in params}
+    sharded = any(is_sharded(p) for p in params.values())
+    if sharded and propagation is Propagation.EXACT:
+        raise ValueError("wd_propagation: exact is not supported with sharded (FSDP2) parameters; allowed: probe")
     rng_states = _RandomStreams.capture(model)
 
     def run(noise: Mapping[str, torch.Tensor] | None, record: bool):
         inputs: dict[str, torch.Tensor] = {}
         outputs: dict[str, torch.Tensor] = {}
         calls: dict[str, int] = {}
+        used: dict[str, torch.Tensor] = {}  # name -> the tensor the forward computed with
+
+        def capture(module, args):
+            for attr, p in module._parameters.items():
+                name = trainable_owners.get((id(module), attr))
+                if name is not None and p is not None:
+                    used.setdefault(name, p)
 
         def make_hook(fqn):
             def hook(module, args, output):
@@ -328,6 +404,10 @@ def collect_stats(
         with high_precision(layers), rng_states.replayed(), contextlib.ExitStack() as stack:
             for fqn, layer in layers.items():
                 stack.callback(layer.register_forward_hook(make_hook(fqn)).remove)
+            if record:
+                for module in {id(m): m for m in model.modules() if any(
+                        (id(m), attr) in trainable_owners for attr in m._parameters)}.values():
+                    stack.callback(module.register_forward_pre_hook(capture).remove)
             with torch.enable_grad():
                 loss = loss_fn()
             missing = [f for f in layers if f not in outputs]
@@ -336,12 +416,12 @@ def collect_stats(
             # A weight's gradient is its layer's G^T X when the layer owns it alone and ran once;
             # otherwise (tied, shared, called twice) it is taken from autograd and held.
             recomputed = {} if not record or propagation is Propagation.EXACT else {
-                name_of[id(layer.weight)]: fqn for fqn, layer in layers.items()
-                if id(layer.weight) in name_of and registrations.get(id(layer.weight)) == 1 and calls[fqn] == 1}
+                weight_names[fqn]: fqn for fqn in layers
+                if weight_names[fqn] in params and registrations.get(id(params[weight_names[fqn]])) == 1 and calls[fqn] == 1}
             names = list(outputs)
             param_names = [n for n in params if n not in recomputed] if record else []
             grads = torch.autograd.grad(
-                loss * loss_scale, [outputs[f] for f in names] + [params[n] for n in param_names],
+                loss * loss_scale, [outputs[f] for f in names] + [used.get(n, params[n]) for n in param_names],
                 retain_graph=record and propagation is Propagation.EXACT, allow_unused=True,
             )
         out_grads = {f: g.detach().reshape(-1, g.shape[-1]).float() / loss_scale for f, g in zip(names, grads[: len(names)])}
@@ -349,7 +429,11 @@ def collect_stats(
         return loss, inputs, out_grads, param_grads, recomputed
 
     def probe(tangent_of, measure) -> set[str]:
-        return _forward_mode_pass(model, loss_fn, layers, name_of, rng_states, tangent_of, measure)
+        return _forward_mode_pass(model, loss_fn, layers, trainable_owners, rng_states, tangent_of, measure)
+
+    # Each layer's weight by its registered name: a DTensor under FSDP2 (all-gathered where needed,
+    # stats.dense), the Parameter otherwise.
+    weight_names = {fqn: owner_names.get((id(layer), "weight"), fqn + ".weight") for fqn, layer in layers.items()}
 
     loss, inputs, out_grads, param_grads, recomputed = run(None, record=True)
     recorded = {
@@ -357,11 +441,11 @@ def collect_stats(
             fqn=fqn,
             x=inputs[fqn].detach().reshape(-1, layers[fqn].in_features),
             g=out_grads[fqn],
-            weight=layers[fqn].weight.detach(),
-            adam=read_adam_state(optimizer, layers[fqn].weight),
+            weight=all_params.get(weight_names[fqn], layers[fqn].weight).detach(),
+            adam=read_adam_state(optimizer, all_params.get(weight_names[fqn], layers[fqn].weight)),
             # (batch, ..., features) inputs: the leading dimension indexes samples; 2-D: each row is one.
             num_samples=int(inputs[fqn].shape[0]),
-            weight_name=name_of.get(id(layers[fqn].weight), fqn + ".weight"),
+            weight_name=weight_names[fqn],
         )
         for fqn in layers
     }
@@ -379,10 +463,11 @@ def collect_stats(
         propagation=propagation,
         recomputed=recomputed,
         probe=None if exact else probe,
+        sharded=sharded,
     )
 
 
-def _forward_mode_pass(model, loss_fn, layers, name_of, rng_states, tangent_of, measure) -> set[str]:
+def _forward_mode_pass(model, loss_fn, layers, owner_names, rng_states, tangent_of, measure) -> set[str]:
     """Statistics.input_tangents: ``loss_fn`` once under forward-mode AD (no backward, no graph).
 
     A forward pre-hook on every module that owns trainable parameters swaps them for dual tensors
@@ -398,7 +483,7 @@ def _forward_mode_pass(model, loss_fn, layers, name_of, rng_states, tangent_of, 
     def swap_in(module, args):
         saved = swapped.setdefault(id(module), [])
         for attr, p in list(module._parameters.items()):
-            name = name_of.get(id(p)) if p is not None else None
+            name = owner_names.get((id(module), attr)) if p is not None else None
             if name is None:
                 continue
             tangent = tangent_of(name, p)
@@ -418,11 +503,12 @@ def _forward_mode_pass(model, loss_fn, layers, name_of, rng_states, tangent_of, 
 
         return hook
 
-    owners = [m for m in model.modules() if any(name_of.get(id(p)) for p in m._parameters.values() if p is not None)]
+    owners = list({id(m): m for m in model.modules() if any((id(m), a) in owner_names for a in m._parameters)}.values())
     with contextlib.ExitStack() as stack:
         for module in owners:
             stack.callback(module.register_forward_pre_hook(swap_in).remove)
-            stack.callback(module.register_forward_hook(restore, always_call=True).remove)
+            # First among the module's post-forward hooks: FSDP2's reshards after it.
+            stack.callback(module.register_forward_hook(restore, prepend=True, always_call=True).remove)
         for fqn, layer in layers.items():
             stack.callback(layer.register_forward_hook(make_layer_hook(fqn, layer.in_features)).remove)
         try:

@@ -148,12 +148,13 @@ def run(config: TrainConfig, *, output_folder: str | None = None) -> dict:
     ckpt_dir = Path(t.output_dir) / "checkpoints"
     ckpt_path = t.ckpt_path
     if ckpt_path == "last":
-        if not (ckpt_dir / "last.ckpt").is_file():
+        if not (ckpt_dir / "last.ckpt").exists():  # a file, or a folder (FSDP2's distributed checkpoint)
             raise ConfigError(f"trainer.ckpt_path: 'last', but there is no checkpoint {ckpt_dir / 'last.ckpt'}; "
                               "allowed: null, last (after a run with the same trainer.output_dir), or a .ckpt file")
         ckpt_path = str(ckpt_dir / "last.ckpt")
-    elif ckpt_path is not None and not Path(ckpt_path).is_file():
-        raise ConfigError(f"trainer.ckpt_path: {ckpt_path!r} is not a file; allowed: null, last, or a .ckpt file")
+    elif ckpt_path is not None and not Path(ckpt_path).exists():
+        raise ConfigError(f"trainer.ckpt_path: {ckpt_path!r} does not exist; allowed: null, last, or a .ckpt file "
+                          "(or an FSDP2 checkpoint folder)")
 
     pl.seed_everything(t.seed, workers=True, verbose=False)
     module = DemoLM(config.model, lr=t.lr, weight_decay=t.weight_decay)
@@ -163,8 +164,13 @@ def run(config: TrainConfig, *, output_folder: str | None = None) -> dict:
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="step{step:06d}", auto_insert_metric_name=False,
                                  every_n_train_steps=t.checkpoint_every_n_steps, save_top_k=1, save_last=True)
     progress = ProgressLog(snip, every_seconds=t.progress_seconds)
+    strategy = t.strategy
+    if strategy == "fsdp2":  # the demo model shards itself in configure_model (DemoLM)
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=t.devices, tensor_parallel_size=1)
     trainer = pl.Trainer(
-        max_steps=t.max_steps, accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, precision=t.precision,
+        max_steps=t.max_steps, accelerator=t.accelerator, devices=t.devices, strategy=strategy, precision=t.precision,
         logger=tb, callbacks=[snip, checkpoint, progress], log_every_n_steps=t.log_every_n_steps,
         val_check_interval=min(t.val_check_interval, t.max_steps), check_val_every_n_epoch=None,
         enable_model_summary=False, enable_progress_bar=False,
@@ -238,14 +244,15 @@ class ProgressLog(pl.Callback):
         self._last = time.perf_counter()
         self._last_step = trainer.global_step
         cfg = self.snip.config
-        logger.info("training %d steps from step %d; SNIP statistics every %d steps from step %d",
-                    trainer.max_steps, trainer.global_step, cfg.interval, cfg.warmup_steps)
+        if trainer.is_global_zero:
+            logger.info("training %d steps from step %d; SNIP statistics every %d steps from step %d",
+                        trainer.max_steps, trainer.global_step, cfg.interval, cfg.warmup_steps)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.num_steps += 1
         now = time.perf_counter()
-        if now - self._last < self.every_seconds and trainer.global_step < trainer.max_steps:
-            return
+        if (now - self._last < self.every_seconds and trainer.global_step < trainer.max_steps) or not trainer.is_global_zero:
+            return  # one line per step for the run (DDP/FSDP2: rank 0's), not one per process
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         steps = trainer.global_step - self._last_step
         logger.info("step %d/%d | loss %s | %.2f steps/s | FP4 fraction %.2f", trainer.global_step, trainer.max_steps,

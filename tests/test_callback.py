@@ -496,3 +496,30 @@ def test_wd_propagation_setting_reaches_the_round(tmp_path, monkeypatch, propaga
     assert logged == (propagation == "probe")
     if logged:  # 3 probes: at most sqrt(2/3) ~ 0.82 expected, and never 0
         assert 0 < events.Scalars("snip/wd_probe_rel_stderr")[0].value < 1.5
+
+
+class _MeshStrategy:
+    """Builds a ModelParallelStrategy whose device mesh reports a tensor-parallel size (no process
+    group needed: setup() only reads the mesh)."""
+
+    @staticmethod
+    def make(tensor_parallel: int):
+        from types import SimpleNamespace
+
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        class Strategy(ModelParallelStrategy):
+            @property
+            def device_mesh(self):
+                return {"tensor_parallel": SimpleNamespace(size=lambda: tensor_parallel)}
+
+        return SimpleNamespace(strategy=Strategy(data_parallel_size=1, tensor_parallel_size=tensor_parallel))
+
+
+def test_tensor_parallelism_is_refused_at_setup_naming_the_setting():
+    snip = SNIPCallback(_snip())
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        snip.setup(_MeshStrategy.make(2), None, "fit")
+    snip.setup(_MeshStrategy.make(1), None, "fit")  # FSDP2 alone is accepted
+    with pytest.raises(ValueError, match="snip.wd_propagation: exact is not supported under FSDP2"):
+        SNIPCallback(_snip(wd_propagation="exact")).setup(_MeshStrategy.make(1), None, "fit")

@@ -19,6 +19,18 @@ class DemoLM(pl.LightningModule):
         self.lr, self.weight_decay = lr, weight_decay
         self.lr_decay_start, self.lr_decay_steps = lr_decay_start, max(1, lr_decay_steps)
 
+    def configure_model(self) -> None:
+        """Under FSDP2 (Lightning's ModelParallelStrategy; the app's ``trainer.strategy=fsdp2``):
+        shard every block, then the rest, over the data-parallel mesh. Otherwise nothing."""
+        mesh = self.device_mesh
+        if mesh is None:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        for block in self.model.layers:
+            fully_shard(block, mesh=mesh["data_parallel"])
+        fully_shard(self.model, mesh=mesh["data_parallel"])
+
     def snip_loss(self, batch) -> torch.Tensor:
         """The loss SNIPCallback's statistics rounds use (no logging side effects)."""
         return self.model.loss(batch)

@@ -1,0 +1,84 @@
+"""Run by test_fsdp.py: training with SNIPCallback under FSDP2 (Lightning's ModelParallelStrategy, the
+model sharded with fully_shard in configure_model) on 2 CPU processes (gloo), or the same run in one
+process (``single``). Both ranks read the same data, and the statistics rounds draw the same random
+numbers on every rank, so the sharded run's divergences must equal the single-process ones. Writes
+OUT_DIR/<mode>_rank<r>.json: plan, formats, the rounds' (reduced) divergences, weight shard types;
+``resume`` restarts from the distributed checkpoint of ``fsdp`` and records the plan it restored."""
+
+import json
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+
+import lightning_snip.callback as cb
+from lightning_snip.callback import SNIPCallback
+from lightning_snip.config import SNIPConfig
+from lightning_snip.demo.lightning import ByteTextDataModule, DemoLM
+from lightning_snip.demo.model import LlamaConfig
+
+MODEL = LlamaConfig(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=160)
+
+
+class ShardedLM(DemoLM):
+    def __init__(self, shard: bool):
+        super().__init__(MODEL)
+        self.shard = shard
+
+    def configure_model(self):
+        if not self.shard:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+class _RestoredPlan(pl.Callback):
+    def __init__(self, snip):
+        self.snip, self.plan = snip, None
+
+    def on_train_start(self, trainer, pl_module):
+        self.plan = {k: v.value for k, v in self.snip.plan.items()} if self.snip.plan is not None else None
+
+
+def main(out_dir: str, mode: str) -> None:
+    torch.set_num_threads(1)
+    pl.seed_everything(0)
+    real = cb._round_generator
+    cb._round_generator = lambda device, step, rank: real(device, step, 0)  # the same draws on every rank
+    module = ShardedLM(shard=mode != "single")
+    data = ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1, seed=0)  # the same data on both ranks
+    snip = SNIPCallback(SNIPConfig(warmup_steps=2, interval=3, apply_delay=1, fp4_fraction=0.6, max_rows=128,
+                                   noise_draws=1, wd_probes=4, initial_format="fp8"))
+    restored = _RestoredPlan(snip)
+    if mode == "single":
+        strategy, devices = "auto", 1
+    else:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy, devices = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), 2
+    trainer = pl.Trainer(
+        max_steps=8 if mode == "resume" else 6, accelerator="cpu", devices=devices, strategy=strategy,
+        callbacks=[snip, restored], logger=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, default_root_dir=out_dir, enable_checkpointing=False, use_distributed_sampler=False,
+    )
+    ckpt = os.path.join(out_dir, "fsdp.ckpt")
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt if mode == "resume" else None)
+    if mode == "fsdp":
+        trainer.save_checkpoint(ckpt)
+    weight = module.model.layers[0].attn.q.weight
+    with open(os.path.join(out_dir, f"{mode}_rank{trainer.global_rank}.json"), "w") as f:
+        json.dump({"plan": {k: v.value for k, v in snip.plan.items()},
+                   "formats": {k: layer.format.value for k, layer in snip.layers.items()},
+                   "rounds": [entry["divergence"] for entry in snip.history],
+                   "restored_plan": restored.plan, "num_stats_rounds": snip.num_stats_rounds,
+                   "weight_type": type(weight).__name__, "layer_type": type(module.model.layers[0].attn.q).__name__,
+                   "loss": float(trainer.callback_metrics["train/loss"])}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,52 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _run(tmp_path, mode):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    worker = Path(__file__).with_name("fsdp_worker.py")
+    proc = subprocess.run([sys.executable, str(worker), str(tmp_path), mode], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = 1 if mode == "single" else 2
+    return [json.loads((tmp_path / f"{mode}_rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def _max_relative_difference(a: dict, b: dict) -> float:
+    worst = 0.0
+    for fqn, layer in a["layers"].items():
+        for metric in ("loss_divergence", "weight_divergence"):
+            for fmt, value in layer[metric].items():
+                other = b["layers"][fqn][metric][fmt]
+                worst = max(worst, abs(other - value) / max(abs(value), 1e-30) if value or other else 0.0)
+    return worst
+
+
+def test_fsdp2_two_processes_plan_like_one_process_and_resume_the_plan(tmp_path):
+    """FSDP2 through ModelParallelStrategy: layers converted after fully_shard (in place, their weights
+    DTensors), statistics from sharded weights and optimizer state (shard-local sums, all-reduced),
+    the same plan on both ranks, and the same divergences as one process on the same data up to float
+    rounding (round 0, before any stochastically rounded training step makes the runs differ).
+    Then a resumed run restores the plan from the distributed checkpoint."""
+    pytest.importorskip("torch.distributed.fsdp")
+    single, = _run(tmp_path, "single")
+    ranks = _run(tmp_path, "fsdp")
+    assert ranks[0]["layer_type"] == "SNIPLinear" and ranks[0]["weight_type"] == "DTensor"
+    assert single["weight_type"] == "Parameter"
+    assert ranks[0]["num_stats_rounds"] == ranks[1]["num_stats_rounds"] == single["num_stats_rounds"] == 2
+    assert ranks[0]["plan"] == ranks[1]["plan"]
+    assert ranks[0]["formats"] == ranks[1]["formats"] == ranks[0]["plan"]
+    assert "mxfp4" in ranks[0]["plan"].values()
+    assert ranks[0]["rounds"] == ranks[1]["rounds"]  # reduced: identical on both ranks
+    # Sums over shards + one all-reduce = the unsharded sums (float rounding: measured 2e-7).
+    assert _max_relative_difference(single["rounds"][0], ranks[0]["rounds"][0]) < 1e-5
+    resumed = _run(tmp_path, "resume")
+    for rank in resumed:
+        assert rank["restored_plan"] == ranks[0]["plan"]
+        assert rank["num_stats_rounds"] == 2
+    assert resumed[0]["plan"] == resumed[1]["plan"] and resumed[0]["formats"] == resumed[0]["plan"]
