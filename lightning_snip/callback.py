@@ -29,7 +29,7 @@ from lightning_snip.plan import Granularity, Plan, SolveStatus, split_key
 from lightning_snip.planner import (LayerCandidates, PlanInfeasibleError, check_target, gemm_items, keep_out_of_fp4,
                                     max_fp4_fraction, min_relative_cost, solve_plan)
 from lightning_snip.reporting import divergence_scalars, log_to_loggers, plan_scalars
-from lightning_snip.stats import FirstOrderSampler, Propagation, collect_stats, slice_batch
+from lightning_snip.stats import FirstOrderSampler, ForwardModeUnsupportedError, Propagation, collect_stats, slice_batch
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,7 @@ class SNIPCallback(Callback):
         self.aggregate = DivergenceAggregate(self.config.aggregate_decay)
         self._pending: _PendingSolve | None = None
         self._restored_pending: tuple[int, int] | None = None  # (stats_step, apply_step) from a checkpoint
+        self._propagation = Propagation(self.config.wd_propagation)  # exact after probes proved unsupported
         self._flops: dict[str, float] = {}
         self._sampler: FirstOrderSampler | None = None
         self._first_order_terms: FirstOrderTerms | None = None
@@ -181,6 +182,7 @@ class SNIPCallback(Callback):
         # Relative FLOPs per step: every layer sees the same tokens, so 6 * m * k orders them.
         self._flops = {fqn: 6.0 * layer.in_features * layer.out_features for fqn, layer in self.layers.items()}
         self._first_order_terms = FirstOrderTerms(cfg.formats, recipe=cfg.recipe)
+        self._propagation = Propagation(cfg.wd_propagation)
         # Pinned layers never change format: their LD is never used, so they are not sampled.
         self._sampler = FirstOrderSampler({fqn: layer for fqn, layer in self.layers.items() if layer.pinned is None},
                                           cfg.first_order_rows, self._first_order_terms.add)
@@ -321,16 +323,25 @@ class SNIPCallback(Callback):
                     return _loss(pl_module, sliced, batch_idx)
 
             with _buffers_restored(pl_module):  # the recording pass and every noise re-run
-                stats = self._collect(pl_module, loss_fn, optimizer, _amp_loss_scale(trainer))
-                try:
-                    result = estimate_divergence(
-                        stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws, noise_scale=cfg.noise_scale,
-                        loss_estimator=cfg.loss_estimator, first_order_history=self._first_order_history,
-                        allowed={fqn: layer.allowed_formats for fqn, layer in self.layers.items()},
-                        generator=_round_generator(pl_module.device, step, trainer.global_rank), probes=cfg.wd_probes,
-                    )
-                finally:
-                    stats.release()
+                while result is None:
+                    stats = self._collect(pl_module, loss_fn, optimizer, _amp_loss_scale(trainer))
+                    try:
+                        result = estimate_divergence(
+                            stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws, noise_scale=cfg.noise_scale,
+                            loss_estimator=cfg.loss_estimator, first_order_history=self._first_order_history,
+                            allowed={fqn: layer.allowed_formats for fqn, layer in self.layers.items()},
+                            generator=_round_generator(pl_module.device, step, trainer.global_rank), probes=cfg.wd_probes,
+                        )
+                    except ForwardModeUnsupportedError as err:
+                        if stats.sharded or self._propagation is Propagation.EXACT:
+                            raise
+                        # Once, loudly, and for the rest of the run: not a failure per round.
+                        logger.warning("SNIP: %s. Switching to snip.wd_propagation=exact for the rest of the run "
+                                       "(one vector-Jacobian product per layer: a round's cost grows with depth "
+                                       "squared); set it in the config to silence this.", err)
+                        self._propagation = Propagation.EXACT
+                    finally:
+                        stats.release()
             # Rounds and ranks are averaged before the clamp at 0 (in _candidates): clamping each one
             # first would bias noisy layers upwards.
             result = DivergenceResult(
@@ -365,7 +376,7 @@ class SNIPCallback(Callback):
         takes, down to 1) instead of losing the round, as GradScaler lowers its own."""
         while True:
             stats = collect_stats(pl_module, loss_fn, layers=self.layers, optimizer=optimizer, loss_scale=loss_scale,
-                                  propagation=Propagation(self.config.wd_propagation))
+                                  propagation=self._propagation)
             finite = all(torch.isfinite(s.g).all() for s in stats.layers.values())
             if finite or loss_scale <= 1.0:
                 return stats

@@ -101,10 +101,10 @@ def convert_linears(
 
 def _held_by_identity(linear: nn.Linear) -> bool:
     """FSDP2-managed (DTensor parameters, or a class fully_shard composed): converted in place."""
+    from lightning_snip.linear import _is_fsdp_composed
     from lightning_snip.stats import is_sharded
 
-    composed = len(type(linear).__bases__) == 2 and type(linear).__bases__[1] is nn.Linear
-    return composed or any(is_sharded(p) for p in linear.parameters(recurse=False))
+    return _is_fsdp_composed(type(linear)) or any(is_sharded(p) for p in linear.parameters(recurse=False))
 
 
 def switchable_layers(model: nn.Module) -> dict[str, SNIPLinear]:

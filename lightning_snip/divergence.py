@@ -22,8 +22,10 @@ dimensionless numbers.
 Under FSDP2 (DTensor weights and AdamW state) every sum over parameter elements (the update energy,
 the direct terms) is taken on this rank's shard and summed over ranks with one all-reduce (the sums
 of squares are additive), weights are all-gathered one layer at a time, and each probe's tangent is
-built from this rank's shard of AdamW's moments and all-gathered: the numbers equal the unsharded
-ones up to float rounding (tests/test_fsdp.py).
+built from this rank's shard of AdamW's moments and all-gathered: with the same data on every rank the
+numbers equal the unsharded ones up to float rounding (tests/test_fsdp.py); with different data, each
+shard's part of a sum comes from its own rank's batch (an estimate of the same expectation as DDP's
+average over ranks).
 
 Where LD departs from the method text (LossEstimator): a plan needs the *expected* loss increase,
 and the statistics batch's first-order term <G, dY> is mostly that batch's noise (signed, with a
@@ -452,7 +454,7 @@ def _probe_propagated(stats: Statistics, adam: Mapping[str, AdamState | None], i
     for probe in range(probes):
         seed = (base + 0x632BE5AB * (probe + 1)) % 2**62
 
-        def tangent_of(name: str, param: torch.Tensor) -> torch.Tensor:
+        def tangent_of(name: str, param: torch.Tensor, seed: int = seed) -> torch.Tensor:
             # Regenerated from (probe, parameter), not stored: the same tangent wherever the
             # parameter is used (tied weights), one module's tangents in memory at a time. FSDP2:
             # every rank draws the whole parameter's signs (the same ones as unsharded), scales its

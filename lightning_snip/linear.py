@@ -269,14 +269,25 @@ def _switchable_class(linear_cls: type) -> type:
     nn.Linear)``), the same wrapper composed with SNIPLinear."""
     if linear_cls is nn.Linear or issubclass(linear_cls, SNIPLinear):
         return SNIPLinear if linear_cls is nn.Linear else linear_cls
-    bases = linear_cls.__bases__
-    if len(bases) == 2 and bases[1] is nn.Linear:
+    if _is_fsdp_composed(linear_cls):
         if linear_cls not in _SWITCHABLE_CLASSES:
             extra = {k: v for k, v in vars(linear_cls).items() if k == "__deepcopy__"}
             name = linear_cls.__name__.replace("Linear", "") + "SNIPLinear"
-            _SWITCHABLE_CLASSES[linear_cls] = type(name, (bases[0], SNIPLinear), extra)
+            _SWITCHABLE_CLASSES[linear_cls] = type(name, (linear_cls.__bases__[0], SNIPLinear), extra)
         return _SWITCHABLE_CLASSES[linear_cls]
     return SNIPLinear
+
+
+def _is_fsdp_composed(linear_cls: type) -> bool:
+    """``class FSDPLinear(FSDPModule, nn.Linear)``: what FSDP2's fully_shard makes of a sharded linear."""
+    bases = linear_cls.__bases__
+    if len(bases) != 2 or bases[1] is not nn.Linear:
+        return False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return issubclass(bases[0], FSDPModule)
 
 
 def supported_formats(in_features: int, out_features: int) -> frozenset[Format]:

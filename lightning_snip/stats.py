@@ -220,7 +220,11 @@ class Propagation(enum.Enum):
         <t_l, E_X(l, p)>^2 is an unbiased estimate of ||Lambda J_l^T E_X(l, p)||^2 (E[r r^T] = I).
         One pass per probe covers every layer and format: the round's cost is linear in depth, and
         tangents exist one module's parameters at a time. Per layer and round the relative standard
-        error is at most sqrt(2 / probes) (the estimate's own spread is reported with it).
+        error is at most sqrt(2 / probes) (the estimate's own spread is reported with it). It
+        estimates the linearized update deviation: AdamW's D is not linear, and where an error is
+        large against the gradient (early steps) the linear map overstates it (measured 1.05-3x).
+        Needs forward-mode derivatives of every op (ForwardModeUnsupportedError otherwise), and a
+        parameter used outside the module that registers it gets no tangent for that use.
     EXACT: one vector-Jacobian product per layer through every upstream layer, on the recording
         pass's retained graph, with D_k exact (not linearized). Quadratic in depth, and holds the
         graph and every parameter's gradient; for small models and as the reference for PROBE.
@@ -359,6 +363,9 @@ def collect_stats(
     ``propagation``: see Propagation (EXACT keeps the graph: call ``release()`` after use).
     """
     propagation = Propagation(propagation)
+    # FSDP2 leaves its root module unsharded after a forward without backward (a validation loop):
+    # shard everything first, so every parameter below is the registered DTensor.
+    _reshard(model)
     all_params = dict(model.named_parameters())
     params = {name: p for name, p in all_params.items() if p.requires_grad}
     name_of = {id(p): name for name, p in all_params.items()}  # parameter identity, not module path
@@ -426,16 +433,20 @@ def collect_stats(
             )
         out_grads = {f: g.detach().reshape(-1, g.shape[-1]).float() / loss_scale for f, g in zip(names, grads[: len(names)])}
         param_grads = {n: g.detach().float() / loss_scale for n, g in zip(param_names, grads[len(names):]) if g is not None}
-        return loss, inputs, out_grads, param_grads, recomputed
+        return loss, inputs, out_grads, param_grads, recomputed, calls
 
     def probe(tangent_of, measure) -> set[str]:
-        return _forward_mode_pass(model, loss_fn, layers, trainable_owners, rng_states, tangent_of, measure)
+        try:
+            return _forward_mode_pass(model, loss_fn, layers, trainable_owners, rng_states, tangent_of, measure,
+                                      recorded_calls)
+        finally:
+            _reshard(model)  # the probe pass has no backward: FSDP2 keeps its root unsharded after it
 
     # Each layer's weight by its registered name: a DTensor under FSDP2 (all-gathered where needed,
     # stats.dense), the Parameter otherwise.
     weight_names = {fqn: owner_names.get((id(layer), "weight"), fqn + ".weight") for fqn, layer in layers.items()}
 
-    loss, inputs, out_grads, param_grads, recomputed = run(None, record=True)
+    loss, inputs, out_grads, param_grads, recomputed, recorded_calls = run(None, record=True)
     recorded = {
         fqn: LayerStats(
             fqn=fqn,
@@ -467,7 +478,23 @@ def collect_stats(
     )
 
 
-def _forward_mode_pass(model, loss_fn, layers, owner_names, rng_states, tangent_of, measure) -> set[str]:
+def _reshard(model: nn.Module) -> None:
+    """Reshard every FSDP2 module of ``model`` (nothing without FSDP2)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without distributed
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+class ForwardModeUnsupportedError(RuntimeError):
+    """The model runs an operation without a forward-mode derivative (a custom autograd.Function
+    without ``jvp``, a fused kernel): Propagation.PROBE cannot run on it."""
+
+
+def _forward_mode_pass(model, loss_fn, layers, owner_names, rng_states, tangent_of, measure, recorded_calls) -> set[str]:
     """Statistics.input_tangents: ``loss_fn`` once under forward-mode AD (no backward, no graph).
 
     A forward pre-hook on every module that owns trainable parameters swaps them for dual tensors
@@ -495,8 +522,13 @@ def _forward_mode_pass(model, loss_fn, layers, owner_names, rng_states, tangent_
         for attr, p in reversed(swapped.pop(id(module), [])):
             module._parameters[attr] = p
 
+    calls: dict[str, int] = {}
+
     def make_layer_hook(fqn, in_features):
         def hook(module, args, output):
+            calls[fqn] = calls.get(fqn, 0) + 1
+            if calls[fqn] != recorded_calls.get(fqn, 1):
+                return  # a layer called several times: the recording pass kept its last call's X
             tangent = fwAD.unpack_dual(args[0]).tangent
             if tangent is not None:
                 measure(fqn, tangent.reshape(-1, in_features).float())
@@ -515,6 +547,10 @@ def _forward_mode_pass(model, loss_fn, layers, owner_names, rng_states, tangent_
             with (torch.no_grad(), fwAD.dual_level(), sdpa_kernel([SDPBackend.MATH]), high_precision(layers),
                   rng_states.replayed()):
                 loss_fn()
+        except NotImplementedError as err:  # torch's message for an op without a forward derivative
+            raise ForwardModeUnsupportedError(
+                f"statistics: the model runs an operation without a forward-mode derivative ({str(err).splitlines()[0]}); "
+                "WD's probes cannot run on it (wd_propagation=exact can)") from err
         finally:
             for module in owners:  # a module whose forward raised
                 restore(module)

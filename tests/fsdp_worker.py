@@ -64,7 +64,10 @@ def main(out_dir: str, mode: str) -> None:
     trainer = pl.Trainer(
         max_steps=8 if mode == "resume" else 6, accelerator="cpu", devices=devices, strategy=strategy,
         callbacks=[snip, restored], logger=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, default_root_dir=out_dir, enable_checkpointing=False, use_distributed_sampler=False,
+        # Validation right before the rounds: FSDP2 leaves its root unsharded after a forward without
+        # backward, which the round must handle.
+        limit_val_batches=1, val_check_interval=2, check_val_every_n_epoch=None,
+        default_root_dir=out_dir, enable_checkpointing=False, use_distributed_sampler=False,
     )
     ckpt = os.path.join(out_dir, "fsdp.ckpt")
     trainer.fit(module, datamodule=data, ckpt_path=ckpt if mode == "resume" else None)

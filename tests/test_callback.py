@@ -523,3 +523,39 @@ def test_tensor_parallelism_is_refused_at_setup_naming_the_setting():
     snip.setup(_MeshStrategy.make(1), None, "fit")  # FSDP2 alone is accepted
     with pytest.raises(ValueError, match="snip.wd_propagation: exact is not supported under FSDP2"):
         SNIPCallback(_snip(wd_propagation="exact")).setup(_MeshStrategy.make(1), None, "fit")
+
+
+class _NoForwardModeFunction(torch.autograd.Function):
+    """A fused op as users write them: a backward, no jvp (forward-mode AD cannot run through it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return grad * (s + x * s * (1 - s))
+
+
+class _CustomOpLM(DemoLM):
+    def snip_loss(self, batch):
+        inputs, targets = batch
+        h = _NoForwardModeFunction.apply(self.model.embed(inputs))
+        cos, sin = self.model.rope_cos[: h.shape[1]], self.model.rope_sin[: h.shape[1]]
+        for block in self.model.layers:
+            h = block(h, cos, sin)
+        logits = self.model.lm_head(self.model.norm(h))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def test_a_model_without_forward_mode_derivatives_switches_to_exact_propagation_once(tmp_path, caplog):
+    snip = SNIPCallback(_snip(interval=2, max_consecutive_failures=1))
+    with caplog.at_level(logging.WARNING, logger="lightning_snip.callback"):
+        _fit(tmp_path, snip, max_steps=7, module=_CustomOpLM(SMALL))
+    assert snip.num_stats_rounds == 3 and snip.num_consecutive_failures == 0 and snip.num_plans_applied >= 2
+    switches = [r for r in caplog.records if "wd_propagation=exact" in r.getMessage()]
+    assert len(switches) == 1 and "forward-mode derivative" in switches[0].getMessage()
+    assert snip._propagation.value == "exact"

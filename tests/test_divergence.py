@@ -466,3 +466,74 @@ def test_round_passes_do_not_grow_with_depth_under_probes(propagation, monkeypat
         assert f2 == f4 == 1 + 2 * 2 + 3  # ... + 3 probes
     else:
         assert b4 - b2 == l4 - l2  # one product per layer (every layer but the first has something upstream)
+
+
+class _Reused(nn.Module):
+    """A layer called twice, beside layers of equal shapes (shared random signs would bias them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(16, 32)
+        self.mids = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+        self.shared = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        for mid in self.mids:
+            h = torch.tanh(mid(h))
+        h = torch.tanh(self.shared(h))
+        return self.out(torch.tanh(self.shared(h)))
+
+
+def test_probes_match_the_exact_term_where_it_is_linear_and_report_their_spread_honestly():
+    """Without Adam moments D(e) = e is linear: the probes must then agree with the exact vector-
+    Jacobian products within their stated standard error, for a layer called twice (both modes use its
+    last call) and for layers of equal shapes; and the stated error must match the spread of
+    independent estimates."""
+    torch.manual_seed(0)
+    model = _Reused()
+    x, target = torch.randn(64, 16), torch.randn(64, 8)
+    layers = convert_linears(model)
+    loss_fn = lambda: nn.functional.mse_loss(model(x), target)
+    exact_stats = collect_stats(model, loss_fn, layers=layers, propagation=Propagation.EXACT)
+    rtn = QuantRecipe(fp4_grad_rounding="nearest")  # E_X deterministic: the seeds change only the probes
+    exact = estimate_divergence(exact_stats, [Format.MXFP4], recipe=rtn, noise_draws=0).layers
+    exact_stats.release()
+    estimates = []
+    for seed in range(6):
+        stats = collect_stats(model, loss_fn, layers=layers)
+        estimates.append(estimate_divergence(stats, [Format.MXFP4], recipe=rtn, noise_draws=0, probes=64,
+                                             generator=torch.Generator().manual_seed(seed)).layers)
+    for fqn in ("mids.0", "mids.1", "shared", "out"):
+        truth = exact[fqn].wd_propagated[Format.MXFP4]
+        first = estimates[0][fqn]
+        assert truth > 0
+        assert abs(first.wd_propagated[Format.MXFP4] - truth) <= 4 * first.wd_propagated_stderr[Format.MXFP4], fqn
+        # The stated standard error against the spread of 6 independent 64-probe estimates.
+        values = torch.tensor([e[fqn].wd_propagated[Format.MXFP4] for e in estimates], dtype=torch.float64)
+        stated = torch.tensor([e[fqn].wd_propagated_stderr[Format.MXFP4] for e in estimates], dtype=torch.float64)
+        assert 0.4 < float(values.std() / stated.mean()) < 2.5, fqn
+
+
+def test_probe_signs_are_independent_across_parameters_and_probes():
+    """E[r r^T] = I needs independent signs for every element of every parameter: two parameters of
+    the same shape (or two probes) must not share their draws."""
+    torch.manual_seed(0)
+    model = _Reused()
+    layers = convert_linears(model)
+    x = torch.randn(8, 16)
+    stats = collect_stats(model, lambda: model(x).pow(2).mean(), layers=layers)
+    tangent_fns = []
+    real = stats.input_tangents
+    stats.input_tangents = lambda tangent_of, measure: tangent_fns.append(tangent_of) or real(tangent_of, measure)
+    estimate_divergence(stats, [Format.MXFP4], noise_draws=0, probes=2, generator=torch.Generator().manual_seed(0))
+    params = dict(model.named_parameters())
+    a = tangent_fns[0]("mids.0.weight", params["mids.0.weight"])
+    b = tangent_fns[0]("mids.1.weight", params["mids.1.weight"])
+    again = tangent_fns[0]("mids.0.weight", params["mids.0.weight"])
+    other_probe = tangent_fns[1]("mids.0.weight", params["mids.0.weight"])
+    assert set(a.unique().tolist()) == {-1.0, 1.0}  # no Adam moments: the signs themselves
+    assert torch.equal(a, again)  # the same tangent wherever the parameter is used (tied weights)
+    for other in (b, other_probe):
+        assert abs(float((a * other).mean())) < 0.1  # 1024 signs: independent gives |mean| ~ 0.03

@@ -71,17 +71,19 @@ def test_equal_flops_layers_agree_with_brute_force(seed):
     """Layers of equal FLOPs (identical blocks) get symmetry-breaking order constraints in the ILP;
     the optimum must not change: brute force over many such instances, with stages and pins."""
     rng = random.Random(100 + seed)
-    n = rng.randint(6, 9)
+    n = rng.randint(6, 8)
+    # Four candidates with two FP4 formats (the default config's shape): three or four choices per layer.
+    formats = (*F3, Format.NVFP4)
     layers = [
-        layer(f"l{i}", rng.choice([1, 3]) * 1e9, [rng.uniform(-0.1, 1) for _ in F3], [rng.uniform(0, 1) for _ in F3],
-              pinned=Format.FP8 if rng.random() < 0.1 else None)
+        LayerCandidates(f"l{i}", rng.choice([1, 3]) * 1e9, {f: rng.uniform(-0.1, 1) for f in formats},
+                        {f: rng.uniform(0, 1) for f in formats}, Format.FP8 if rng.random() < 0.1 else None)
         for i in range(n)
     ]
     stages = {l.fqn: i % 2 for i, l in enumerate(layers)} if seed % 2 else None
     for fraction in (0.25, 0.5, 0.75, 0.9):
         expected = _brute_force(layers, fraction, None, stages, 1.0)
         try:
-            plan = solve_plan(layers, stages=stages, fp4_fraction=fraction, relative_cost=COST)
+            plan = solve_plan(layers, stages=stages, fp4_fraction=fraction, relative_cost={**COST, Format.NVFP4: 0.25})
         except PlanInfeasibleError:
             assert expected == math.inf
             continue
