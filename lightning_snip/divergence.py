@@ -252,7 +252,7 @@ def estimate_divergence(
               for fqn, s in stats.layers.items()}
     if stats.sharded and finite:
         # Every rank runs the same all-gathers below, layer by layer: agree on which layers take part.
-        like = next(s.weight for s in stats.layers.values() if is_sharded(s.weight))
+        like = _a_sharded_weight(stats)
         flags = all_reduce_sum(torch.tensor([float(not f) for f in finite.values()], device=like.device), like)
         finite = {fqn: float(flag) == 0.0 for fqn, flag in zip(finite, flags.cpu())}
     valid = {}
@@ -323,7 +323,7 @@ def estimate_divergence(
             direct.update(_backward_metrics(r, st, valid[fqn], input_errors.pop(fqn),
                                             None if propagated is None else propagated[fqn], metrics[fqn]))
     if stats.sharded and direct:  # one all-reduce for every layer's direct term
-        like = next(s.weight for s in stats.layers.values() if is_sharded(s.weight))
+        like = _a_sharded_weight(stats)
         summed = all_reduce_sum(torch.tensor(list(direct.values()), dtype=torch.float64, device=like.device), like)
         direct = dict(zip(direct, summed.cpu().tolist()))
     out: dict[str, LayerDivergence] = {}
@@ -409,6 +409,11 @@ def _update_deviation(r: _RoundInputs, name: str, delta: torch.Tensor, grad: tor
     return adam.local().update_deviation(local_part(grad, like), local_part(delta, like))
 
 
+def _a_sharded_weight(stats: Statistics):
+    """Any sharded layer weight of the round: its mesh is the group the round's sums are reduced over."""
+    return next(s.weight for s in stats.layers.values() if is_sharded(s.weight))
+
+
 def _update_energy(stats: Statistics, adam: Mapping[str, AdamState | None]) -> float:
     """sum_k ||u_k||^2, one parameter at a time: AdamW's next update (its moments advanced by the
     slice's own gradient), or the gradient itself without Adam moments.
@@ -475,7 +480,7 @@ def _probe_propagated(stats: Statistics, adam: Mapping[str, AdamState | None], i
                 squares[fqn] += value.pow(2)
 
         touched |= stats.input_tangents(tangent_of, measure)
-    missing = [n for n in stats.param_names if n not in touched and stats.param_grad(n) is not None]
+    missing = [n for n in stats.param_names if n not in touched and stats.has_grad(n)]
     if missing:
         logger.warning("weight divergence: parameters %s have gradients but were not used by the module that "
                        "registers them; their share of the propagated term is missing (use "

@@ -283,6 +283,10 @@ class Statistics:
         s = self.layers[fqn]
         return s.g.float().t() @ s.x.float()
 
+    def has_grad(self, name: str) -> bool:
+        """Whether ``name`` received a gradient on the slice (without computing it)."""
+        return name in self.param_grads or name in self._recomputed
+
     def is_recomputed(self, name: str) -> bool:
         """Whether ``name``'s gradient is exactly its layer's G^T X (not held, see param_grad)."""
         return name in self._recomputed
@@ -547,7 +551,11 @@ def _forward_mode_pass(model, loss_fn, layers, owner_names, rng_states, tangent_
             with (torch.no_grad(), fwAD.dual_level(), sdpa_kernel([SDPBackend.MATH]), high_precision(layers),
                   rng_states.replayed()):
                 loss_fn()
-        except NotImplementedError as err:  # torch's message for an op without a forward derivative
+        except NotImplementedError as err:
+            # torch: "Trying to use forward AD with <op> that does not support it", or for an
+            # autograd.Function: "You must implement the jvp function ... with forward mode AD".
+            if "forward AD" not in str(err) and "forward mode AD" not in str(err):
+                raise
             raise ForwardModeUnsupportedError(
                 f"statistics: the model runs an operation without a forward-mode derivative ({str(err).splitlines()[0]}); "
                 "WD's probes cannot run on it (wd_propagation=exact can)") from err
