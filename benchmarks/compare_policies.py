@@ -1,16 +1,33 @@
-"""SNIP against the baselines at equal FP4 FLOPs fraction (the paper's accuracy-vs-FP4 protocol).
+"""Quality benchmark v2 (issue 15): SNIP against an oracle and the baselines at equal FP4 FLOPs fraction.
 
-Pretrains the demo model in high precision (one checkpoint), then continues the same number of steps
-from it under each policy: all-bf16, all-fp8, all-fp4 (mxfp4), and at each FP4 fraction SNIP, random,
-min-rel-err, layer-type order and first/last blocks high (FP4 = mxfp4, the rest fp8; the LM head pinned
-bf16 in every run). Reports the held-out eval loss gap to the bf16 run (evaluated in high precision),
-mean and std over seeds; a seed sets the continuation's data order, stochastic rounding and the random
-policy.
+Pretrains a demo model in high precision (one checkpoint per setting), measures at that checkpoint the
+truths the oracle plans from, then continues the same number of steps from it under each policy and
+reports the held-out eval loss gap to the all-bf16 continuation (evaluated in high precision), mean
+and std over seeds. A seed sets the continuation's data order, stochastic rounding and the random
+policy; the pretraining and the truths are shared by all seeds.
 
-    python benchmarks/compare_policies.py [--quick] [--seeds 3] [--workers 2]
-    python benchmarks/compare_policies.py --noise-floor    # bf16 seed std vs the all-fp4 gap only
+Policies at each FP4 fraction (candidates fp8 / mxfp4 / nvfp4; the fixed rules use the setting's
+``low`` FP4 format and fp8; the LM head pinned bf16 everywhere):
+  snip, snip_gemm        the callback (granularity layer / gemm), plans from its own statistics rounds
+  oracle, oracle_gemm    the same ILP fed with measured truths instead of estimates: per layer and
+                         format, the mean relative loss increase over K batches with only its forward
+                         in the format (LD's truth) and the one-step AdamW update deviation with only
+                         its backward in the format (WD's truth, mean over SR seeds), at the checkpoint
+  random, random_gemm    FP4 layers (GEMM directions) in a random order
+  min_rel_err            smallest relative local quantization error first (measured at the checkpoint)
+  layer_type             MLP first, attention last ("FP4 MLP, FP8 attention")
+  first_last             first and last blocks high, FP4 from the middle out
+  industry_tail          the industry's rule: first two and last ~15% of blocks high (NVIDIA's NVFP4
+                         recipe; torchtitan's tail rule), extended past its natural fraction
+and at their own fractions: all_bf16, all_fp8 ("0.0"), all_fp4 ("1.0"), backward_only (every
+backward in FP4, forward fp8: its natural fraction).
 
-Writes benchmarks/results/compare_policies.json, compare_policies_<date>.md and compare_policies.png.
+    python benchmarks/compare_policies.py [--setting deep8] [--seeds 5] [--fractions 0.75 0.9]
+    python benchmarks/compare_policies.py --search deep8 deep8_lr ...   # the setting search
+    python benchmarks/compare_policies.py --quick                       # smoke run, a few minutes
+
+Writes benchmarks/results/compare_policies_v2.json, compare_policies_v2_<date>.md, compare_policies_v2.png
+and compare_policies_v2_runs.json (search: compare_policies_v2_search_<date>.md).
 """
 
 from __future__ import annotations
@@ -20,17 +37,25 @@ import concurrent.futures as futures
 import datetime
 import json
 import logging
+import math
 import multiprocessing
 import os
 import platform
 import statistics
+import sys
 import time
-from dataclasses import asdict, dataclass
+import warnings
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-FRACTIONS = (0.5, 0.75, 0.9)
-FRACTION_POLICIES = ("snip", "random", "min_rel_err", "layer_type", "first_last")
+CANDIDATES = ("fp8", "mxfp4", "nvfp4")
+PINS = {"*lm_head": "bf16"}
+FRACTION_POLICIES = ("snip", "snip_gemm", "oracle", "oracle_gemm", "random", "random_gemm", "min_rel_err",
+                     "layer_type", "first_last", "industry_tail")
+BASELINES = ("random", "random_gemm", "min_rel_err", "layer_type", "first_last", "industry_tail")
+FIXED_RULES = ("layer_type", "first_last", "industry_tail")
+SEARCH_POLICIES = ("oracle", "min_rel_err") + FIXED_RULES
 
 
 @dataclass(frozen=True)
@@ -44,12 +69,26 @@ class Setup:
     pretrain_steps: int
     continue_steps: int
     snip_interval: int
+    low: str = "nvfp4"  # the fixed rules' FP4 format (and all_fp4's)
+    truth_batches: int = 32  # K: batches of LD's truth
+    truth_sr_seeds: int = 2  # stochastic-rounding seeds of WD's truth
 
 
-FULL = Setup(dim=128, num_layers=4, hidden_dim=352, seq_len=128, batch_size=16, lr=3e-3,
-             pretrain_steps=300, continue_steps=120, snip_interval=40)
-QUICK = Setup(dim=64, num_layers=4, hidden_dim=160, seq_len=64, batch_size=8, lr=3e-3,
-              pretrain_steps=40, continue_steps=12, snip_interval=6)
+SETTINGS = {
+    # v1's setting (benchmarks/results/compare_policies_2026-11-29.md), 4 blocks.
+    "demo4": Setup(dim=128, num_layers=4, hidden_dim=352, seq_len=128, batch_size=16, lr=3e-3,
+                   pretrain_steps=300, continue_steps=120, snip_interval=40),
+    "deep8": Setup(dim=64, num_layers=8, hidden_dim=192, seq_len=128, batch_size=16, lr=3e-3,
+                   pretrain_steps=300, continue_steps=60, snip_interval=20),
+    "deep8_lr": Setup(dim=64, num_layers=8, hidden_dim=192, seq_len=128, batch_size=16, lr=6e-3,
+                      pretrain_steps=300, continue_steps=60, snip_interval=20),
+    "deep8_mx": Setup(dim=64, num_layers=8, hidden_dim=192, seq_len=128, batch_size=16, lr=3e-3,
+                      pretrain_steps=300, continue_steps=60, snip_interval=20, low="mxfp4"),
+    "deep12": Setup(dim=64, num_layers=12, hidden_dim=192, seq_len=128, batch_size=16, lr=3e-3,
+                    pretrain_steps=300, continue_steps=60, snip_interval=20),
+    "quick": Setup(dim=64, num_layers=3, hidden_dim=192, seq_len=64, batch_size=8, lr=3e-3,
+                   pretrain_steps=30, continue_steps=8, snip_interval=4, truth_batches=4),
+}
 
 
 def _model_config(s: Setup):
@@ -73,13 +112,15 @@ def _trainer(max_steps: int, callbacks, root: Path):
                       limit_val_batches=0, default_root_dir=root)
 
 
-def pretrain(s: Setup, root: Path) -> tuple[Path, dict[str, float]]:
-    """High-precision pretraining -> checkpoint, plus each layer's relative MXFP4 output error there
-    (what min-rel-err ranks by)."""
+def pretrain(s: Setup, root: Path) -> tuple[Path, dict]:
+    """High-precision pretraining -> checkpoint, and what the checkpoint-dependent policies plan from:
+    each layer's relative local error in the low format (min_rel_err) and the oracle's truths."""
     import lightning.pytorch as pl
     import torch
 
-    from lightning_snip.convert import convert_linears, glob_filter
+    from divergence_fidelity import batches, loss_increase, spearman, update_deviation
+    from lightning_snip.convert import convert_linears
+    from lightning_snip.demo.data import ByteWindows
     from lightning_snip.demo.lightning import DemoLM
     from lightning_snip.divergence import estimate_divergence
     from lightning_snip.formats import Format
@@ -93,37 +134,105 @@ def pretrain(s: Setup, root: Path) -> tuple[Path, dict[str, float]]:
     trainer.fit(module, datamodule=data)
     ckpt = root / "pretrained.ckpt"
     trainer.save_checkpoint(ckpt)
-    layers = convert_linears(module, filter=glob_filter(("*",)), pins={"*lm_head": "bf16"})
+
+    model, optimizer = module.model, trainer.optimizers[0]
+    layers = {fqn: layer for fqn, layer in convert_linears(model).items() if not fqn.endswith("lm_head")}
+    low = Format.parse(s.low)
     batch = slice_batch(next(iter(data.train_dataloader())), 1024)
-    stats = collect_stats(module, lambda: module.snip_loss(batch), layers=layers)
-    result = estimate_divergence(stats, [Format.MXFP4], noise_draws=0)
+    stats = collect_stats(model, lambda: model.loss(batch), layers=layers)
+    rel_error = {f"model.{fqn}": d.rel_error_forward[low] for fqn, d in estimate_divergence(stats, [low], noise_draws=0).layers.items()}
     stats.release()
-    return ckpt, {fqn: d.rel_error_forward[Format.MXFP4] for fqn, d in result.layers.items()}
+
+    # The oracle's truths, on training-distribution batches drawn apart from the continuation's stream
+    # (their own generator); the eval data (the corpus's tail) is never used.
+    start = time.perf_counter()
+    formats = [Format.parse(f) for f in CANDIDATES]
+    stream = batches(ByteWindows(data.train_set.data, s.seq_len), s.batch_size, torch.Generator().manual_seed(777))
+    per = [next(stream) for _ in range(s.truth_batches)]
+    with torch.no_grad():
+        base = [float(model.loss(b)) for b in per]
+    per_batch = [loss_increase(model, layers, b, formats) for b in per]
+    devs = update_deviation(model, optimizer, layers, next(stream), s.truth_sr_seeds, formats)
+    seconds = time.perf_counter() - start
+    mean_loss = sum(base) / len(base)
+    keys = sorted(per_batch[0], key=lambda k: (k[0], k[1].value))
+    half = len(per_batch) // 2
+
+    def mean_ld(part):
+        return {k: sum(b[k] for b in part) / len(part) / mean_loss for k in keys}
+
+    ld_truth, wd_truth = mean_ld(per_batch), {k: sum(v) / len(v) for k, v in devs.items()}
+    ceilings = {}
+    for fmt in formats:
+        ks = [k for k in keys if k[1] is fmt]
+        a, b = mean_ld(per_batch[:half]), mean_ld(per_batch[half:])
+        ceilings[f"loss_{fmt.value}"] = spearman([a[k] for k in ks], [b[k] for k in ks])
+        n = s.truth_sr_seeds // 2
+        ceilings[f"weights_{fmt.value}"] = spearman([sum(devs[k][:n]) for k in ks], [sum(devs[k][n:]) for k in ks]) if n else float("nan")
+    truths = {
+        "loss_divergence": {f"model.{fqn}|{fmt.value}": v for (fqn, fmt), v in ld_truth.items()},
+        "weight_divergence": {f"model.{fqn}|{fmt.value}": v for (fqn, fmt), v in wd_truth.items()},
+    }
+    return ckpt, {"rel_error": rel_error, "truths": truths, "ceilings": ceilings, "truth_seconds": seconds,
+                  "pretrain_loss": float(trainer.callback_metrics.get("train/loss", float("nan")))}
 
 
-def _baseline_plan(policy: str, fraction: float, seed: int, module, rel_error):
+def _candidates(module, measured: dict | None):
+    """The planner's LayerCandidates for the continuation's model: the oracle's truths where given,
+    else zeros (the fixed rules need only the FLOPs, candidates and pins)."""
     from lightning_snip.convert import convert_linears
     from lightning_snip.formats import Format
-    from lightning_snip.planner import (LayerCandidates, first_last_plan, layer_type_plan, min_rel_err_plan,
-                                        random_plan, uniform_plan)
+    from lightning_snip.planner import LayerCandidates
 
-    layers = convert_linears(module, pins={"*lm_head": "bf16"})  # converted again by the callback: a no-op
-    zero = {Format.BF16: 0.0, Format.FP8: 0.0, Format.MXFP4: 0.0}
-    cands = [LayerCandidates(f, 6.0 * l.in_features * l.out_features, zero, zero, l.pinned) for f, l in layers.items()]
+    layers = convert_linears(module, pins=PINS)  # converted again by the callback: a no-op
+    out = []
+    for fqn, layer in layers.items():
+        formats = [Format.parse(f) for f in CANDIDATES if Format.parse(f) in layer.allowed_formats]
+        if measured is None:  # all_bf16 needs bf16 as a candidate; the oracle, like SNIP, has only CANDIDATES
+            formats.append(Format.BF16)
+
+        def value(metric, fmt):
+            if measured is None or layer.pinned is not None:
+                return 0.0
+            return measured[metric].get(f"{fqn}|{fmt.value}", math.inf)
+
+        out.append(LayerCandidates(fqn, 6.0 * layer.in_features * layer.out_features,
+                                   {f: value("loss_divergence", f) for f in formats},
+                                   {f: value("weight_divergence", f) for f in formats}, layer.pinned))
+    return out
+
+
+def fixed_plan(policy: str, fraction: float, seed: int, module, s: Setup, measured: dict):
+    from lightning_snip import planner
+    from lightning_snip.formats import Format
+
+    cands = _candidates(module, measured["truths"] if policy.startswith("oracle") else None)
+    low, high = Format.parse(s.low), Format.FP8
+    kw = {"low": low, "high": high}
     if policy in ("all_bf16", "all_fp8", "all_fp4"):
-        return uniform_plan(cands, {"all_bf16": "bf16", "all_fp8": "fp8", "all_fp4": "mxfp4"}[policy])
-    if policy == "random":
-        return random_plan(cands, fp4_fraction=fraction, seed=seed)
+        return planner.uniform_plan(cands, {"all_bf16": "bf16", "all_fp8": "fp8", "all_fp4": s.low}[policy])
+    if policy == "oracle":
+        return planner.solve_plan(cands, fp4_fraction=fraction)
+    if policy == "oracle_gemm":
+        return planner.solve_gemm_plan(cands, fp4_fraction=fraction)
+    if policy in ("random", "random_gemm"):
+        return planner.random_plan(cands, fp4_fraction=fraction, seed=seed,
+                                   granularity="gemm" if policy == "random_gemm" else "layer", **kw)
     if policy == "min_rel_err":
-        return min_rel_err_plan(cands, rel_error, fp4_fraction=fraction)
+        rel_error = {c.fqn: measured["rel_error"].get(c.fqn, math.inf) for c in cands}  # the pinned head: none
+        return planner.min_rel_err_plan(cands, rel_error, fp4_fraction=fraction, **kw)
     if policy == "layer_type":
-        return layer_type_plan(cands, fp4_fraction=fraction)
+        return planner.layer_type_plan(cands, fp4_fraction=fraction, **kw)
     if policy == "first_last":
-        return first_last_plan(cands, fp4_fraction=fraction)
+        return planner.first_last_plan(cands, fp4_fraction=fraction, **kw)
+    if policy == "industry_tail":
+        return planner.industry_tail_plan(cands, fp4_fraction=fraction, **kw)
+    if policy == "backward_only":
+        return planner.backward_only_plan(cands, low=low, high=high)
     raise ValueError(f"policy: unknown {policy!r}")
 
 
-def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, rel_error: dict, root: str) -> dict:
+def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measured: dict, root: str) -> dict:
     """Continue from the checkpoint under one policy; return the held-out loss (high precision)."""
     import lightning.pytorch as pl
     import torch
@@ -134,19 +243,23 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, rel_er
     from lightning_snip.stats import high_precision
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*(LeafSpec|dataloader is not resumable).*")
     torch.set_num_threads(1)
     pl.seed_everything(seed)
     # The continuation decays the learning rate linearly to 0: its final iterate depends far less on
     # the data order, which lowers the seed-to-seed noise floor of the comparison.
     module = DemoLM(_model_config(s), lr=s.lr, lr_decay_start=s.pretrain_steps, lr_decay_steps=s.continue_steps)
-    pins = {"*lm_head": "bf16"}
-    if policy == "snip":
+    granularity = "gemm" if policy.endswith("_gemm") or policy == "backward_only" else "layer"
+    if policy in ("snip", "snip_gemm"):
+        # The first round runs at the checkpoint (no first-order history yet), then every interval.
         config = SNIPConfig(warmup_steps=s.pretrain_steps, interval=s.snip_interval, apply_delay=1, fp4_fraction=fraction,
-                            candidate_formats=("fp8", "mxfp4"), initial_format="fp8", pins=pins)
+                            candidate_formats=CANDIDATES, initial_format="fp8", pins=PINS, granularity=granularity,
+                            first_order_steps=min(32, s.snip_interval - 1))
         callback = SNIPCallback(config)
     else:
-        plan = _baseline_plan(policy, fraction, seed, DemoLM(_model_config(s)), rel_error)
-        callback = SNIPCallback(SNIPConfig(replan=False, fp4_fraction=fraction or 0.0, pins=pins), plan=plan)
+        plan = fixed_plan(policy, fraction, seed, DemoLM(_model_config(s)), s, measured)
+        callback = SNIPCallback(SNIPConfig(replan=False, fp4_fraction=fraction or 0.0, pins=PINS, granularity=granularity,
+                                           candidate_formats=CANDIDATES), plan=plan)
     data = _data(s, seed)
     start = time.perf_counter()
     trainer = _trainer(s.pretrain_steps + s.continue_steps, [callback], Path(root))
@@ -157,86 +270,159 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, rel_er
         for batch in data.val_dataloader():
             losses.append((module.snip_loss(batch).item(), len(batch[0])))
     eval_loss = sum(l * n for l, n in losses) / sum(n for _, n in losses)
-    achieved = callback.plan.fp4_fraction if callback.plan else 0.0
-    return {"policy": policy, "fraction": fraction, "seed": seed, "eval_loss": eval_loss, "achieved_fraction": achieved,
-            "seconds": seconds, "plans": callback.num_plans_applied}
+    plan = callback.plan
+    return {"policy": policy, "fraction": fraction, "seed": seed, "eval_loss": eval_loss,
+            "achieved_fraction": plan.fp4_fraction if plan else 0.0, "seconds": seconds,
+            "plans": callback.num_plans_applied, "plan": {k: f.value for k, f in plan.items()} if plan else {}}
 
 
-def _jobs(noise_floor: bool, seeds: int):
-    jobs = [("all_bf16", 0.0), ("all_fp4", 1.0)]
-    if not noise_floor:
-        jobs += [("all_fp8", 0.0)] + [(p, f) for f in FRACTIONS for p in FRACTION_POLICIES]
+def jobs_for(fractions, seeds: int, policies=FRACTION_POLICIES, uniform=True):
+    jobs = [("all_bf16", 0.0)]
+    if uniform:
+        jobs += [("all_fp8", 0.0), ("all_fp4", 1.0), ("backward_only", 2.0 / 3.0)]
+    jobs += [(p, f) for f in fractions for p in policies]
     return [(p, f, seed) for seed in range(seeds) for p, f in jobs]
 
 
+def _key(row) -> str:
+    if row["policy"] in ("all_bf16", "all_fp8"):
+        return "0.0"
+    if row["policy"] == "all_fp4":
+        return "1.0"
+    if row["policy"] == "backward_only":
+        return f"{row['achieved_fraction']:.3f}"
+    return f"{row['fraction']:g}"
+
+
 def summarize(rows: list[dict]) -> dict:
+    """{"<fraction>": {"<policy>": {"mean", "std", "seeds": [gap per seed, in seed order]}}}; gaps to the
+    same seed's all_bf16 run."""
     bf16 = {r["seed"]: r["eval_loss"] for r in rows if r["policy"] == "all_bf16"}
     out: dict[str, dict] = {}
-    for r in rows:
-        if r["policy"] == "all_bf16" and r["seed"] not in bf16:
-            continue
-        key = f"{r['fraction']:.2f}".rstrip("0").rstrip(".") if r["fraction"] not in (0.0, 1.0) else f"{r['fraction']:.1f}"
-        name = {"all_bf16": "all_bf16", "all_fp8": "all_fp8", "all_fp4": "all_fp4"}.get(r["policy"], r["policy"])
-        out.setdefault(key, {}).setdefault(name, []).append(r["eval_loss"] - bf16[r["seed"]])
+    for r in sorted(rows, key=lambda r: r["seed"]):
+        out.setdefault(_key(r), {}).setdefault(r["policy"], []).append(r["eval_loss"] - bf16[r["seed"]])
     return {
-        frac: {name: {"mean": statistics.fmean(g), "std": statistics.stdev(g) if len(g) > 1 else 0.0, "seeds": len(g)}
-               for name, g in policies.items()}
+        frac: {name: {"mean": statistics.fmean(g), "std": statistics.stdev(g) if len(g) > 1 else 0.0, "seeds": g}
+               for name, g in sorted(policies.items())}
         for frac, policies in sorted(out.items(), key=lambda kv: float(kv[0]))
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--noise-floor", action="store_true", help="only all-bf16 and all-fp4 runs")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
-    s = QUICK if args.quick else FULL
-    work = Path(os.environ.get("SNIP_BENCH_DIR", "/tmp/snip_compare"))
-    work.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    ckpt, rel_error = pretrain(s, work)
-    print(f"# pretrained {s.pretrain_steps} steps in {time.perf_counter() - start:.0f} s", flush=True)
-    jobs = _jobs(args.noise_floor, args.seeds)
+def verdicts(summary: dict) -> list[str]:
+    """The issue's targets, from the summary: headroom capture, gemm vs the best per-layer baseline, and
+    SNIP at 0.9 against every baseline."""
+    lines = []
+    for frac, pol in summary.items():
+        base = {p: pol[p] for p in BASELINES if p in pol}
+        if not base or "oracle" not in pol:
+            continue
+        best_name = min(base, key=lambda p: base[p]["mean"])
+        best = base[best_name]["mean"]
+        rules = {p: pol[p] for p in FIXED_RULES if p in pol}
+        if rules:
+            rule = min(rules, key=lambda p: rules[p]["mean"])
+            sd = math.hypot(pol["oracle"]["std"], rules[rule]["std"])
+            lines.append(f"oracle_headroom {frac} {best - pol['oracle']['mean']:+.5f} over best baseline {best_name}; "
+                         f"over best fixed rule {rule}: {rules[rule]['mean'] - pol['oracle']['mean']:+.5f} "
+                         f"({(rules[rule]['mean'] - pol['oracle']['mean']) / sd if sd else float('inf'):.1f} std)")
+        for snip, oracle in (("snip", "oracle"), ("snip_gemm", "oracle_gemm")):
+            if snip in pol and oracle in pol:
+                room = best - pol[oracle]["mean"]
+                capture = (best - pol[snip]["mean"]) / room if room > 0 else float("nan")
+                lines.append(f"headroom_capture {frac} {snip} {capture:.2f} (best baseline {best_name} {best:+.5f}, "
+                             f"{snip} {pol[snip]['mean']:+.5f}, {oracle} {pol[oracle]['mean']:+.5f}; target >= 0.7 at 0.75)")
+        per_layer = [p for p in ("random", "min_rel_err", "layer_type", "first_last", "industry_tail") if p in pol]
+        if "snip_gemm" in pol and per_layer:
+            b = min(per_layer, key=lambda p: pol[p]["mean"])
+            lines.append(f"gemm_vs_layer_baseline {frac} {pol['snip_gemm']['mean'] / pol[b]['mean']:.2f} "
+                         f"(snip_gemm {pol['snip_gemm']['mean']:+.5f} / {b} {pol[b]['mean']:+.5f}; target <= 0.5 at 0.75)")
+        for snip in ("snip", "snip_gemm"):
+            if snip in pol:
+                margins = [(p, (base[p]["mean"] - pol[snip]["mean"]) / max(base[p]["std"], pol[snip]["std"], 1e-12))
+                           for p in base]
+                worst = min(margins, key=lambda m: m[1])
+                lines.append(f"beats_every_baseline {frac} {snip} {'yes' if worst[1] > 1 else 'no'} "
+                             f"(smallest margin {worst[1]:.1f} std, vs {worst[0]})")
+    return lines
+
+
+def run_jobs(s: Setup, ckpt, measured, jobs, work: Path, workers: int) -> list[dict]:
     rows = []
     ctx = multiprocessing.get_context("spawn")
-    with futures.ProcessPoolExecutor(args.workers, mp_context=ctx) as pool:
-        pending = [pool.submit(run_one, s, str(ckpt), p, f, seed, rel_error, str(work)) for p, f, seed in jobs]
+    with futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        pending = [pool.submit(run_one, s, str(ckpt), p, f, seed, measured, str(work)) for p, f, seed in jobs]
         for fut in futures.as_completed(pending):
             row = fut.result()
             rows.append(row)
-            print(f"{row['policy']:<12} frac {row['fraction']:.2f} seed {row['seed']} eval {row['eval_loss']:.4f} "
+            print(f"{row['policy']:<14} frac {row['fraction']:.2f} seed {row['seed']} eval {row['eval_loss']:.4f} "
                   f"achieved {row['achieved_fraction']:.3f} plans {row['plans']} {row['seconds']:.0f}s", flush=True)
-    summary = summarize(rows)
-    total = time.perf_counter() - start
-    bf16_std = statistics.stdev([r["eval_loss"] for r in rows if r["policy"] == "all_bf16"]) if args.seeds > 1 else 0.0
-    fp4_gap = summary["1.0"]["all_fp4"]["mean"]
-    date = datetime.date.today().isoformat()
-    command = "python benchmarks/compare_policies.py " + " ".join(a for a in os.sys.argv[1:])
-    header = [
-        f"# compare_policies — {date}",
-        f"command: `{command.strip()}`; {args.seeds} seeds; total {total / 60:.1f} min",
-        f"machine: {platform.machine()} ({os.cpu_count()} cores), Python {platform.python_version()}; FP4 emulated",
-        f"setup: {asdict(s)}",
-        f"noise floor: bf16 eval-loss std over seeds {bf16_std:.5f}; all-fp4 gap {fp4_gap:.5f} "
-        f"({fp4_gap / bf16_std if bf16_std else float('inf'):.1f}x the std; needs >= 5x)",
-        "",
-        "| fraction | policy | gap to bf16 (mean) | std | seeds |",
-        "|---|---|---|---|---|",
-    ]
+    return rows
+
+
+def table(summary: dict) -> list[str]:
+    out = ["| fraction | policy | gap to bf16 (mean) | std | per seed |", "|---|---|---|---|---|"]
     for frac, policies in summary.items():
         for name, v in sorted(policies.items(), key=lambda kv: kv[1]["mean"]):
-            header.append(f"| {frac} | {name} | {v['mean']:+.5f} | {v['std']:.5f} | {v['seeds']} |")
-    print("\n".join(header))
-    if args.quick or args.noise_floor:
+            out.append(f"| {frac} | {name} | {v['mean']:+.5f} | {v['std']:.5f} | "
+                       + " ".join(f"{g:+.4f}" for g in v["seeds"]) + " |")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--setting", choices=sorted(SETTINGS), default="deep8")
+    parser.add_argument("--quick", action="store_true", help="the tiny 'quick' setting, 1 seed, nothing written")
+    parser.add_argument("--search", nargs="+", choices=sorted(SETTINGS),
+                        help="the setting search: oracle, min_rel_err and the fixed rules at 0.75 in each setting")
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.75, 0.9])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    work = Path(os.environ.get("SNIP_BENCH_DIR", "/tmp/snip_compare_v2"))
+    date = datetime.date.today().isoformat()
+    command = "python benchmarks/compare_policies.py " + " ".join(sys.argv[1:])
+    machine = f"{platform.machine()} ({os.cpu_count()} cores), Python {platform.python_version()}; FP4 emulated"
+    start = time.perf_counter()
+    names = args.search or ["quick" if args.quick else args.setting]
+    report = [f"# compare_policies v2 {'setting search ' if args.search else ''}— {date}",
+              f"command: `{command.strip()}`; {args.seeds} seeds; machine: {machine}", ""]
+    for name in names:
+        s = SETTINGS[name]
+        (work / name).mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        ckpt, measured = pretrain(s, work / name)
+        print(f"# [{name}] pretrained {s.pretrain_steps} steps + truths ({measured['truth_seconds']:.0f} s) in "
+              f"{time.perf_counter() - t0:.0f} s; truth ceilings (split-half Spearman) "
+              + ", ".join(f"{k} {v:.2f}" for k, v in measured["ceilings"].items()), flush=True)
+        if args.search:
+            jobs = jobs_for([0.75], args.seeds, SEARCH_POLICIES, uniform=False)
+        else:
+            jobs = jobs_for(args.fractions, 1 if args.quick else args.seeds)
+        rows = run_jobs(s, ckpt, measured, jobs, work / name, args.workers)
+        summary = summarize(rows)
+        bf16 = [r["eval_loss"] for r in rows if r["policy"] == "all_bf16"]
+        lines = [f"## setting {name}: {asdict(s)}",
+                 f"pretrain + truths {time.perf_counter() - t0:.0f} s wall incl. the runs; truth ceilings (split-half "
+                 f"Spearman; loss: batches 1..K/2 vs the rest, weights: SR seeds) "
+                 + ", ".join(f"{k} {v:.2f}" for k, v in measured["ceilings"].items()),
+                 f"bf16 eval loss over seeds: mean {statistics.fmean(bf16):.4f}, std "
+                 f"{statistics.stdev(bf16) if len(bf16) > 1 else 0.0:.5f}", ""] + table(summary) + [""]
+        lines += [f"    {v}" for v in verdicts(summary)] + [""]
+        print("\n".join(lines), flush=True)
+        report += lines
+        if not (args.quick or args.search):
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "compare_policies_v2.json").write_text(json.dumps(summary, indent=2))
+            (args.out / "compare_policies_v2_runs.json").write_text(json.dumps(
+                {"setting": asdict(s), "measured": measured, "rows": rows}, indent=1))
+            plot(summary, args.out / "compare_policies_v2.png")
+    report.append(f"total {(time.perf_counter() - start) / 60:.1f} min")
+    if args.quick:
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "compare_policies.json").write_text(json.dumps(summary, indent=2))
-    (args.out / f"compare_policies_{date}.md").write_text("\n".join(header) + "\n\n![gap vs fraction](compare_policies.png)\n")
-    (args.out / "compare_policies_runs.json").write_text(json.dumps(rows, indent=1))
-    plot(summary, args.out / "compare_policies.png")
+    suffix = "search_" if args.search else ""
+    (args.out / f"compare_policies_v2_{suffix}{date}.md").write_text("\n".join(report) + "\n")
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -245,18 +431,19 @@ def plot(summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in FRACTION_POLICIES:
         xs = [float(f) for f in summary if name in summary[f]]
         ax.errorbar(xs, [summary[f"{x:g}"][name]["mean"] for x in xs], yerr=[summary[f"{x:g}"][name]["std"] for x in xs],
-                    marker="o", capsize=3, label=name)
-    for name, frac in (("all_fp8", "0.0"), ("all_fp4", "1.0")):
-        if frac in summary and name in summary[frac]:
-            ax.errorbar([float(frac)], [summary[frac][name]["mean"]], yerr=[summary[frac][name]["std"]], marker="s", label=name)
+                    marker="o", capsize=3, label=name, ls="--" if name.endswith("_gemm") else "-")
+    for frac, policies in summary.items():
+        for name in ("all_fp8", "all_fp4", "backward_only"):
+            if name in policies:
+                ax.errorbar([float(frac)], [policies[name]["mean"]], yerr=[policies[name]["std"]], marker="s", label=name)
     ax.axhline(0.0, color="gray", lw=0.8)
     ax.set_xlabel("FP4 FLOPs fraction")
     ax.set_ylabel("eval loss gap to bf16")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -100,7 +100,7 @@ def forward_from(model: TinyLlama, block: int, h: torch.Tensor, targets: torch.T
 
 
 @torch.no_grad()
-def loss_increase(model: TinyLlama, layers, batch) -> dict:
+def loss_increase(model: TinyLlama, layers, batch, formats=FORMATS) -> dict:
     """(fqn, fmt) -> loss with only that layer's forward in fmt, minus the high-precision loss."""
     inputs, targets = batch
     T = inputs.shape[1]
@@ -114,14 +114,16 @@ def loss_increase(model: TinyLlama, layers, batch) -> dict:
     out = {}
     for fqn, layer in layers.items():
         start = block_of(fqn, len(model.layers))
-        for fmt in FORMATS:
+        for fmt in formats:
+            if fmt not in layer.allowed_formats:
+                continue
             layer.format, layer.backward_format = fmt, Format.BF16
             out[fqn, fmt] = forward_from(model, start, block_inputs[start], targets) - base
         layer.format, layer.backward_format = Format.BF16, None
     return out
 
 
-def update_deviation(model, opt, layers, batch, sr_seeds: int) -> dict:
+def update_deviation(model, opt, layers, batch, sr_seeds: int, formats=FORMATS) -> dict:
     """(fqn, fmt) -> [relative one-step update deviation per stochastic-rounding seed]."""
     model_state, opt_state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     before = [p.detach().clone() for p in model.parameters()]
@@ -140,7 +142,9 @@ def update_deviation(model, opt, layers, batch, sr_seeds: int) -> dict:
     ref_norm = sum(float(r.pow(2).sum()) for r in ref)
     out = {}
     for fqn, layer in layers.items():
-        for fmt in FORMATS:
+        for fmt in formats:
+            if fmt not in layer.allowed_formats:
+                continue
             layer.backward_format = fmt
             out[fqn, fmt] = []
             for seed in range(sr_seeds):

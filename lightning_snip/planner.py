@@ -533,6 +533,57 @@ def first_last_plan(layers: Sequence[LayerCandidates], *, fp4_fraction: float, *
     return ordered_plan(layers, order, fp4_fraction=fp4_fraction, policy="first_last", **kw)
 
 
+def industry_tail_plan(layers: Sequence[LayerCandidates], *, fp4_fraction: float, first_blocks: int = 2,
+                       tail_share: float = 0.15, **kw) -> Plan:
+    """The industry's default rule (NVIDIA's NVFP4 pretraining recipe, which keeps the first two and
+    the last ~15% of blocks in high precision; torchtitan's tail rule): FP4 fills the unprotected
+    blocks first, from the middle of that range outwards; past the rule's natural fraction, the first
+    ``first_blocks`` blocks next (the last first), then the last ceil(``tail_share`` * blocks) blocks
+    (the earliest first: the final blocks stay high longest); layers outside any block (embeddings,
+    heads) last. ``natural_fp4_fraction`` gives the fraction the rule reaches without the extension.
+    """
+    if not (isinstance(first_blocks, int) and first_blocks >= 0):
+        raise ValueError(f"first_blocks: must be an integer >= 0, got {first_blocks!r}")
+    if not (isinstance(tail_share, (int, float)) and 0 <= tail_share <= 1):
+        raise ValueError(f"tail_share: must be a number in [0, 1], got {tail_share!r}")
+    rank = _industry_tail_rank(layers, first_blocks, tail_share)
+    order = sorted((layer.fqn for layer in layers), key=lambda fqn: rank[fqn])
+    return ordered_plan(layers, order, fp4_fraction=fp4_fraction, policy="industry_tail", **kw)
+
+
+def natural_fp4_fraction(layers: Sequence[LayerCandidates], *, first_blocks: int = 2, tail_share: float = 0.15) -> float:
+    """The FP4 FLOPs fraction of the industry rule itself: every unpinned layer of an unprotected
+    block in FP4, nothing else."""
+    rank = _industry_tail_rank(layers, first_blocks, tail_share)
+    total = sum(layer.flops for layer in layers)
+    fp4 = sum(layer.flops for layer in layers if rank[layer.fqn][0] == 0 and layer.pinned is None
+              and any(f.is_fp4 for f in layer.choices()))
+    return fp4 / total if total else 0.0
+
+
+def _industry_tail_rank(layers: Sequence[LayerCandidates], first_blocks: int, tail_share: float) -> dict[str, tuple]:
+    """fqn -> sort key: (group, position in group); group 0 unprotected blocks, 1 the first blocks,
+    2 the tail blocks, 3 outside any block."""
+    blocks = sorted({b for b in (block_index(layer.fqn) for layer in layers) if b is not None})
+    num_tail = math.ceil(tail_share * len(blocks) - 1e-9)
+    first = set(blocks[:first_blocks])
+    tail = set(blocks[len(blocks) - num_tail:]) - first if num_tail else set()
+    free = [b for b in blocks if b not in first and b not in tail]
+    middle = (free[0] + free[-1]) / 2 if free else 0.0
+    rank = {}
+    for layer in layers:
+        b = block_index(layer.fqn)
+        if b is None:
+            rank[layer.fqn] = (3, 0.0)
+        elif b in first:
+            rank[layer.fqn] = (1, -b)
+        elif b in tail:
+            rank[layer.fqn] = (2, b)
+        else:
+            rank[layer.fqn] = (0, abs(b - middle))
+    return rank
+
+
 def backward_only_plan(layers: Sequence[LayerCandidates], *, low: Format | str = Format.MXFP4,
                        high: Format | str = Format.FP8) -> Plan:
     """Per-GEMM baseline (issue 12): every unpinned layer's backward GEMMs in the FP4 format ``low``

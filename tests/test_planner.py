@@ -14,6 +14,8 @@ from lightning_snip.planner import (
     PlanInfeasibleError,
     SolverTimeoutError,
     first_last_plan,
+    industry_tail_plan,
+    natural_fp4_fraction,
     layer_type_plan,
     min_rel_err_plan,
     random_plan,
@@ -421,3 +423,30 @@ def test_per_gemm_random_and_layer_type_baselines(fraction):
     a = random_plan(layers, fp4_fraction=fraction, seed=1, granularity="gemm")
     b = random_plan(layers, fp4_fraction=fraction, seed=2, granularity="gemm")
     assert a == random_plan(layers, fp4_fraction=fraction, seed=1, granularity="gemm") and a != b
+
+
+def test_industry_tail_keeps_the_first_two_and_the_last_blocks_high():
+    layers = _llama_layers(blocks=8)  # tail: ceil(0.15 * 8) = 2 blocks (6, 7)
+    natural = natural_fp4_fraction(layers)
+    block_flops = sum(l.flops for l in layers if l.fqn.startswith("layers.0."))
+    total = sum(l.flops for l in layers)
+    assert natural == pytest.approx(4 * block_flops / total)
+    at_natural = industry_tail_plan(layers, fp4_fraction=natural)
+    fp4_blocks = {int(fqn.split(".")[1]) for fqn, f in at_natural.items() if f.is_fp4}
+    assert fp4_blocks == {2, 3, 4, 5} and at_natural["lm_head"] is Format.BF16
+    assert at_natural.count(Format.MXFP4) == 28 and at_natural.policy == "industry_tail"
+    # Beyond the natural fraction: block 1, then 0, then the tail's earliest block; block 7 stays high.
+    more = industry_tail_plan(layers, fp4_fraction=natural + 1.5 * block_flops / total)
+    assert all(more[f"layers.1.{n}"] is Format.MXFP4 for n in ("q", "up", "down"))
+    assert any(more[f"layers.0.{n}"] is Format.MXFP4 for n in ("q", "k", "v", "o", "gate", "up", "down"))
+    assert all(more[f"layers.{b}.{n}"] is Format.FP8 for b in (6, 7) for n in ("q", "up"))
+    most = industry_tail_plan(layers, fp4_fraction=natural + 3.5 * block_flops / total)
+    assert all(most[f"layers.6.{n}"] is Format.MXFP4 for n in ("q", "up"))
+    assert any(most[f"layers.7.{n}"] is Format.FP8 for n in ("q", "k", "v", "o", "gate", "up", "down"))
+    # Below it, FP4 fills the unprotected range from its middle outwards.
+    half = industry_tail_plan(layers, fp4_fraction=2 * block_flops / total)
+    assert {int(fqn.split(".")[1]) for fqn, f in half.items() if f.is_fp4} == {3, 4}
+    with pytest.raises(ValueError, match="tail_share"):
+        industry_tail_plan(layers, fp4_fraction=0.5, tail_share=1.5)
+    with pytest.raises(ValueError, match="first_blocks"):
+        industry_tail_plan(layers, fp4_fraction=0.5, first_blocks=-1)
