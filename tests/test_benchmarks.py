@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -22,3 +24,31 @@ def test_fidelity_quick_prints_out_of_sample_lines_per_model_and_format():
             assert {c for c, _ in ceilings} == {"loss", "weights"}
             assert re.search(rf"^round_agreement loss_divergence {fmt} {number} {model}$", proc.stdout, re.M)
     assert not proc.stdout.strip().splitlines()[-1].startswith("#")
+
+
+def _compare_policies():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare_policies", ROOT / "benchmarks" / "compare_policies.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("compare_policies", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quality_summary_gaps_per_seed_and_headroom_capture():
+    cp = _compare_policies()
+    losses = {"all_bf16": (3.0, 3.1), "oracle": (3.01, 3.11), "snip": (3.02, 3.12), "layer_type": (3.05, 3.15),
+              "random": (3.08, 3.16), "snip_gemm": (3.012, 3.112), "oracle_gemm": (3.011, 3.111)}
+    rows = [{"policy": p, "fraction": 0.0 if p == "all_bf16" else 0.75, "seed": seed, "eval_loss": v[seed],
+             "achieved_fraction": 0.75} for p, v in losses.items() for seed in (1, 0)]
+    summary = cp.summarize(rows)
+    # Gaps to the same seed's bf16 run, listed in seed order.
+    assert summary["0.75"]["random"]["seeds"] == pytest.approx([0.08, 0.06])
+    assert summary["0.75"]["snip"]["mean"] == pytest.approx(0.02) and summary["0.75"]["snip"]["std"] == pytest.approx(0.0, abs=1e-12)
+    lines = "\n".join(cp.verdicts(summary))
+    # (best baseline 0.05 - snip 0.02) / (0.05 - oracle 0.01) = 0.75
+    assert re.search(r"^headroom_capture 0.75 snip 0.75 ", lines, re.M), lines
+    assert re.search(r"^headroom_capture 0.75 snip_gemm 0.97 ", lines, re.M), lines
+    assert re.search(r"^gemm_vs_layer_snip 0.75 0.60 ", lines, re.M), lines
+    assert re.search(r"^beats_every_baseline 0.75 snip yes ", lines, re.M), lines
