@@ -1,3 +1,4 @@
+import dataclasses
 import itertools
 import json
 import math
@@ -446,6 +447,16 @@ def test_industry_tail_keeps_the_first_two_and_the_last_blocks_high():
     # Below it, FP4 fills the unprotected range from its middle outwards.
     half = industry_tail_plan(layers, fp4_fraction=2 * block_flops / total)
     assert {int(fqn.split(".")[1]) for fqn, f in half.items() if f.is_fp4} == {3, 4}
+    # Three blocks: the first two and the tail (block 2) protect everything; the first blocks win
+    # the overlap, so past the natural fraction (0) block 1 fills before the tail's block 2.
+    three = _llama_layers(blocks=3)
+    assert natural_fp4_fraction(three) == 0.0
+    one_block = sum(l.flops for l in three if l.fqn.startswith("layers.0.")) / sum(l.flops for l in three)
+    plan3 = industry_tail_plan(three, fp4_fraction=one_block)
+    assert {int(fqn.split(".")[1]) for fqn, f in plan3.items() if f.is_fp4} == {1}
+    # An unpinned head (outside any block) is the last to take FP4.
+    unpinned = [l if l.pinned is None else dataclasses.replace(l, pinned=None) for l in layers]
+    assert industry_tail_plan(unpinned, fp4_fraction=0.9)["lm_head"] is Format.FP8
     with pytest.raises(ValueError, match="tail_share"):
         industry_tail_plan(layers, fp4_fraction=0.5, tail_share=1.5)
     with pytest.raises(ValueError, match="first_blocks"):
