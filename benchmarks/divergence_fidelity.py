@@ -248,9 +248,13 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
         wd_truth = truth_wd(dev_batches)
         # Two ceilings: over stochastic-rounding seeds (the same batches), and over batches (what a truth
         # of the expected deviation must also survive: one batch's rare tokens can dominate its WD).
-        wd_half, wd_batch_half = sr_seeds // 2, max(wd_batches // 2, 1)
-        ceiling_wd_seeds = spearman(truth_wd(dev_batches, slice(None, wd_half)), truth_wd(dev_batches, slice(wd_half, None)))
-        ceiling_wd = spearman(truth_wd(dev_batches[:wd_batch_half]), truth_wd(dev_batches[wd_batch_half:]))
+        # (nan where there is one batch or one seed: no halves to compare)
+        wd_half, wd_batch_half = sr_seeds // 2, wd_batches // 2
+        ceiling_wd_seeds = spearman(truth_wd(dev_batches, slice(None, wd_half)), truth_wd(dev_batches, slice(wd_half, None))) \
+            if wd_half else float("nan")
+        ceiling_wd = spearman(truth_wd(dev_batches[:wd_batch_half]), truth_wd(dev_batches[wd_batch_half:])) \
+            if wd_batch_half else float("nan")
+        one_vs_another = spearman(truth_wd(dev_batches[:1]), truth_wd(dev_batches[1:2])) if wd_batches > 1 else float("nan")
 
         def ld(r, est=DEFAULT_ESTIMATOR):
             return [results[r].layers[f].loss_divergence_as(est)[fmt] for f in fqns]
@@ -321,8 +325,7 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
         lines.append(f"ceiling loss {fmt.value} {spearman(truth_ld(per_batch[:half]), truth_ld(per_batch[half:])):.3f}")
         lines.append(f"ceiling weights {fmt.value} {ceiling_wd:.3f}")
         lines.append(f"ceiling weights_seeds {fmt.value} {ceiling_wd_seeds:.3f}")
-        lines.append(f"ceiling weights_one_batch_vs_another {fmt.value} "
-                     f"{spearman(truth_wd(dev_batches[:1]), truth_wd(dev_batches[1:2])):.3f}")
+        lines.append(f"ceiling weights_one_batch_vs_another {fmt.value} {one_vs_another:.3f}")
     raw = {
         "fqns": fqns,
         "loss_increase": {fmt.value: [[b[f, fmt] for f in fqns] for b in per_batch] for fmt in FORMATS},
