@@ -211,6 +211,11 @@ def _candidates(module, measured: dict | None):
     return out
 
 
+# The oracle's lambda: 1, as its runs of 2026-11-30 were made (before SNIP's default became 0.1, and not
+# re-run since: an oracle at 0.1 would choose other plans). The objective study prices plans the same way.
+ORACLE_LAMBDA = 1.0
+
+
 def fixed_plan(policy: str, fraction: float, seed: int, module, s: Setup, measured: dict):
     from lightning_snip import planner
     from lightning_snip.formats import Format
@@ -221,9 +226,9 @@ def fixed_plan(policy: str, fraction: float, seed: int, module, s: Setup, measur
     if policy in ("all_bf16", "all_fp8", "all_fp4"):
         return planner.uniform_plan(cands, {"all_bf16": "bf16", "all_fp8": "fp8", "all_fp4": s.low}[policy])
     if policy == "oracle":
-        return planner.solve_plan(cands, fp4_fraction=fraction)
+        return planner.solve_plan(cands, fp4_fraction=fraction, weight_divergence_weight=ORACLE_LAMBDA)
     if policy == "oracle_gemm":
-        return planner.solve_gemm_plan(cands, fp4_fraction=fraction)
+        return planner.solve_gemm_plan(cands, fp4_fraction=fraction, weight_divergence_weight=ORACLE_LAMBDA)
     if policy in ("random", "random_gemm"):
         return planner.random_plan(cands, fp4_fraction=fraction, seed=seed,
                                    granularity="gemm" if policy == "random_gemm" else "layer", **kw)
@@ -258,12 +263,14 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
     # The continuation decays the learning rate linearly to 0: its final iterate depends far less on
     # the data order, which lowers the seed-to-seed noise floor of the comparison.
     module = DemoLM(_model_config(s), lr=s.lr, lr_decay_start=s.pretrain_steps, lr_decay_steps=s.continue_steps)
-    granularity = "gemm" if policy.endswith("_gemm") or policy == "backward_only" else "layer"
-    if policy in ("snip", "snip_gemm"):
+    base, _, lam = policy.partition("@")  # "snip_gemm@0.3": SNIP with weight_divergence_weight 0.3
+    granularity = "gemm" if base.endswith("_gemm") or base == "backward_only" else "layer"
+    if base in ("snip", "snip_gemm"):
         # The first round runs at the checkpoint (no first-order history yet), then every interval.
         config = SNIPConfig(warmup_steps=s.pretrain_steps, interval=s.snip_interval, apply_delay=1, fp4_fraction=fraction,
                             candidate_formats=CANDIDATES, initial_format="fp8", pins=PINS, granularity=granularity,
-                            first_order_steps=min(32, s.snip_interval - 1))
+                            first_order_steps=min(32, s.snip_interval - 1),
+                            weight_divergence_weight=float(lam) if lam else SNIPConfig().weight_divergence_weight)
         callback = SNIPCallback(config)
     else:
         plan = fixed_plan(policy, fraction, seed, DemoLM(_model_config(s)), s, measured)
@@ -454,7 +461,7 @@ def objective_study(rows: list[dict], measured: dict) -> list[str]:
             if direction in ("", "forward"):
                 total += max(0.0, truths["loss_divergence"].get(f"{fqn}|{fmt}", 0.0))  # as the oracle's ILP
             if direction in ("", "backward"):
-                total += max(0.0, truths["weight_divergence"].get(f"{fqn}|{fmt}", 0.0))
+                total += ORACLE_LAMBDA * max(0.0, truths["weight_divergence"].get(f"{fqn}|{fmt}", 0.0))
         return total
 
     lines = []
@@ -478,6 +485,10 @@ def main() -> None:
                         help="the setting search: oracle, min_rel_err and the fixed rules at 0.75 in each setting")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.75, 0.9])
+    parser.add_argument("--lambdas", type=float, nargs="+", default=[],
+                        help="also run snip and snip_gemm at these weight_divergence_weight values (policies snip@<lambda>)")
+    parser.add_argument("--policies", nargs="+",
+                        help="run only these policies (all_bf16 always runs: the gaps are to it)")
     parser.add_argument("--natural-seeds", type=int, help="seeds of the runs at the rules' natural fractions (default --seeds)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -522,6 +533,14 @@ def main() -> None:
         else:
             jobs = jobs_for(args.fractions, 1 if args.quick else args.seeds, natural=natural_fractions(s),
                             natural_seeds=args.natural_seeds)
+            jobs += [(f"{p}@{lam:g}", f, seed) for seed in range(1 if args.quick else args.seeds)
+                     for f in args.fractions for lam in args.lambdas for p in ("snip", "snip_gemm")]
+        if args.policies:
+            unknown = set(args.policies) - {j[0] for j in jobs}
+            if unknown:
+                parser.error(f"--policies: {sorted(unknown)} not among this invocation's policies "
+                             f"{sorted({j[0] for j in jobs})} (snip@<lambda> needs --lambdas <lambda>)")
+            jobs = [j for j in jobs if j[0] in set(args.policies) | {"all_bf16"}]
         rows = run_jobs(s, ckpt, measured, jobs, work / name, args.workers)
         summary = summarize(rows)
         summary_plan = summarize(rows, "eval_loss_plan") if all("eval_loss_plan" in r for r in rows) else {}
@@ -542,7 +561,7 @@ def main() -> None:
             lines += table(summary_plan) + [""] + [f"    {v}" for v in verdicts(summary_plan)] + [""]
         print("\n".join(lines), flush=True)
         report += lines
-        if not (args.quick or args.search):
+        if not (args.quick or args.search or args.policies):  # a --policies study leaves the headline files
             args.out.mkdir(parents=True, exist_ok=True)
             noise = {"bf16_eval_loss_mean": statistics.fmean(bf16), "bf16_eval_loss_std": statistics.stdev(bf16),
                      "seeds": bf16, "note": "the seed-to-seed spread of the all-bf16 run's eval loss (all_bf16's "
@@ -556,7 +575,7 @@ def main() -> None:
     if args.quick:
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    suffix = "search_" if args.search else ""
+    suffix = "study_" if args.policies else "search_" if args.search else ""
     (args.out / f"compare_policies_v2_{suffix}{date}.md").write_text("\n".join(report) + "\n")
 
 

@@ -17,6 +17,7 @@ from lightning_snip.divergence import LossEstimator
 from lightning_snip.stats import Propagation
 from lightning_snip.formats import CostModel, Format, QuantRecipe
 from lightning_snip.plan import Granularity
+from lightning_snip.planner import DEFAULT_WEIGHT_DIVERGENCE_WEIGHT
 
 
 def _parse_pins(pins, field_name: str = "snip.pins") -> dict[str, str]:
@@ -76,7 +77,8 @@ class SNIPConfig:
             error per layer and round is at most sqrt(2 / wd_probes); rounds are aggregated after.
         aggregate_decay: EMA decay of LD and WD over statistics rounds, in [0, 1); plans are solved on
             the aggregate (0: the last round alone). See lightning_snip.aggregate.
-        weight_divergence_weight: lambda in LD + lambda * WD.
+        weight_divergence_weight: lambda in LD + lambda * WD (default 0.1, by measurement; the method
+            text's 1 prices FP4 backward GEMMs too high: planner.DEFAULT_WEIGHT_DIVERGENCE_WEIGHT).
         time_limit_seconds: ILP solver limit; the best feasible plan is used after it.
         fp8_scaling: rowwise | tensorwise. fp4_grad_rounding: stochastic | nearest.
         relative_cost: format -> GEMM cost relative to bf16, overriding the defaults.
@@ -117,7 +119,7 @@ class SNIPConfig:
     wd_propagation: str = "probe"
     wd_probes: int = 8
     aggregate_decay: float = 0.5
-    weight_divergence_weight: float = 1.0
+    weight_divergence_weight: float = DEFAULT_WEIGHT_DIVERGENCE_WEIGHT
     time_limit_seconds: float = 10.0
     fp8_scaling: str = "rowwise"
     fp4_grad_rounding: str = "stochastic"

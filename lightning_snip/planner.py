@@ -26,6 +26,16 @@ from types import MappingProxyType
 from lightning_snip.formats import DEFAULT_RELATIVE_COST, FP4_FORMATS, Format
 from lightning_snip.plan import BACKWARD, FORWARD, Granularity, Plan, SolveStatus, gemm_key, split_key
 
+# lambda in LD + lambda * WD. The method text's default is 1; 0.1 was chosen by measurement
+# (benchmarks/results/compare_policies_v2_lambda_2026-11-30.md, two 8-block settings): the two terms are
+# in different units (a relative loss increase vs a relative squared update deviation), and at 1 the
+# ILP priced FP4 backward GEMMs (stochastic rounding: noise far below the gradient's own batch noise)
+# above FP4 forwards. At 0.1 SNIP per GEMM at the backward-only fraction (0.64) came within noise of
+# backward-only FP4 (gap 0.0023 vs 0.0018; at lambda 1: 0.0044, paired t -1.6), its plans served with FP4
+# forwards lost 31% / 21% less (0.75: 0.0054 vs 0.0078 on one setting, 0.0063 vs 0.0080 on the other), and
+# no gap measured got worse beyond noise (per layer: within noise either way).
+DEFAULT_WEIGHT_DIVERGENCE_WEIGHT = 0.1
+
 logger = logging.getLogger(__name__)
 
 
@@ -187,7 +197,7 @@ def solve_plan(
     fp4_fraction: float | None = None,
     cost_budget: float | None = None,
     stages: Mapping[str, Hashable] | None = None,
-    weight_divergence_weight: float = 1.0,
+    weight_divergence_weight: float = DEFAULT_WEIGHT_DIVERGENCE_WEIGHT,
     time_limit_seconds: float = 10.0,
     relative_cost: Mapping[Format, float] = DEFAULT_RELATIVE_COST,
 ) -> Plan:

@@ -86,7 +86,8 @@ def test_equal_flops_layers_agree_with_brute_force(seed):
     for fraction in (0.25, 0.5, 0.75, 0.9):
         expected = _brute_force(layers, fraction, None, stages, 1.0)
         try:
-            plan = solve_plan(layers, stages=stages, fp4_fraction=fraction, relative_cost={**COST, Format.NVFP4: 0.25})
+            plan = solve_plan(layers, stages=stages, fp4_fraction=fraction, weight_divergence_weight=1.0,
+                              relative_cost={**COST, Format.NVFP4: 0.25})
         except PlanInfeasibleError:
             assert expected == math.inf
             continue
@@ -351,7 +352,7 @@ def test_noise_guard_blocks_fp4_backward_only_and_agrees_with_brute_force():
                     [0, rng.random(), rng.random() * 2]) for i in range(4)]
     blocked = {"l1", "l3"}
     fraction = 0.3
-    plan = solve_gemm_plan(layers, backward_blocked=blocked, fp4_fraction=fraction)
+    plan = solve_gemm_plan(layers, backward_blocked=blocked, fp4_fraction=fraction, weight_divergence_weight=1.0)
     for fqn in blocked:
         assert not plan[gemm_key(fqn, BACKWARD)].is_fp4
     items = gemm_items(layers, blocked)
