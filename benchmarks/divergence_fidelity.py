@@ -31,6 +31,7 @@ field names the model, demo or deep):
                                                  loss_divergence_mean<R>, weight_divergence_mean<R>)
     ceiling <truth> <format> <value>            (loss, weights; weights_seeds, weights_one_batch_vs_another)
     round_agreement <estimator> <format> <value> (two rounds on two batches)
+    round_agreement_median <estimator> <format> <value> (median over every pair of rounds)
 
     python benchmarks/divergence_fidelity.py [--quick] [--models demo deep] [--seed 0]
 """
@@ -41,6 +42,7 @@ import argparse
 import copy
 import json
 import platform
+import statistics
 import sysconfig
 import time
 from pathlib import Path
@@ -320,6 +322,15 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
         lines.append(f"round_agreement weight_divergence {fmt.value} {spearman(wd(0), wd(1)):.3f}")
         lines.append(f"round_agreement weight_divergence_exact {fmt.value} {spearman(wd_exact(0), wd_exact(1)):.3f}")
         lines.append(f"round_agreement loss_divergence {fmt.value} {spearman(ld(0), ld(1)):.3f}")
+        # Rounds 0 and 1 alone can hinge on one unusual batch: every pair, and every round against the truth.
+        pairs = [(a, b) for a in range(rounds) for b in range(a + 1, rounds)]
+        for key, fn in (("loss_divergence", ld), ("weight_divergence", wd)):
+            if pairs:
+                lines.append(f"round_agreement_median {key} {fmt.value} "
+                             f"{statistics.median(spearman(fn(a), fn(b)) for a, b in pairs):.3f}")
+        lines.append(f"# [{name}] {fmt.value}: WD of each round vs the truth: "
+                     + ", ".join(f"{spearman(wd(r), wd_truth):.3f}" for r in range(rounds))
+                     + "; LD: " + ", ".join(f"{spearman(ld(r), truth):.3f}" for r in range(rounds)))
         for key, value in out.items():
             lines.append(f"spearman_out {key} {fmt.value} {value:.3f}")
         lines.append(f"ceiling loss {fmt.value} {spearman(truth_ld(per_batch[:half]), truth_ld(per_batch[half:])):.3f}")

@@ -26,6 +26,8 @@ def test_fidelity_quick_prints_out_of_sample_lines_per_model_and_format():
             assert {c for c, _ in ceilings} == {"loss", "weights", "weights_seeds", "weights_one_batch_vs_another"}
             assert ("weight_divergence_one_batch_truth", fmt, model) in names
             assert re.search(rf"^round_agreement loss_divergence {fmt} {number} {model}$", proc.stdout, re.M)
+            for est in ("loss_divergence", "weight_divergence"):  # over every pair of rounds
+                assert re.search(rf"^round_agreement_median {est} {fmt} {number} {model}$", proc.stdout, re.M)
     assert not proc.stdout.strip().splitlines()[-1].startswith("#")
 
 
