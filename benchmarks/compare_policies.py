@@ -270,7 +270,7 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
         config = SNIPConfig(warmup_steps=s.pretrain_steps, interval=s.snip_interval, apply_delay=1, fp4_fraction=fraction,
                             candidate_formats=CANDIDATES, initial_format="fp8", pins=PINS, granularity=granularity,
                             first_order_steps=min(32, s.snip_interval - 1),
-                            weight_divergence_weight=float(lam) if lam else SNIPConfig().weight_divergence_weight)
+                            **({"weight_divergence_weight": float(lam)} if lam else {}))
         callback = SNIPCallback(config)
     else:
         plan = fixed_plan(policy, fraction, seed, DemoLM(_model_config(s)), s, measured)

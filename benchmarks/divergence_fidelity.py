@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import platform
 import statistics
@@ -323,7 +324,7 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
         lines.append(f"round_agreement weight_divergence_exact {fmt.value} {spearman(wd_exact(0), wd_exact(1)):.3f}")
         lines.append(f"round_agreement loss_divergence {fmt.value} {spearman(ld(0), ld(1)):.3f}")
         # Rounds 0 and 1 alone can hinge on one unusual batch: every pair, and every round against the truth.
-        pairs = [(a, b) for a in range(rounds) for b in range(a + 1, rounds)]
+        pairs = list(itertools.combinations(range(rounds), 2))
         for key, fn in (("loss_divergence", ld), ("weight_divergence", wd)):
             if pairs:
                 lines.append(f"round_agreement_median {key} {fmt.value} "
