@@ -33,7 +33,13 @@ field names the model, demo or deep):
     round_agreement <estimator> <format> <value> (two rounds on two batches)
     round_agreement_median <estimator> <format> <value> (median over every pair of rounds)
 
-    python benchmarks/divergence_fidelity.py [--quick] [--models demo deep] [--seed 0]
+    python benchmarks/divergence_fidelity.py [--quick] [--models demo deep] [--seed 0] [--dump RAW.json]
+
+``--settings-study RAW.json --settings 8x2,4x2``: a round's cost against its fidelity. Replays the
+rounds of a --dump run (same seed and arguments: the rounds' losses are checked against the dump's)
+under each <WD probes>x<curvature draws> setting and prints, against the dump's truths,
+    settings <setting> <format> <round / hp step> <LD median round> <LD aggregate> <WD median round>
+             <WD aggregate> <LD round agreement, median pair> <WD round agreement> <model>
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import platform
 import statistics
 import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -162,11 +169,24 @@ def update_deviation(model, opt, layers, batch, sr_seeds: int, formats=FORMATS) 
     return out
 
 
-def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool) -> list[str]:
+@dataclass
+class Checkpoint:
+    """A briefly trained model at the point every round and truth is measured, and its data streams."""
+
+    model: TinyLlama
+    opt: torch.optim.Optimizer
+    layers: dict
+    data: object  # training batches, continuing where training stopped
+    held: object  # held-out batches
+    batch_size: int
+    seq_len: int
+    max_rows: int
+    first_steps: int
+
+
+def train_checkpoint(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool) -> Checkpoint:
+    """The model trained ``args.train_steps`` steps in high precision (deterministic for a seed)."""
     train_steps, batch_size, seq_len = (60, 8, 64) if quick else (args.train_steps, 16, 128)
-    rounds, held_out, sr_seeds, wd_batches = (2, 8, 2, 2) if quick else (
-        args.rounds, args.held_out, args.sr_seeds, args.wd_batches)
-    max_rows = 256 if quick else args.max_rows
     torch.manual_seed(args.seed)
     train, val = split_corpus(load_corpus(corpus), 0.05)
     if not args.tail:
@@ -183,9 +203,32 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
         loss.backward()
         opt.step()
     print(f"# [{name}] model {cfg}, corpus {corpus or 'stdlib'}, trained {train_steps} steps "
-          f"({time.perf_counter() - start:.0f} s): loss {loss.item():.3f}; batch {batch_size}x{seq_len}, "
-          f"max_rows {max_rows}, rounds {rounds}, held-out batches {held_out} (LD), {wd_batches} x {sr_seeds} sr seeds (WD)", flush=True)
-    layers = convert_linears(model)
+          f"({time.perf_counter() - start:.0f} s): loss {loss.item():.3f}; batch {batch_size}x{seq_len}", flush=True)
+    return Checkpoint(model=model, opt=opt, layers=convert_linears(model), data=data, held=held, batch_size=batch_size,
+                      seq_len=seq_len, max_rows=256 if quick else args.max_rows,
+                      first_steps=4 if quick else args.first_order_steps)
+
+
+def round_inputs(ck: Checkpoint, terms: FirstOrderTerms, sampler: FirstOrderSampler):
+    """The next round's evidence, as the callback gathers it: the first-order term sampled on
+    first_steps training batches (here at the same checkpoint, no optimizer step), then the round's
+    own slice. Returns (history, slice, seconds per sampled step)."""
+    start = time.perf_counter()
+    for step in range(ck.first_steps):
+        with sampler.recording(offset=step):
+            ck.model.loss(next(ck.data)).backward()
+        ck.model.zero_grad(set_to_none=True)
+    seconds = (time.perf_counter() - start) / max(ck.first_steps, 1)
+    return terms.take(), slice_batch(next(ck.data), ck.max_rows), seconds
+
+
+def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool) -> list[str]:
+    rounds, held_out, sr_seeds, wd_batches = (2, 8, 2, 2) if quick else (
+        args.rounds, args.held_out, args.sr_seeds, args.wd_batches)
+    ck = train_checkpoint(name, cfg, corpus, args, quick)
+    model, opt, layers, held, max_rows = ck.model, ck.opt, ck.layers, ck.held, ck.max_rows
+    print(f"# [{name}] max_rows {max_rows}, rounds {rounds}, held-out batches {held_out} (LD), "
+          f"{wd_batches} x {sr_seeds} sr seeds (WD)", flush=True)
     fqns = list(layers)
 
     # R statistics rounds on R training batches, at the same checkpoint. Before each, the first-order
@@ -195,17 +238,11 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
     results_exact, exact_seconds = [], []
     terms = FirstOrderTerms(FORMATS)
     sampler = FirstOrderSampler(layers, args.first_order_rows, terms.add)
-    first_steps = 4 if quick else args.first_order_steps
+    first_steps = ck.first_steps
     for r in range(rounds):
-        start = time.perf_counter()
-        for step in range(first_steps):
-            with sampler.recording(offset=step):
-                model.loss(next(data)).backward()
-            model.zero_grad(set_to_none=True)
-        history = terms.take()
+        history, sliced, per_step = round_inputs(ck, terms, sampler)
         histories.append(history)
-        sample_seconds.append((time.perf_counter() - start) / max(first_steps, 1))
-        sliced = slice_batch(next(data), max_rows)
+        sample_seconds.append(per_step)
         start = time.perf_counter()
         stats = collect_stats(model, lambda: model.loss(sliced), layers=layers, optimizer=opt)
         results.append(estimate_divergence(stats, FORMATS, noise_draws=args.noise_draws, first_order_history=history,
@@ -386,6 +423,101 @@ def history_study(raw: dict) -> list[str]:
     return lines
 
 
+def parse_settings(text: str) -> list[tuple[int, int]]:
+    """"8x2,4x1" -> [(8, 2), (4, 1)]: (WD probes, curvature draws) per setting."""
+    out = []
+    for item in text.split(","):
+        probes, _, draws = item.partition("x")
+        if not (probes.isdigit() and draws.isdigit() and int(probes) >= 1 and int(draws) >= 0):
+            raise SystemExit(f"--settings: invalid item {item!r}; allowed: <probes>x<draws>, e.g. 8x2,4x1 "
+                             "(probes >= 1, draws >= 0)")
+        out.append((int(probes), int(draws)))
+    return out
+
+
+def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: dict) -> list[str]:
+    """A round's cost against its fidelity: the rounds of a --dump run, replayed at the same
+    checkpoint (same seed, same training, same batches: checked by the rounds' losses) under several
+    (probes, curvature draws) settings, each against the dump's truths. Every setting sees the same
+    slice and first-order history in each round; its seconds are the median over the rounds, and the
+    unit is a high-precision training step (forward, backward, AdamW) of the full batch, timed on a
+    copy of the model in the same run."""
+    settings = parse_settings(args.settings)
+    ck = train_checkpoint(name, cfg, corpus, args, args.quick)
+    fqns = list(ck.layers)
+    if fqns != raw["fqns"]:
+        raise SystemExit(f"--settings-study: the dump's {name} layers differ from this model's")
+    rounds = len(raw["round_loss"])
+    terms = FirstOrderTerms(FORMATS)
+    sampler = FirstOrderSampler(ck.layers, args.first_order_rows, terms.add)
+    results = {s: [] for s in settings}
+    seconds = {s: [] for s in settings}
+    twin = copy.deepcopy(ck.model)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=3e-3, weight_decay=0.1)
+    twin_opt.load_state_dict(ck.opt.state_dict())
+    hp = []
+    for r in range(rounds):
+        history, sliced, _ = round_inputs(ck, terms, sampler)
+        if r == 0:  # untimed: compiled quantizers and first-call allocations
+            collect_stats(ck.model, lambda: ck.model.loss(sliced), layers=ck.layers, optimizer=ck.opt).release()
+            estimate_divergence(collect_stats(ck.model, lambda: ck.model.loss(sliced), layers=ck.layers,
+                                              optimizer=ck.opt), FORMATS, probes=1, noise_draws=1)
+        full = next(batches_like(ck))
+        start = time.perf_counter()
+        twin_opt.zero_grad()
+        twin.loss(full).backward()
+        twin_opt.step()
+        hp.append(time.perf_counter() - start)
+        for probes, draws in settings:
+            start = time.perf_counter()
+            stats = collect_stats(ck.model, lambda: ck.model.loss(sliced), layers=ck.layers, optimizer=ck.opt)
+            res = estimate_divergence(stats, FORMATS, noise_draws=draws, first_order_history=history,
+                                      generator=torch.Generator().manual_seed(args.seed + r), probes=probes)
+            stats.release()
+            seconds[probes, draws].append(time.perf_counter() - start)
+            if abs(res.loss - raw["round_loss"][r]) > 1e-5 * abs(raw["round_loss"][r]):
+                raise SystemExit(f"--settings-study: round {r} loss {res.loss} != the dump's {raw['round_loss'][r]}: "
+                                 "not the dump's checkpoint (other seed, code or arguments)")
+            results[probes, draws].append(res)
+    hp_step = statistics.median(hp)
+    lines = [f"# [{name}] settings study: {rounds} rounds replayed (losses match the dump), high-precision "
+             f"step {hp_step:.3f} s (median of {rounds}, {ck.batch_size}x{ck.seq_len} rows)"]
+    for fmt in FORMATS:
+        truth_ld = [sum(b[i] for b in raw["loss_increase"][fmt.value]) / len(raw["loss_increase"][fmt.value])
+                    for i in range(len(fqns))]
+        dev = raw["update_deviation"][fmt.value]
+        truth_wd = [sum(sum(b[i]) / len(b[i]) for b in dev) / len(dev) for i in range(len(fqns))]
+        for (probes, draws), res in results.items():
+            def ld(r, clamp=True):  # the aggregate averages unclamped values and clamps after, as the callback
+                return [res[r].layers[f].loss_divergence_as(DEFAULT_ESTIMATOR, clamp=clamp)[fmt] for f in fqns]
+
+            def wd(r):
+                return [res[r].layers[f].weight_divergence[fmt] for f in fqns]
+
+            agg = DivergenceAggregate(SNIPConfig().aggregate_decay)
+            for r in range(rounds):
+                agg.update({"loss_divergence": {f: {fmt.value: v} for f, v in zip(fqns, ld(r, clamp=False))},
+                            "weight_divergence": {f: {fmt.value: v} for f, v in zip(fqns, wd(r))}})
+            pairs = list(itertools.combinations(range(rounds), 2))
+            row = [
+                statistics.median(seconds[probes, draws]) / hp_step,
+                statistics.median(spearman(ld(r), truth_ld) for r in range(rounds)),
+                spearman([max(0.0, agg.values("loss_divergence")[f][fmt.value]) for f in fqns], truth_ld),
+                statistics.median(spearman(wd(r), truth_wd) for r in range(rounds)),
+                spearman([agg.values("weight_divergence")[f][fmt.value] for f in fqns], truth_wd),
+                statistics.median(spearman(ld(a), ld(b)) for a, b in pairs),
+                statistics.median(spearman(wd(a), wd(b)) for a, b in pairs),
+            ]
+            lines.append(f"settings {probes}x{draws} {fmt.value} " + " ".join(f"{v:.3f}" for v in row) + f" {name}")
+    return lines
+
+
+def batches_like(ck: Checkpoint):
+    """Full training batches from a stream of their own (the high-precision step's timing)."""
+    return batches(ByteWindows(torch.randint(0, 256, (1 << 16,), generator=torch.Generator().manual_seed(7)),
+                               ck.seq_len), ck.batch_size, torch.Generator().manual_seed(8))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small models, few batches (about 2 minutes)")
@@ -409,6 +541,11 @@ def main() -> None:
     parser.add_argument("--first-order-rows", type=int, default=SNIPConfig().first_order_rows,
                         help="token rows sampled per such batch (snip.first_order_rows)")
     parser.add_argument("--dump", help="write the raw per-layer values to this JSON file")
+    parser.add_argument("--settings-study", metavar="DUMP",
+                        help="replay the rounds of a --dump run under --settings and print their cost and fidelity "
+                             "against the dump's truths (same seed and arguments as the dump's run)")
+    parser.add_argument("--settings", default="8x2,4x2,8x1,4x1,2x1",
+                        help="<probes>x<curvature draws> per setting of --settings-study")
     parser.add_argument("--history-study", metavar="DUMP",
                         help="print the accumulated estimator's fidelity vs the number of sampled batches from a --dump file, and exit")
     args = parser.parse_args()
@@ -426,6 +563,15 @@ def main() -> None:
     if args.quick:
         models = {"demo": (LlamaConfig(dim=64, num_layers=2, hidden_dim=160), None),
                   "deep": (LlamaConfig(dim=64, num_layers=3, hidden_dim=160), second_corpus())}
+    if args.settings_study:
+        dump = json.loads(Path(args.settings_study).read_text())
+        lines = []
+        for name in args.models:
+            lines += settings_study(name, *models[name], args, dump[name])
+        print("# settings <probes>x<draws> <format> <round / hp step> <LD vs truth, median round> <LD aggregate> "
+              "<WD median round> <WD aggregate> <LD round agreement, median pair> <WD round agreement> <model>")
+        print("\n".join(sorted(lines, key=lambda line: not line.startswith("#"))))
+        return
     lines, raw = [], {}
     for name in args.models:
         cfg, corpus = models[name]

@@ -3,7 +3,7 @@
 For the demo architecture at several depths and two widths, each configuration in its own
 subprocess (so its peak RSS is its own): a model with AdamW state, a 2048-row batch (16 x 128
 tokens) and the callback's defaults (SNIPConfig(): max_rows 1024, candidates fp8 and mxfp4, 2 noise
-draws per format, 8 forward-mode probes). Measured:
+draws per format, SNIPConfig().wd_probes forward-mode probes). Measured:
 
 - round time / the high-precision training step on the 2048-row batch (forward, backward, AdamW);
 - round time / the same step with every layer in emulated mxfp4;
@@ -18,15 +18,21 @@ draws per format, 8 forward-mode probes). Measured:
 ``--exact-max-blocks``: also the EXACT propagation (one vector-Jacobian product per layer), the
 round before issue 11, at depths up to that.
 
+``--variants 8,8plain``: also time, interleaved with the default round in the same process, a round
+with that many WD probes; ``plain``: with the probe pass's zero-tangent fix turned off
+(stats._DenseZeroTangents a pass-through: the probe pass as before 2026-11-30's afternoon).
+
     python benchmarks/stats_cost.py [--blocks 2,4,8,16,32] [--widths 128,256] [--repeats 2] [--quick]
 
 Prints ``round_cost <blocks> <hp_steps> <emulated_steps> <extra_mib> width=<w>``, ``memory_bound ...``,
-``round_cost_exact ...`` and ``depth_scaling <width> <hp_steps at max depth / at 4 blocks>``.
+``round_cost_exact ...``, ``round_variant <blocks> <variant> <hp_steps> <emulated_steps> width=<w>`` and
+``depth_scaling <width> <hp_steps at max depth / at 4 blocks>``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -78,7 +84,32 @@ def _peak_rise(fn) -> float:
     return _rss_mib()[1] - before
 
 
-def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, mode: str) -> dict:
+def parse_variants(text: str) -> list[tuple[int, bool]]:
+    """"8,8plain" -> [(8, False), (8, True)]: (WD probes, without the zero-tangent fix)."""
+    out = []
+    for item in filter(None, text.split(",")):
+        number = item.removesuffix("plain")
+        if not number.isdigit() or int(number) < 1:
+            raise SystemExit(f"--variants: invalid item {item!r}; allowed: <probes>[plain], e.g. 8,8plain")
+        out.append((int(number), item.endswith("plain")))
+    return out
+
+
+@contextlib.contextmanager
+def zero_tangent_fix(enabled: bool):
+    from lightning_snip.stats import _DenseZeroTangents
+
+    real = _DenseZeroTangents.__torch_function__
+    if not enabled:
+        _DenseZeroTangents.__torch_function__ = lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {}))
+    try:
+        yield
+    finally:
+        _DenseZeroTangents.__torch_function__ = real
+
+
+def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, mode: str,
+                variants: list[tuple[int, bool]] = ()) -> dict:
     torch.manual_seed(seed)
     cfg = SNIPConfig()
     model = TinyLlama(model_config(width, blocks))
@@ -101,12 +132,12 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
         for layer in layers.values():
             layer.format = Format.BF16
 
-    def round_on(b, propagation: Propagation):
+    def round_on(b, propagation: Propagation, probes: int = cfg.wd_probes):
         sliced = slice_batch(b, cfg.max_rows)
         stats = collect_stats(model, lambda: loss_of(sliced), layers=layers, optimizer=opt, propagation=propagation)
         try:
             estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
-                                noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator, probes=cfg.wd_probes,
+                                noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator, probes=probes,
                                 generator=torch.Generator().manual_seed(seed))
         finally:
             stats.release()
@@ -136,15 +167,20 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
         return time.perf_counter() - start
 
     hp, emulated, probe, exact_times = [], [], [], []
+    variant_times = {v: [] for v in variants}
     for _ in range(repeats):  # interleaved: the machine is shared
         hp.append(timed(lambda: step(batch, Format.BF16)))
         emulated.append(timed(lambda: step(batch, Format.MXFP4)))
         probe.append(timed(lambda: round_on(batch, Propagation.PROBE)))
+        for (probes, plain), times in variant_times.items():
+            with zero_tangent_fix(not plain):
+                times.append(timed(lambda: round_on(batch, Propagation.PROBE, probes)))
         if exact:
             exact_times.append(timed(lambda: round_on(batch, Propagation.EXACT)))
     out["hp_step_seconds"] = statistics.median(hp)
     out["emulated_step_seconds"] = statistics.median(emulated)
     out["round_seconds"] = statistics.median(probe)
+    out["variants"] = [[probes, plain, statistics.median(t)] for (probes, plain), t in variant_times.items()]
     if exact:
         out["round_seconds_exact"] = statistics.median(exact_times)
     return out
@@ -159,13 +195,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="2 and 4 blocks, width 64, one repeat")
+    parser.add_argument("--variants", default="", help="also time rounds with these WD probes, e.g. 8,8plain")
     parser.add_argument("--one", nargs=2, type=int, metavar=("WIDTH", "BLOCKS"), help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=["memory", "time"], default="time", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.one:
         width, blocks = args.one
-        result = measure_one(width, blocks, args.repeats, blocks <= args.exact_max_blocks, args.seed, args.mode)
+        result = measure_one(width, blocks, args.repeats, blocks <= args.exact_max_blocks, args.seed, args.mode,
+                             parse_variants(args.variants))
         print(json.dumps(result))
         return
     if args.quick:
@@ -174,7 +212,8 @@ def main() -> None:
     widths = [int(w) for w in args.widths.split(",")]
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.machine()} python "
           f"{platform.python_version()} torch {torch.__version__}; {args.threads} thread(s); seed {args.seed}; "
-          f"median of {args.repeats} repeat(s); batch {BATCH}x{SEQ_LEN}; SNIPConfig() defaults", flush=True)
+          f"median of {args.repeats} repeat(s); batch {BATCH}x{SEQ_LEN}; SNIPConfig() defaults (wd_probes "
+          f"{SNIPConfig().wd_probes}); variants {args.variants or 'none'}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     results = []
     for width in widths:
@@ -183,7 +222,7 @@ def main() -> None:
             for mode in ("memory", "time"):
                 cmd = [sys.executable, __file__, "--one", str(width), str(blocks), "--repeats", str(args.repeats),
                        "--exact-max-blocks", str(args.exact_max_blocks), "--threads", str(args.threads),
-                       "--seed", str(args.seed), "--mode", mode]
+                       "--seed", str(args.seed), "--mode", mode, "--variants", args.variants]
                 mode_env = {**env, "MALLOC_MMAP_THRESHOLD_": "65536"} if mode == "memory" else env
                 proc = subprocess.run(cmd, env=mode_env, capture_output=True, text=True)
                 if proc.returncode != 0:
@@ -202,6 +241,9 @@ def main() -> None:
         print(f"round_cost {b} {hp:.2f} {emulated:.2f} {r['round_extra_mib']:.1f} width={w}")
         bound = r["block_param_mib"] + 4 * r["slice_activation_mib"]
         print(f"memory_bound {b} {r['round_extra_mib']:.1f} {bound:.1f} width={w}")
+        for probes, plain, seconds in r.get("variants", []):
+            print(f"round_variant {b} {probes}{'plain' if plain else ''} {seconds / r['hp_step_seconds']:.2f} "
+                  f"{seconds / r['emulated_step_seconds']:.2f} width={w}")
         if "round_seconds_exact" in r:
             print(f"round_cost_exact {b} {r['round_seconds_exact'] / r['hp_step_seconds']:.2f} "
                   f"{r['round_seconds_exact'] / r['emulated_step_seconds']:.2f} {r['round_extra_mib_exact']:.1f} width={w}")

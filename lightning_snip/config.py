@@ -75,6 +75,8 @@ class SNIPConfig:
             copy of every gradient; for small models). See lightning_snip.stats.Propagation.
         wd_probes: forward-mode probes per round (probe): the propagated term's relative standard
             error per layer and round is at most sqrt(2 / wd_probes); rounds are aggregated after.
+            4 by measurement: 8 ranked layers within 0.00-0.02 of 4 out of sample, at 1.3-1.4x the
+            round's cost (benchmarks/results/round_settings_2026-11-30.md).
         aggregate_decay: EMA decay of LD and WD over statistics rounds, in [0, 1); plans are solved on
             the aggregate (0: the last round alone). See lightning_snip.aggregate.
         weight_divergence_weight: lambda in LD + lambda * WD (default 0.1, by measurement; the method
@@ -117,7 +119,7 @@ class SNIPConfig:
     first_order_steps: int = 32
     first_order_rows: int = 256
     wd_propagation: str = "probe"
-    wd_probes: int = 8
+    wd_probes: int = 4
     aggregate_decay: float = 0.5
     weight_divergence_weight: float = DEFAULT_WEIGHT_DIVERGENCE_WEIGHT
     time_limit_seconds: float = 10.0

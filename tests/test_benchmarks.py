@@ -8,9 +8,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_fidelity_quick_prints_out_of_sample_lines_per_model_and_format():
-    proc = subprocess.run([sys.executable, "benchmarks/divergence_fidelity.py", "--quick"], cwd=ROOT,
+def _fidelity(*args):
+    return subprocess.run([sys.executable, "benchmarks/divergence_fidelity.py", "--quick", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+
+
+def test_fidelity_quick_prints_out_of_sample_lines_per_model_and_format(tmp_path):
+    proc = _fidelity("--dump", str(tmp_path / "raw.json"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     number = r"(-?[0-9.]+|nan)"
     spearman = re.findall(rf"^spearman_out (\w+) (mxfp4|nvfp4) {number} (demo|deep)$", proc.stdout, re.M)
@@ -29,6 +33,19 @@ def test_fidelity_quick_prints_out_of_sample_lines_per_model_and_format():
             for est in ("loss_divergence", "weight_divergence"):  # over every pair of rounds
                 assert re.search(rf"^round_agreement_median {est} {fmt} {number} {model}$", proc.stdout, re.M)
     assert not proc.stdout.strip().splitlines()[-1].startswith("#")
+
+    # The settings study replays the dump's rounds (checked by their losses) under other settings.
+    study = _fidelity("--models", "demo", "--settings-study", str(tmp_path / "raw.json"), "--settings", "1x0,2x1")
+    assert study.returncode == 0, study.stderr[-3000:]
+    rows = re.findall(rf"^settings (\d+x\d+) (mxfp4|nvfp4) {number} {number} {number} {number} {number} {number} {number} demo$",
+                      study.stdout, re.M)
+    assert {(s, f) for s, f, *_ in rows} == {(s, f) for s in ("1x0", "2x1") for f in ("mxfp4", "nvfp4")}
+    assert all(float(r[2]) > 0 for r in rows)  # the round's cost in high-precision steps
+    other_seed = _fidelity("--models", "demo", "--seed", "1", "--settings-study", str(tmp_path / "raw.json"),
+                           "--settings", "1x0")
+    assert other_seed.returncode != 0 and "not the dump's checkpoint" in other_seed.stderr
+    bad = _fidelity("--models", "demo", "--settings-study", str(tmp_path / "raw.json"), "--settings", "4y2")
+    assert bad.returncode != 0 and "--settings: invalid item '4y2'" in bad.stderr
 
 
 def _compare_policies():

@@ -537,3 +537,72 @@ def test_probe_signs_are_independent_across_parameters_and_probes():
     assert torch.equal(a, again)  # the same tangent wherever the parameter is used (tied weights)
     for other in (b, other_probe):
         assert abs(float((a * other).mean())) < 0.1  # 1024 signs: independent gives |mean| ~ 0.03
+
+
+def test_zero_tangent_mode_hands_plain_operands_a_zero_tangent_and_changes_no_number():
+    """_DenseZeroTangents (a speed fix of the probe pass: a plain operand's missing tangent otherwise
+    takes torch's Python meta path, ~0.5-1 ms per op): the op must receive both operands as duals, and
+    primal, tangent and dtype must be those of the op without the mode."""
+    import torch.autograd.forward_ad as fwAD
+    from torch.overrides import TorchFunctionMode
+
+    from lightning_snip.stats import _DenseZeroTangents
+
+    seen = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.mul:
+                seen.append([fwAD.unpack_dual(a).tangent is not None for a in args if isinstance(a, torch.Tensor)])
+            return func(*args, **(kwargs or {}))
+
+    x, t, plain = torch.randn(4, 3, 8), torch.randn(4, 3, 8), torch.randn(3, 8)
+    with fwAD.dual_level():
+        cases = {
+            "broadcast": lambda d: torch.mul(d, plain),
+            "reflected": lambda d: plain * d,
+            "scalar": lambda d: d + 1e-6,
+            "rsub": lambda d: 1.0 - d,
+            "div": lambda d: d / (plain.abs() + 1),
+            "int": lambda d: d * torch.arange(8),
+        }
+        for name, fn in cases.items():
+            want = fwAD.unpack_dual(fn(fwAD.make_dual(x, t)))
+            with Spy(), _DenseZeroTangents():
+                got = fwAD.unpack_dual(fn(fwAD.make_dual(x, t)))
+            assert torch.equal(got.primal, want.primal) and torch.equal(got.tangent, want.tangent), name
+        assert seen[0] == [True, True]  # the plain operand arrived with a (zero) tangent
+        low = fwAD.make_dual(x.bfloat16(), t.bfloat16())
+        with _DenseZeroTangents():
+            out = fwAD.unpack_dual(low + 1e-6)
+        assert out.primal.dtype == out.tangent.dtype == torch.bfloat16  # a Python number promotes as before
+        assert torch.equal(out.primal, x.bfloat16() + 1e-6)
+
+
+def test_probes_are_the_same_numbers_with_and_without_the_zero_tangent_mode(monkeypatch):
+    """The demo model (RoPE tables and norms' eps: plain operands in every block) probed with the
+    mode and with it reduced to a pass-through: the same propagated terms, bit for bit."""
+    from lightning_snip.demo.model import LlamaConfig, TinyLlama
+    from lightning_snip.stats import _DenseZeroTangents
+
+    torch.manual_seed(0)
+    model = TinyLlama(LlamaConfig(dim=64, num_layers=2, num_heads=2, num_kv_heads=1, hidden_dim=128))
+    tokens = torch.randint(0, 256, (2, 33))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        opt.zero_grad()
+        model.loss((tokens[:, :-1], tokens[:, 1:])).backward()
+        opt.step()
+    layers = convert_linears(model)
+
+    def propagated():
+        stats = collect_stats(model, lambda: model.loss((tokens[:, :-1], tokens[:, 1:])), layers=layers, optimizer=opt)
+        result = estimate_divergence(stats, [Format.MXFP4], noise_draws=0, probes=2,
+                                     generator=torch.Generator().manual_seed(0))
+        return {fqn: d.wd_propagated[Format.MXFP4] for fqn, d in result.layers.items()}
+
+    with_mode = propagated()
+    monkeypatch.setattr(_DenseZeroTangents, "__torch_function__",
+                        lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {})))
+    assert propagated() == with_mode
+    assert all(v > 0 for v in with_mode.values())
