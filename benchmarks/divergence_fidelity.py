@@ -37,9 +37,12 @@ field names the model, demo or deep):
 
 ``--settings-study RAW.json --settings 8x2,4x2``: a round's cost against its fidelity. Replays the
 rounds of a --dump run (same seed and arguments: the rounds' losses are checked against the dump's)
-under each <WD probes>x<curvature draws> setting and prints, against the dump's truths,
+under each <WD probes>x<curvature draws> setting (<probes>xfisher: the Fisher curvature, no pass)
+and prints, against the dump's truths,
     settings <setting> <format> <round / hp step> <LD median round> <LD aggregate> <WD median round>
              <WD aggregate> <LD round agreement, median pair> <WD round agreement> <model>
+(aggregate: the callback's EMA after each round from the 4th on, median over them; ``--extra-rounds N``
+adds N rounds on the next training batches).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ from lightning_snip.demo.data import ByteWindows, load_corpus, split_corpus
 from lightning_snip.demo.model import LlamaConfig, TinyLlama
 from lightning_snip.aggregate import DivergenceAggregate
 from lightning_snip.config import SNIPConfig
-from lightning_snip.divergence import FirstOrderTerms, LossEstimator, estimate_divergence
+from lightning_snip.divergence import CurvatureProbe, FirstOrderTerms, LossEstimator, estimate_divergence
 from lightning_snip.formats import Format
 from lightning_snip.stats import FirstOrderSampler, Propagation, collect_stats, slice_batch
 
@@ -423,15 +426,16 @@ def history_study(raw: dict) -> list[str]:
     return lines
 
 
-def parse_settings(text: str) -> list[tuple[int, int]]:
-    """"8x2,4x1" -> [(8, 2), (4, 1)]: (WD probes, curvature draws) per setting."""
+def parse_settings(text: str) -> list[tuple[int, int | str]]:
+    """"8x2,4xfisher" -> [(8, 2), (4, "fisher")]: (WD probes, curvature draws of the error probe, or
+    "fisher": CurvatureProbe.FISHER, no curvature pass) per setting."""
     out = []
     for item in text.split(","):
         probes, _, draws = item.partition("x")
-        if not (probes.isdigit() and draws.isdigit() and int(probes) >= 1 and int(draws) >= 0):
-            raise SystemExit(f"--settings: invalid item {item!r}; allowed: <probes>x<draws>, e.g. 8x2,4x1 "
-                             "(probes >= 1, draws >= 0)")
-        out.append((int(probes), int(draws)))
+        if not (probes.isdigit() and int(probes) >= 1 and (draws == "fisher" or draws.isdigit())):
+            raise SystemExit(f"--settings: invalid item {item!r}; allowed: <probes>x<draws> or <probes>xfisher, "
+                             "e.g. 8x2,4xfisher (probes >= 1, draws >= 0)")
+        out.append((int(probes), draws if draws == "fisher" else int(draws)))
     return out
 
 
@@ -447,7 +451,8 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
     fqns = list(ck.layers)
     if fqns != raw["fqns"]:
         raise SystemExit(f"--settings-study: the dump's {name} layers differ from this model's")
-    rounds = len(raw["round_loss"])
+    replayed = len(raw["round_loss"])
+    rounds = replayed + args.extra_rounds  # extra rounds: the next training batches (their truths are the same)
     terms = FirstOrderTerms(FORMATS)
     sampler = FirstOrderSampler(ck.layers, args.first_order_rows, terms.add)
     results = {s: [] for s in settings}
@@ -471,16 +476,19 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
         for probes, draws in settings:
             start = time.perf_counter()
             stats = collect_stats(ck.model, lambda: ck.model.loss(sliced), layers=ck.layers, optimizer=ck.opt)
-            res = estimate_divergence(stats, FORMATS, noise_draws=draws, first_order_history=history,
+            curvature = CurvatureProbe.FISHER if draws == "fisher" else CurvatureProbe.ERROR
+            res = estimate_divergence(stats, FORMATS, noise_draws=0 if draws == "fisher" else draws,
+                                      curvature_probe=curvature, first_order_history=history,
                                       generator=torch.Generator().manual_seed(args.seed + r), probes=probes)
             stats.release()
             seconds[probes, draws].append(time.perf_counter() - start)
-            if abs(res.loss - raw["round_loss"][r]) > 1e-5 * abs(raw["round_loss"][r]):
+            if r < replayed and abs(res.loss - raw["round_loss"][r]) > 1e-5 * abs(raw["round_loss"][r]):
                 raise SystemExit(f"--settings-study: round {r} loss {res.loss} != the dump's {raw['round_loss'][r]}: "
                                  "not the dump's checkpoint (other seed, code or arguments)")
             results[probes, draws].append(res)
     hp_step = statistics.median(hp)
-    lines = [f"# [{name}] settings study: {rounds} rounds replayed (losses match the dump), high-precision "
+    lines = [f"# [{name}] settings study: {replayed} rounds replayed (losses match the dump) + {args.extra_rounds} "
+             f"more, high-precision "
              f"step {hp_step:.3f} s (median of {rounds}, {ck.batch_size}x{ck.seq_len} rows)"]
     for fmt in FORMATS:
         truth_ld = [sum(b[i] for b in raw["loss_increase"][fmt.value]) / len(raw["loss_increase"][fmt.value])
@@ -494,17 +502,23 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
             def wd(r):
                 return [res[r].layers[f].weight_divergence[fmt] for f in fqns]
 
+            # The aggregate the callback plans from, after each round from the 4th on (the last round
+            # weighs half: one aggregate is not much steadier than one round): the median over them.
             agg = DivergenceAggregate(SNIPConfig().aggregate_decay)
+            agg_ld, agg_wd = [], []
             for r in range(rounds):
                 agg.update({"loss_divergence": {f: {fmt.value: v} for f, v in zip(fqns, ld(r, clamp=False))},
                             "weight_divergence": {f: {fmt.value: v} for f, v in zip(fqns, wd(r))}})
+                if r >= min(3, rounds - 1):
+                    agg_ld.append(spearman([max(0.0, agg.values("loss_divergence")[f][fmt.value]) for f in fqns], truth_ld))
+                    agg_wd.append(spearman([agg.values("weight_divergence")[f][fmt.value] for f in fqns], truth_wd))
             pairs = list(itertools.combinations(range(rounds), 2))
             row = [
                 statistics.median(seconds[probes, draws]) / hp_step,
                 statistics.median(spearman(ld(r), truth_ld) for r in range(rounds)),
-                spearman([max(0.0, agg.values("loss_divergence")[f][fmt.value]) for f in fqns], truth_ld),
+                statistics.median(agg_ld),
                 statistics.median(spearman(wd(r), truth_wd) for r in range(rounds)),
-                spearman([agg.values("weight_divergence")[f][fmt.value] for f in fqns], truth_wd),
+                statistics.median(agg_wd),
                 statistics.median(spearman(ld(a), ld(b)) for a, b in pairs),
                 statistics.median(spearman(wd(a), wd(b)) for a, b in pairs),
             ]
@@ -544,8 +558,10 @@ def main() -> None:
     parser.add_argument("--settings-study", metavar="DUMP",
                         help="replay the rounds of a --dump run under --settings and print their cost and fidelity "
                              "against the dump's truths (same seed and arguments as the dump's run)")
+    parser.add_argument("--extra-rounds", type=int, default=0,
+                        help="--settings-study: rounds on the next training batches after the dump's")
     parser.add_argument("--settings", default="8x2,4x2,8x1,4x1,2x1",
-                        help="<probes>x<curvature draws> per setting of --settings-study")
+                        help="<probes>x<curvature draws> (or <probes>xfisher) per setting of --settings-study")
     parser.add_argument("--history-study", metavar="DUMP",
                         help="print the accumulated estimator's fidelity vs the number of sampled batches from a --dump file, and exit")
     args = parser.parse_args()

@@ -328,6 +328,7 @@ class SNIPCallback(Callback):
                     try:
                         result = estimate_divergence(
                             stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws, noise_scale=cfg.noise_scale,
+                            curvature_probe=cfg.curvature_probe,
                             loss_estimator=cfg.loss_estimator, first_order_history=self._first_order_history,
                             allowed={fqn: layer.allowed_formats for fqn, layer in self.layers.items()},
                             generator=_round_generator(pl_module.device, step, trainer.global_rank), probes=cfg.wd_probes,

@@ -35,11 +35,11 @@ def test_fidelity_quick_prints_out_of_sample_lines_per_model_and_format(tmp_path
     assert not proc.stdout.strip().splitlines()[-1].startswith("#")
 
     # The settings study replays the dump's rounds (checked by their losses) under other settings.
-    study = _fidelity("--models", "demo", "--settings-study", str(tmp_path / "raw.json"), "--settings", "1x0,2x1")
+    study = _fidelity("--models", "demo", "--settings-study", str(tmp_path / "raw.json"), "--settings", "1xfisher,2x1")
     assert study.returncode == 0, study.stderr[-3000:]
-    rows = re.findall(rf"^settings (\d+x\d+) (mxfp4|nvfp4) {number} {number} {number} {number} {number} {number} {number} demo$",
+    rows = re.findall(rf"^settings (\d+x(?:\d+|fisher)) (mxfp4|nvfp4) {number} {number} {number} {number} {number} {number} {number} demo$",
                       study.stdout, re.M)
-    assert {(s, f) for s, f, *_ in rows} == {(s, f) for s in ("1x0", "2x1") for f in ("mxfp4", "nvfp4")}
+    assert {(s, f) for s, f, *_ in rows} == {(s, f) for s in ("1xfisher", "2x1") for f in ("mxfp4", "nvfp4")}
     assert all(float(r[2]) > 0 for r in rows)  # the round's cost in high-precision steps
     other_seed = _fidelity("--models", "demo", "--seed", "1", "--settings-study", str(tmp_path / "raw.json"),
                            "--settings", "1x0")

@@ -161,6 +161,7 @@ def test_slow_solver_thread_never_blocks_exit(tmp_path, monkeypatch):
         ({"noise_guard_threshold": float("inf")}, "snip.noise_guard_threshold"),
         ({"wd_propagation": "vjp"}, "snip.wd_propagation"),
         ({"wd_probes": 0}, "snip.wd_probes"),
+        ({"curvature_probe": "hessian"}, "snip.curvature_probe"),
     ],
 )
 def test_invalid_config_names_the_field(kw, field):
@@ -476,20 +477,22 @@ def test_guard_threshold_without_the_guard_warns_at_setup(tmp_path, caplog):
     assert any("noise_guard_threshold=3.0 has no effect" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("propagation", ["probe", "exact"])
-def test_wd_propagation_setting_reaches_the_round(tmp_path, monkeypatch, propagation):
+@pytest.mark.parametrize("propagation, curvature", [("probe", "fisher"), ("exact", "error")])
+def test_wd_propagation_and_curvature_settings_reach_the_round(tmp_path, monkeypatch, propagation, curvature):
     import lightning_snip.callback as cb
     import lightning_snip.stats as stats_module
 
     modes, probes = [], []
     real_collect, real_estimate = cb.collect_stats, cb.estimate_divergence
     monkeypatch.setattr(cb, "collect_stats", lambda *a, **kw: modes.append(kw["propagation"]) or real_collect(*a, **kw))
-    monkeypatch.setattr(cb, "estimate_divergence", lambda *a, **kw: probes.append(kw["probes"]) or real_estimate(*a, **kw))
-    snip = SNIPCallback(_snip(wd_propagation=propagation, wd_probes=3))
+    monkeypatch.setattr(cb, "estimate_divergence",
+                        lambda *a, **kw: probes.append((kw["probes"], kw["curvature_probe"])) or real_estimate(*a, **kw))
+    snip = SNIPCallback(_snip(wd_propagation=propagation, wd_probes=3, curvature_probe=curvature))
     _fit(tmp_path, snip, max_steps=4)
-    assert modes == [stats_module.Propagation(propagation)] and probes == [3]
-    wd = snip.history[-1]["divergence"]["layers"]["model.layers.0.mlp.down"]["weight_divergence"]["mxfp4"]
-    assert 0 < wd < math.inf
+    assert modes == [stats_module.Propagation(propagation)] and probes == [(3, curvature)]
+    layer = snip.history[-1]["divergence"]["layers"]["model.layers.0.mlp.down"]
+    assert 0 < layer["weight_divergence"]["mxfp4"] < math.inf
+    assert math.isfinite(layer["loss_divergence"]["mxfp4"])  # unclamped in the history (clamped when planning)
     events = EventAccumulator(glob.glob(str(tmp_path / "tb" / "version_0"))[0])
     events.Reload()
     logged = "snip/wd_probe_rel_stderr" in events.Tags()["scalars"]

@@ -114,6 +114,31 @@ def test_curvature_matches_quadratic_loss():
     assert error.layers["0"].second_order[Format.MXFP4] == pytest.approx(expected, rel=1e-4)
 
 
+def test_fisher_curvature_is_exact_where_the_hessian_is_the_gradients_outer_product(monkeypatch):
+    """For per-token losses l_i = -log(a . y_i), the Hessian of l_i is grad l_i grad l_i^T exactly: the
+    FISHER second-order term (no curvature pass) must equal 1/2 dY^T H dY of the mean loss, with the
+    mean's 1/N; and tokens that the layer's rows hold in 4 samples of 16 change nothing."""
+    from lightning_snip.divergence import CurvatureProbe
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 8, bias=False))
+    with torch.no_grad():
+        model[0].weight.uniform_(0.1, 1.0)
+    x, a = torch.rand(4, 16, 32) + 0.1, torch.rand(8) + 0.5
+    layers = convert_linears(model)
+    stats = collect_stats(model, lambda: -torch.log(model(x) @ a).mean(), layers=layers)
+    monkeypatch.setattr(stats, "output_grads_with_noise", lambda noise: pytest.fail("FISHER runs no pass"))
+    result = estimate_divergence(stats, [Format.MXFP4, Format.NVFP4], noise_draws=2,
+                                 curvature_probe=CurvatureProbe.FISHER).layers["0"]
+    w, flat = model[0].weight.detach(), x.reshape(-1, 32)
+    for fmt in (Format.MXFP4, Format.NVFP4):
+        dy = quantized_matmul(flat, w, fmt, recipe=QuantRecipe()) - flat @ w.t()
+        y = flat @ w.t()
+        exact = 0.5 * float(((dy @ a) / (y @ a)).pow(2).mean()) / abs(stats.loss)  # LD is relative to the loss
+        assert exact > 0
+        assert result.second_order[fmt] == pytest.approx(exact, rel=1e-5), fmt
+
+
 def test_non_finite_statistics_mark_formats_invalid(caplog):
     model, layers, opt, loss_fn, _ = _setup()
     with torch.no_grad():
