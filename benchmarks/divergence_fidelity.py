@@ -51,6 +51,7 @@ import argparse
 import copy
 import itertools
 import json
+import math
 import platform
 import statistics
 import sysconfig
@@ -327,10 +328,12 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
         out[f"loss_divergence_mean{rounds}"] = spearman(mean_rounds(ld), truth)
         for decay in (0.5, 0.8):
             agg = DivergenceAggregate(decay)
-            for r in range(rounds):
-                agg.update({"loss_divergence": {f: {fmt.value: v} for f, v in zip(fqns, ld(r))},
+            for r in range(rounds):  # unclamped LD averaged, clamped after: as the callback plans
+                unclamped = [results[r].layers[f].loss_divergence_as(DEFAULT_ESTIMATOR, clamp=False)[fmt] for f in fqns]
+                agg.update({"loss_divergence": {f: {fmt.value: v} for f, v in zip(fqns, unclamped)},
                             "weight_divergence": {f: {fmt.value: v} for f, v in zip(fqns, wd(r))}})
-            out[f"loss_divergence_ema{decay}"] = spearman([agg.values("loss_divergence")[f][fmt.value] for f in fqns], truth)
+            out[f"loss_divergence_ema{decay}"] = spearman(
+                [max(0.0, agg.values("loss_divergence")[f][fmt.value]) for f in fqns], truth)
             out[f"weight_divergence_ema{decay}"] = spearman([agg.values("weight_divergence")[f][fmt.value] for f in fqns], wd_truth)
         out[f"weight_divergence_mean{rounds}"] = spearman(mean_rounds(wd), wd_truth)
         out["weight_divergence_exact"] = spearman(wd_exact(0), wd_truth)
@@ -457,16 +460,24 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
     sampler = FirstOrderSampler(ck.layers, args.first_order_rows, terms.add)
     results = {s: [] for s in settings}
     seconds = {s: [] for s in settings}
+    reproduced = {}
     twin = copy.deepcopy(ck.model)
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=3e-3, weight_decay=0.1)
-    twin_opt.load_state_dict(ck.opt.state_dict())
+    # A copy of the state: load_state_dict keeps the tensors it is given (same dtype and device), and the
+    # twin's steps would otherwise move the checkpoint's AdamW moments, which WD reads.
+    twin_opt.load_state_dict(copy.deepcopy(ck.opt.state_dict()))
     hp = []
     for r in range(rounds):
         history, sliced, _ = round_inputs(ck, terms, sampler)
+        if r < replayed:  # the dump's first-order samples, exactly
+            dumped = raw["first_order_history"][r]
+            if {f"{fqn}|{fmt.value}": values for (fqn, fmt), values in history.items()} != dumped:
+                raise SystemExit(f"--settings-study: round {r}'s first-order samples differ from the dump's: "
+                                 "not the dump's run (other seed, code or arguments, e.g. --first-order-rows)")
         if r == 0:  # untimed: compiled quantizers and first-call allocations
-            collect_stats(ck.model, lambda: ck.model.loss(sliced), layers=ck.layers, optimizer=ck.opt).release()
-            estimate_divergence(collect_stats(ck.model, lambda: ck.model.loss(sliced), layers=ck.layers,
-                                              optimizer=ck.opt), FORMATS, probes=1, noise_draws=1)
+            warm = collect_stats(ck.model, lambda: ck.model.loss(sliced), layers=ck.layers, optimizer=ck.opt)
+            estimate_divergence(warm, FORMATS, probes=1, noise_draws=1)
+            warm.release()
         full = next(batches_like(ck))
         start = time.perf_counter()
         twin_opt.zero_grad()
@@ -485,10 +496,23 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
             if r < replayed and abs(res.loss - raw["round_loss"][r]) > 1e-5 * abs(raw["round_loss"][r]):
                 raise SystemExit(f"--settings-study: round {r} loss {res.loss} != the dump's {raw['round_loss'][r]}: "
                                  "not the dump's checkpoint (other seed, code or arguments)")
+            if r < replayed and (probes, draws) == (args.probes, args.noise_draws):
+                # The dump's own setting (its run's --probes and --noise-draws): its WD, which reads the
+                # AdamW state, must come out as the dump's.
+                for fqn in fqns:
+                    for fmt in FORMATS:
+                        want = raw["rounds"][r][fqn]["weight_divergence"][fmt.value]
+                        got = res.layers[fqn].weight_divergence[fmt]
+                        if not math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-12):
+                            raise SystemExit(f"--settings-study: round {r} WD of {fqn} ({fmt.value}) {got} != the "
+                                             f"dump's {want} at the dump's own setting {probes}x{draws}")
+                reproduced[name] = True
             results[probes, draws].append(res)
     hp_step = statistics.median(hp)
-    lines = [f"# [{name}] settings study: {replayed} rounds replayed (losses match the dump) + {args.extra_rounds} "
-             f"more, high-precision "
+    check = (f"WD of the dump's own setting {args.probes}x{args.noise_draws} equal to the dump's" if reproduced
+             else f"the dump's own setting {args.probes}x{args.noise_draws} not among the settings: WD not checked")
+    lines = [f"# [{name}] settings study: {replayed} rounds replayed (losses and first-order samples match the dump; "
+             f"{check}) + {args.extra_rounds} more, high-precision "
              f"step {hp_step:.3f} s (median of {rounds}, {ck.batch_size}x{ck.seq_len} rows)"]
     for fmt in FORMATS:
         truth_ld = [sum(b[i] for b in raw["loss_increase"][fmt.value]) / len(raw["loss_increase"][fmt.value])

@@ -18,9 +18,8 @@ draws per format, SNIPConfig().wd_probes forward-mode probes). Measured:
 ``--exact-max-blocks``: also the EXACT propagation (one vector-Jacobian product per layer), the
 round before issue 11, at depths up to that.
 
-``--variants 8,8plain``: also time, interleaved with the default round in the same process, a round
-with that many WD probes; ``plain``: with the probe pass's zero-tangent fix turned off
-(stats._DenseZeroTangents a pass-through: the probe pass as before 2026-11-30's afternoon).
+``--variants 8,2``: also time, interleaved with the default round in the same process, rounds with
+that many WD probes.
 
     python benchmarks/stats_cost.py [--blocks 2,4,8,16,32] [--widths 128,256] [--repeats 2] [--quick]
 
@@ -32,7 +31,6 @@ Prints ``round_cost <blocks> <hp_steps> <emulated_steps> <extra_mib> width=<w>``
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -84,32 +82,18 @@ def _peak_rise(fn) -> float:
     return _rss_mib()[1] - before
 
 
-def parse_variants(text: str) -> list[tuple[int, bool]]:
-    """"8,8plain" -> [(8, False), (8, True)]: (WD probes, without the zero-tangent fix)."""
+def parse_variants(text: str) -> list[int]:
+    """"8,2" -> [8, 2]: WD probes of each extra round timed."""
     out = []
     for item in filter(None, text.split(",")):
-        number = item.removesuffix("plain")
-        if not number.isdigit() or int(number) < 1:
-            raise SystemExit(f"--variants: invalid item {item!r}; allowed: <probes>[plain], e.g. 8,8plain")
-        out.append((int(number), item.endswith("plain")))
+        if not item.isdigit() or int(item) < 1:
+            raise SystemExit(f"--variants: invalid item {item!r}; allowed: a number of probes >= 1, e.g. 8,2")
+        out.append(int(item))
     return out
 
 
-@contextlib.contextmanager
-def zero_tangent_fix(enabled: bool):
-    from lightning_snip.stats import _DenseZeroTangents
-
-    real = _DenseZeroTangents.__torch_function__
-    if not enabled:
-        _DenseZeroTangents.__torch_function__ = lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {}))
-    try:
-        yield
-    finally:
-        _DenseZeroTangents.__torch_function__ = real
-
-
 def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, mode: str,
-                variants: list[tuple[int, bool]] = ()) -> dict:
+                variants: list[int] = ()) -> dict:
     torch.manual_seed(seed)
     cfg = SNIPConfig()
     model = TinyLlama(model_config(width, blocks))
@@ -138,6 +122,7 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
         try:
             estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
                                 noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator, probes=probes,
+                                curvature_probe=cfg.curvature_probe,
                                 generator=torch.Generator().manual_seed(seed))
         finally:
             stats.release()
@@ -172,15 +157,14 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
         hp.append(timed(lambda: step(batch, Format.BF16)))
         emulated.append(timed(lambda: step(batch, Format.MXFP4)))
         probe.append(timed(lambda: round_on(batch, Propagation.PROBE)))
-        for (probes, plain), times in variant_times.items():
-            with zero_tangent_fix(not plain):
-                times.append(timed(lambda: round_on(batch, Propagation.PROBE, probes)))
+        for probes, times in variant_times.items():
+            times.append(timed(lambda: round_on(batch, Propagation.PROBE, probes)))
         if exact:
             exact_times.append(timed(lambda: round_on(batch, Propagation.EXACT)))
     out["hp_step_seconds"] = statistics.median(hp)
     out["emulated_step_seconds"] = statistics.median(emulated)
     out["round_seconds"] = statistics.median(probe)
-    out["variants"] = [[probes, plain, statistics.median(t)] for (probes, plain), t in variant_times.items()]
+    out["variants"] = [[probes, statistics.median(t)] for probes, t in variant_times.items()]
     if exact:
         out["round_seconds_exact"] = statistics.median(exact_times)
     return out
@@ -195,7 +179,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="2 and 4 blocks, width 64, one repeat")
-    parser.add_argument("--variants", default="", help="also time rounds with these WD probes, e.g. 8,8plain")
+    parser.add_argument("--variants", default="", help="also time rounds with these numbers of WD probes, e.g. 8,2")
     parser.add_argument("--one", nargs=2, type=int, metavar=("WIDTH", "BLOCKS"), help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=["memory", "time"], default="time", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -241,8 +225,8 @@ def main() -> None:
         print(f"round_cost {b} {hp:.2f} {emulated:.2f} {r['round_extra_mib']:.1f} width={w}")
         bound = r["block_param_mib"] + 4 * r["slice_activation_mib"]
         print(f"memory_bound {b} {r['round_extra_mib']:.1f} {bound:.1f} width={w}")
-        for probes, plain, seconds in r.get("variants", []):
-            print(f"round_variant {b} {probes}{'plain' if plain else ''} {seconds / r['hp_step_seconds']:.2f} "
+        for probes, seconds in r.get("variants", []):
+            print(f"round_variant {b} {probes} {seconds / r['hp_step_seconds']:.2f} "
                   f"{seconds / r['emulated_step_seconds']:.2f} width={w}")
         if "round_seconds_exact" in r:
             print(f"round_cost_exact {b} {r['round_seconds_exact'] / r['hp_step_seconds']:.2f} "

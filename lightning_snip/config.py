@@ -64,7 +64,7 @@ class SNIPConfig:
         max_rows: token rows in a statistics round (bounds its memory and time).
         curvature_probe: how LD's second-order term is estimated: error (the default: noise_draws
             passes per candidate format injecting each layer's own quantization error with a random
-            sign), fisher (the per-token empirical Fisher: no pass, a 16-26% cheaper round, steadier
+            sign), fisher (the per-token empirical Fisher: no pass, a 20-27% cheaper round, steadier
             rounds, but a worse aggregate on the demo model) or gaussian (isotropic noise). See
             lightning_snip.divergence.CurvatureProbe.
         noise_draws / noise_scale: curvature passes of the loss divergence (error, gaussian).
@@ -80,7 +80,7 @@ class SNIPConfig:
             copy of every gradient; for small models). See lightning_snip.stats.Propagation.
         wd_probes: forward-mode probes per round (probe): the propagated term's relative standard
             error per layer and round is at most sqrt(2 / wd_probes); rounds are aggregated after.
-            4 by measurement: 8 ranked layers within 0.00-0.02 of 4 out of sample, at 1.3-1.4x the
+            4 by measurement: 8 ranked layers within 0.024 of 4 out of sample, at 1.3-1.4x the
             round's cost (benchmarks/results/round_settings_2026-11-30.md).
         aggregate_decay: EMA decay of LD and WD over statistics rounds, in [0, 1); plans are solved on
             the aggregate (0: the last round alone). See lightning_snip.aggregate.

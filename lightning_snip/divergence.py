@@ -158,7 +158,7 @@ class CurvatureProbe(enum.Enum):
         = 1/2 N sum_i (G_i . dY_i)^2. Exact where each l_i = -log(a . y_i) (its Hessian is its
         gradient's outer product); it ignores the curvature between tokens (attention) and the part
         of the Hessian the Fisher lacks, and it is deterministic for a batch. Measured against ERROR
-        (benchmarks/results/round_settings_2026-11-30.md, 12 rounds): the round 16-26% cheaper, LD
+        (benchmarks/results/round_settings_2026-11-30.md, 12 rounds): the round 20-27% cheaper, LD
         per round ranks layers closer to the out-of-sample truth (+0.02-0.03, all 4 model/format
         pairs) and two rounds agree more (+0.05-0.12), but the aggregate over rounds that plans come
         from ranks worse on the demo model (-0.06, both formats; equal on the deeper one): its bias
@@ -311,7 +311,7 @@ def estimate_divergence(
             second_order = {(fqn, f): 0.5 * curvature.get(fqn, 0.0) * float(dy.pow(2).sum())
                             for (fqn, f), dy in output_errors.items()}
         elif curvature_probe is CurvatureProbe.FISHER:
-            tokens = max(st.num_rows for st in stats.layers.values())
+            tokens = max((st.num_rows for st in stats.layers.values()), default=0)
             second_order = {(fqn, f): _fisher_second_order(stats.layers[fqn].g, dy, tokens)
                             for (fqn, f), dy in output_errors.items()}
         else:
@@ -649,8 +649,10 @@ def _estimate_curvature(stats: Statistics, output_rms, draws: int, scale: float,
 
 def _fisher_second_order(g: torch.Tensor, dy: torch.Tensor, tokens: int) -> float:
     """1/2 N sum_i (G_i . dY_i)^2 over a layer's rows (CurvatureProbe.FISHER). N, the number of
-    per-token losses the loss averages: the round's token rows (the most any layer saw; a layer that
-    sees some tokens only, a mixture-of-experts expert, still has per-token gradients N G_i)."""
+    per-token losses the loss averages: taken as the round's token rows (the most any layer saw; a
+    layer that sees some tokens only, a mixture-of-experts expert, still has per-token gradients
+    N G_i). A loss averaged over fewer terms (masked or padded tokens, a per-sequence loss) scales
+    this term by rows / terms against the first-order one: the ranking of the term itself is unchanged."""
     per_row = (g.float() * dy).sum(1).double()
     return 0.5 * tokens * float(per_row.pow(2).sum())
 

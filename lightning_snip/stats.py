@@ -498,62 +498,6 @@ class ForwardModeUnsupportedError(RuntimeError):
     without ``jvp``, a fused kernel): Propagation.PROBE cannot run on it."""
 
 
-_T = torch.Tensor
-# Binary elementwise arithmetic, where a dual operand meeting a plain one (or a Python number) takes
-# torch's slow path (_DenseZeroTangents).
-_ARITHMETIC = frozenset({torch.mul, torch.add, torch.sub, torch.div, _T.mul, _T.add, _T.sub, _T.div, _T.__mul__,
-                         _T.__rmul__, _T.__add__, _T.__radd__, _T.__sub__, _T.__rsub__, _T.__truediv__,
-                         _T.__rtruediv__})
-
-
-class _DenseZeroTangents(torch.overrides.TorchFunctionMode):
-    """Gives the plain operand of a binary arithmetic op a zero tangent when the other one is dual.
-
-    Written by hand because torch lacks a fast path: the plain operand's missing tangent becomes a
-    ZeroTensor, whose kernel computes its result's shape through the op's Meta kernel, which torch
-    registers in Python (torch/_meta_registrations.py: torch._refs with symbolic-shape checks):
-    about 0.5-1 ms of Python per op, against 0.05 ms for the same op with an explicit zero tangent
-    (measured on CPU, 8 x 4 x 128 x 16 floats; RoPE's cos/sin tables and a norm's ``+ eps`` hit it
-    in every block). The zero tangent costs one allocation of the operand's size; the tangents that
-    come out are the same numbers. Only arithmetic (mul, add, sub, div): a zero tangent for a
-    matmul's operand would cost a matmul. A Python number becomes a float64 0-dim tensor (type
-    promotion as a wrapped number: the tensor operand's dtype wins)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.active = True  # off while lightning_snip's own hooks run (their arithmetic needs none of this)
-
-    @contextlib.contextmanager
-    def paused(self):
-        active, self.active = self.active, False
-        try:
-            yield
-        finally:
-            self.active = active
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if self.active and func in _ARITHMETIC and len(args) == 2 and not kwargs:
-            a, b = args
-            a_dual = isinstance(a, torch.Tensor) and _is_dual(a)
-            b_dual = isinstance(b, torch.Tensor) and _is_dual(b)
-            if a_dual != b_dual:
-                dual, plain = (a, b) if a_dual else (b, a)
-                if isinstance(plain, (int, float)) and not isinstance(plain, bool):
-                    plain = torch.tensor(plain, dtype=torch.float64, device=dual.device)
-                if isinstance(plain, torch.Tensor) and plain.is_floating_point() and plain.layout is torch.strided:
-                    import torch.autograd.forward_ad as fwAD
-
-                    plain = fwAD.make_dual(plain, torch.zeros_like(plain))
-                    args = (dual, plain) if a_dual else (plain, dual)
-        return func(*args, **(kwargs or {}))
-
-
-def _is_dual(tensor: torch.Tensor) -> bool:
-    import torch.autograd.forward_ad as fwAD
-
-    return fwAD.unpack_dual(tensor).tangent is not None
-
-
 def _forward_mode_pass(model, loss_fn, layers, owner_names, rng_states, tangent_of, measure, recorded_calls) -> set[str]:
     """Statistics.input_tangents: ``loss_fn`` once under forward-mode AD (no backward, no graph).
 
@@ -566,13 +510,8 @@ def _forward_mode_pass(model, loss_fn, layers, owner_names, rng_states, tangent_
 
     swapped: dict[int, list[tuple[str, nn.Parameter]]] = {}
     touched: set[str] = set()
-    zero_tangents = _DenseZeroTangents()
 
     def swap_in(module, args):
-        with zero_tangents.paused():
-            _swap_in(module)
-
-    def _swap_in(module):
         saved = swapped.setdefault(id(module), [])
         for attr, p in list(module._parameters.items()):
             name = owner_names.get((id(module), attr)) if p is not None else None
@@ -596,8 +535,7 @@ def _forward_mode_pass(model, loss_fn, layers, owner_names, rng_states, tangent_
                 return  # a layer called several times: the recording pass kept its last call's X
             tangent = fwAD.unpack_dual(args[0]).tangent
             if tangent is not None:
-                with zero_tangents.paused():
-                    measure(fqn, tangent.reshape(-1, in_features).float())
+                measure(fqn, tangent.reshape(-1, in_features).float())
 
         return hook
 
@@ -611,7 +549,7 @@ def _forward_mode_pass(model, loss_fn, layers, owner_names, rng_states, tangent_
             stack.callback(layer.register_forward_hook(make_layer_hook(fqn, layer.in_features)).remove)
         try:
             with (torch.no_grad(), fwAD.dual_level(), sdpa_kernel([SDPBackend.MATH]), high_precision(layers),
-                  rng_states.replayed(), zero_tangents):
+                  rng_states.replayed()):
                 loss_fn()
         except NotImplementedError as err:
             # torch: "Trying to use forward AD with <op> that does not support it", or for an

@@ -43,7 +43,7 @@ def test_fidelity_quick_prints_out_of_sample_lines_per_model_and_format(tmp_path
     assert all(float(r[2]) > 0 for r in rows)  # the round's cost in high-precision steps
     other_seed = _fidelity("--models", "demo", "--seed", "1", "--settings-study", str(tmp_path / "raw.json"),
                            "--settings", "1x0")
-    assert other_seed.returncode != 0 and "not the dump's checkpoint" in other_seed.stderr
+    assert other_seed.returncode != 0 and "not the dump's" in other_seed.stderr  # its samples or its losses differ
     bad = _fidelity("--models", "demo", "--settings-study", str(tmp_path / "raw.json"), "--settings", "4y2")
     assert bad.returncode != 0 and "--settings: invalid item '4y2'" in bad.stderr
 
