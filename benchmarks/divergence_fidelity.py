@@ -387,6 +387,7 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
         "update_deviation": {fmt.value: [[b[f, fmt] for f in fqns] for b in dev_batches] for fmt in FORMATS},
         "update_deviation_in_sample": {fmt.value: [wd_in_sample[f, fmt] for f in fqns] for fmt in FORMATS},
         "round_loss": [res.loss for res in results],
+        "setting": {"probes": args.probes, "noise_draws": args.noise_draws},  # the rounds' (settings study)
         "first_order_history": [{f"{fqn}|{fmt.value}": values for (fqn, fmt), values in h.items()} for h in histories],
         "rounds": [
             {fqn: {k: {f.value: v for f, v in getattr(d, k).items()} for k in (
@@ -450,11 +451,18 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
     unit is a high-precision training step (forward, backward, AdamW) of the full batch, timed on a
     copy of the model in the same run."""
     settings = parse_settings(args.settings)
+    if args.extra_rounds < 0 or len(raw["round_loss"]) + args.extra_rounds < 2:
+        raise SystemExit(f"--extra-rounds: invalid value {args.extra_rounds}; allowed: >= 0, with at least 2 rounds "
+                         f"in all (the dump has {len(raw['round_loss'])}): round agreement needs a pair")
     ck = train_checkpoint(name, cfg, corpus, args, args.quick)
     fqns = list(ck.layers)
     if fqns != raw["fqns"]:
         raise SystemExit(f"--settings-study: the dump's {name} layers differ from this model's")
     replayed = len(raw["round_loss"])
+    # The dump's own setting, whose WD the replay must reproduce (dumps before it was stored: this run's
+    # --probes and --noise-draws, which must then be the dump run's).
+    own = raw.get("setting", {"probes": args.probes, "noise_draws": args.noise_draws})
+    own = (own["probes"], own["noise_draws"])
     rounds = replayed + args.extra_rounds  # extra rounds: the next training batches (their truths are the same)
     terms = FirstOrderTerms(FORMATS)
     sampler = FirstOrderSampler(ck.layers, args.first_order_rows, terms.add)
@@ -496,7 +504,7 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
             if r < replayed and abs(res.loss - raw["round_loss"][r]) > 1e-5 * abs(raw["round_loss"][r]):
                 raise SystemExit(f"--settings-study: round {r} loss {res.loss} != the dump's {raw['round_loss'][r]}: "
                                  "not the dump's checkpoint (other seed, code or arguments)")
-            if r < replayed and (probes, draws) == (args.probes, args.noise_draws):
+            if r < replayed and (probes, draws) == own:
                 # The dump's own setting (its run's --probes and --noise-draws): its WD, which reads the
                 # AdamW state, must come out as the dump's.
                 for fqn in fqns:
@@ -505,12 +513,14 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
                         got = res.layers[fqn].weight_divergence[fmt]
                         if not math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-12):
                             raise SystemExit(f"--settings-study: round {r} WD of {fqn} ({fmt.value}) {got} != the "
-                                             f"dump's {want} at the dump's own setting {probes}x{draws}")
+                                             f"dump's {want} at the dump's own setting {probes}x{draws}"
+                                             + ("" if "setting" in raw else " (this dump does not record its setting: "
+                                                "pass the --probes and --noise-draws its run used)"))
                 reproduced[name] = True
             results[probes, draws].append(res)
     hp_step = statistics.median(hp)
-    check = (f"WD of the dump's own setting {args.probes}x{args.noise_draws} equal to the dump's" if reproduced
-             else f"the dump's own setting {args.probes}x{args.noise_draws} not among the settings: WD not checked")
+    check = (f"WD of the dump's own setting {own[0]}x{own[1]} equal to the dump's" if reproduced
+             else f"the dump's own setting {own[0]}x{own[1]} not among the settings: WD not checked")
     lines = [f"# [{name}] settings study: {replayed} rounds replayed (losses and first-order samples match the dump; "
              f"{check}) + {args.extra_rounds} more, high-precision "
              f"step {hp_step:.3f} s (median of {rounds}, {ck.batch_size}x{ck.seq_len} rows)"]

@@ -161,7 +161,7 @@ class CurvatureProbe(enum.Enum):
         (benchmarks/results/round_settings_2026-11-30.md, 12 rounds): the round 20-27% cheaper, LD
         per round ranks layers closer to the out-of-sample truth (+0.02-0.03, all 4 model/format
         pairs) and two rounds agree more (+0.05-0.12), but the aggregate over rounds that plans come
-        from ranks worse on the demo model (-0.06, both formats; equal on the deeper one): its bias
+        from ranks worse on the demo model (-0.066 / -0.055; equal on the deeper one): its bias
         does not average out, ERROR's noise does. ERROR stays the default.
     """
 

@@ -35,12 +35,14 @@ def test_fidelity_quick_prints_out_of_sample_lines_per_model_and_format(tmp_path
     assert not proc.stdout.strip().splitlines()[-1].startswith("#")
 
     # The settings study replays the dump's rounds (checked by their losses) under other settings.
-    study = _fidelity("--models", "demo", "--settings-study", str(tmp_path / "raw.json"), "--settings", "1xfisher,2x1")
+    study = _fidelity("--models", "demo", "--settings-study", str(tmp_path / "raw.json"), "--settings", "1xfisher,4x2")
     assert study.returncode == 0, study.stderr[-3000:]
     rows = re.findall(rf"^settings (\d+x(?:\d+|fisher)) (mxfp4|nvfp4) {number} {number} {number} {number} {number} {number} {number} demo$",
                       study.stdout, re.M)
-    assert {(s, f) for s, f, *_ in rows} == {(s, f) for s in ("1xfisher", "2x1") for f in ("mxfp4", "nvfp4")}
+    assert {(s, f) for s, f, *_ in rows} == {(s, f) for s in ("1xfisher", "4x2") for f in ("mxfp4", "nvfp4")}
     assert all(float(r[2]) > 0 for r in rows)  # the round's cost in high-precision steps
+    # 4x2 is the dump's own setting (the defaults): the replay reproduced the dump's WD of every layer.
+    assert "WD of the dump's own setting 4x2 equal to the dump's" in study.stdout
     other_seed = _fidelity("--models", "demo", "--seed", "1", "--settings-study", str(tmp_path / "raw.json"),
                            "--settings", "1x0")
     assert other_seed.returncode != 0 and "not the dump's" in other_seed.stderr  # its samples or its losses differ
