@@ -235,13 +235,15 @@ class _CompileCounter(pl.Callback):
 
 
 @pytest.mark.compiled_quantizers
-def test_compiled_model_trains_gets_plans_and_recompiles_only_for_new_plans(tmp_path, monkeypatch):
+@pytest.mark.parametrize("curvature", ["error", "fisher"])
+def test_compiled_model_trains_gets_plans_and_recompiles_only_for_new_plans(tmp_path, curvature):
     torch._dynamo.reset()
-    # Hitting the limit would silently fall back to eager (and make "no recompiles" trivially true).
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
-    snip = SNIPCallback(_snip(first_order_steps=2))
+    snip = SNIPCallback(_snip(first_order_steps=2, curvature_probe=curvature))
     counter = _CompileCounter(snip)
-    _fit(tmp_path, snip, max_steps=12, module=_CompiledLM(SMALL), callbacks=[counter])
+    # Hitting the limit would silently fall back to eager (and make "no recompiles" trivially true).
+    # (dynamo's own patch: monkeypatch's undo deletes the config entry, which breaks the next test)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        _fit(tmp_path, snip, max_steps=12, module=_CompiledLM(SMALL), callbacks=[counter])
     assert snip.num_stats_rounds == 3 and snip.num_plans_applied == 3
     assert "model.layers.0.attn.q" in snip.layers  # names without torch.compile's "_orig_mod"
     assert _finite_round(snip)
@@ -534,6 +536,26 @@ def test_round_leaves_buffers_as_it_found_them(tmp_path, monkeypatch):
     snip = SNIPCallback(_snip())
     _fit(tmp_path, snip, max_steps=4, module=_BatchNormLM())
     assert seen == [True] and snip.num_plans_applied == 1
+
+
+def test_fisher_curvature_on_a_hugging_face_llama_under_bf16_mixed_and_accumulation(tmp_path, monkeypatch):
+    """snip.curvature_probe=fisher where users train: no curvature pass runs, LD's second-order term
+    is positive and finite for every layer, and the run plans."""
+    pytest.importorskip("transformers")
+    import lightning_snip.callback as cb
+    from lightning_snip.stats import Statistics
+
+    monkeypatch.setattr(Statistics, "output_grads_with_noise", lambda self, noise: pytest.fail("fisher runs no pass"))
+    results = []
+    real = cb.estimate_divergence
+    monkeypatch.setattr(cb, "estimate_divergence", lambda *a, **kw: results.append(real(*a, **kw)) or results[-1])
+    snip = SNIPCallback(_snip(pins={"*lm_head": "bf16"}, curvature_probe="fisher"))
+    _fit(tmp_path, snip, module=_HFLlamaLM(), precision="bf16-mixed", accumulate_grad_batches=2)
+    assert snip.num_plans_applied == 2 and _finite_round(snip) and len(results) == 2
+    from lightning_snip.formats import Format
+
+    second = [d.second_order[f] for d in results[-1].layers.values() for f in d.second_order if f is not Format.BF16]
+    assert second and all(0 < v < math.inf for v in second)
 
 
 def test_noise_guard_on_a_hugging_face_llama_under_bf16_mixed_and_accumulation(tmp_path):
