@@ -445,7 +445,8 @@ def parse_settings(text: str) -> list[tuple[int, int | str]]:
 
 def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: dict) -> list[str]:
     """A round's cost against its fidelity: the rounds of a --dump run, replayed at the same
-    checkpoint (same seed, same training, same batches: checked by the rounds' losses) under several
+    checkpoint (same seed, same training, same batches: checked by each replayed round's loss and
+    first-order samples, and by the dump's own setting reproducing its WD) under several
     (probes, curvature draws) settings, each against the dump's truths. Every setting sees the same
     slice and first-order history in each round; its seconds are the median over the rounds, and the
     unit is a high-precision training step (forward, backward, AdamW) of the full batch, timed on a
@@ -468,13 +469,13 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
     sampler = FirstOrderSampler(ck.layers, args.first_order_rows, terms.add)
     results = {s: [] for s in settings}
     seconds = {s: [] for s in settings}
-    reproduced = {}
+    reproduced = False
     twin = copy.deepcopy(ck.model)
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=3e-3, weight_decay=0.1)
     # A copy of the state: load_state_dict keeps the tensors it is given (same dtype and device), and the
     # twin's steps would otherwise move the checkpoint's AdamW moments, which WD reads.
     twin_opt.load_state_dict(copy.deepcopy(ck.opt.state_dict()))
-    hp = []
+    hp, full = [], next(batches_like(ck))  # one batch of the model's shape, for the step's timing
     for r in range(rounds):
         history, sliced, _ = round_inputs(ck, terms, sampler)
         if r < replayed:  # the dump's first-order samples, exactly
@@ -486,7 +487,6 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
             warm = collect_stats(ck.model, lambda: ck.model.loss(sliced), layers=ck.layers, optimizer=ck.opt)
             estimate_divergence(warm, FORMATS, probes=1, noise_draws=1)
             warm.release()
-        full = next(batches_like(ck))
         start = time.perf_counter()
         twin_opt.zero_grad()
         twin.loss(full).backward()
@@ -516,7 +516,7 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
                                              f"dump's {want} at the dump's own setting {probes}x{draws}"
                                              + ("" if "setting" in raw else " (this dump does not record its setting: "
                                                 "pass the --probes and --noise-draws its run used)"))
-                reproduced[name] = True
+                reproduced = True
             results[probes, draws].append(res)
     hp_step = statistics.median(hp)
     check = (f"WD of the dump's own setting {own[0]}x{own[1]} equal to the dump's" if reproduced

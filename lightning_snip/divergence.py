@@ -296,6 +296,8 @@ def estimate_divergence(
     for fqn, st in stats.layers.items():
         output_rms[fqn] = float((st.x.float() @ dense(st.weight).float().t()).pow(2).mean().sqrt())
     curvature = {}
+    # FISHER: the per-token losses the loss averages, taken as the most token rows any layer saw.
+    tokens = max((st.num_rows for st in stats.layers.values()), default=0)
     if curvature_probe is CurvatureProbe.GAUSSIAN:
         curvature = _estimate_curvature(stats, output_rms, noise_draws, noise_scale, generator)
     # (FSDP2: m_hat is sharded; the MOMENTUM estimator's parts are not computed there.)
@@ -311,7 +313,6 @@ def estimate_divergence(
             second_order = {(fqn, f): 0.5 * curvature.get(fqn, 0.0) * float(dy.pow(2).sum())
                             for (fqn, f), dy in output_errors.items()}
         elif curvature_probe is CurvatureProbe.FISHER:
-            tokens = max((st.num_rows for st in stats.layers.values()), default=0)
             second_order = {(fqn, f): _fisher_second_order(stats.layers[fqn].g, dy, tokens)
                             for (fqn, f), dy in output_errors.items()}
         else:
