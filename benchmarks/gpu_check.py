@@ -2,9 +2,11 @@
 
 1. Numerics per format: relative error against float64 of the emulated GEMM (lightning_snip's fused
    quantizers) and, where the device has one, of the native kernel (kernel_for: torchao.float8's
-   training path for FP8 on compute capability >= 8.9), and native vs emulated.
-2. Speed: GEMM time over bf16 at 4096^3 and 8192^3 for native FP8 (casts included) and for the
-   emulated formats (quantizers + bf16 matmul), and quantizer compile times.
+   training path for FP8 on compute capability >= 8.9; torchao's MX / NVFP4 block-scaled GEMMs on
+   10.x), and native vs emulated; for FP4 also a gradient GEMM (its first operand stochastically
+   rounded, the same random draws on both paths).
+2. Speed: GEMM time over bf16 at 4096^3 and 8192^3 for the native kernels (casts included) and for
+   the emulated formats (quantizers + bf16 matmul), and quantizer compile times.
 3. A 50-step demo run with SNIPCallback in bf16-mixed (statistics round at step 20, plan applied).
 
     python benchmarks/gpu_check.py [--sizes 4096 8192] [--repeats 20] [--steps 50] [--out DIR]
@@ -67,6 +69,15 @@ def numerics(device, lines):
                 native = quantized_matmul(x, w, fmt, recipe=recipe, kernel=kernel)
                 line += f" native_vs_fp64 {rel(native, ref):.5f} native_vs_emulated {rel(native, emulated):.5f}"
             lines.append(line + f" kernel {kernel.value}")
+            if fmt.is_fp4 and kernel is not Kernel.EMULATED:
+                # a gradient GEMM: stochastic rounding of a, the same draws on both paths
+                def sr(k):
+                    return quantized_matmul(x, w, fmt, recipe=recipe, a_is_grad=True, kernel=k,
+                                            generator=torch.Generator(device=device).manual_seed(1))
+                emulated, native = sr(Kernel.EMULATED), sr(kernel)
+                lines.append(f"numerics {fmt.value} {str(dtype)[6:]} n={n} grad_sr emulated_vs_fp64 "
+                             f"{rel(emulated, ref):.5f} native_vs_fp64 {rel(native, ref):.5f} "
+                             f"native_vs_emulated {rel(native, emulated):.5f} kernel {kernel.value}")
 
 
 def speed(device, sizes, repeats, lines):

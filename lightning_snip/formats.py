@@ -320,22 +320,38 @@ def _mx_fake_quantize(rows, fmt, rounding, recipe, is_grad, generator) -> torch.
 def _nvfp4_fake_quantize(rows, rounding, generator) -> torch.Tensor:
     import torch
 
-    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, nvfp4_quantize, per_tensor_amax_to_scale
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
 
-    per_tensor_scale = per_tensor_amax_to_scale(rows.abs().amax())
     if rounding is Rounding.NEAREST:
+        per_tensor_scale = per_tensor_amax_to_scale(rows.abs().amax())
         t = NVFP4Tensor.to_nvfp4(rows, per_tensor_scale=per_tensor_scale)
         return t.dequantize(torch.float32)
+    q, block_scales, per_tensor_scale = nvfp4_stochastic_parts(rows, generator)
+    scale = (block_scales.float() * per_tensor_scale).unsqueeze(-1)
+    return (q.reshape(scale.shape[0], -1, 16) * scale).reshape(rows.shape)
+
+
+def nvfp4_stochastic_parts(rows: "torch.Tensor", generator: "torch.Generator | None"):
+    """NVFP4 with stochastically rounded elements, as parts: (E2M1 values as float32 of rows' shape,
+    E4M3 block scales (rows, cols / 16), the float32 per-tensor scale); element = value x block
+    scale x per-tensor scale. Rows' columns must be a multiple of 16. The native GEMM path wraps the
+    parts into torchao's NVFP4Tensor (linear.torchao_block_mm); the emulation multiplies them out."""
+    import torch
+
+    from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+
+    per_tensor_scale = per_tensor_amax_to_scale(rows.abs().amax())
     block_scales_fp8, _ = nvfp4_quantize(rows, 16, per_tensor_scale)
+    block_scales_fp8 = block_scales_fp8.reshape(rows.shape[0], -1)
     blocks = rows.reshape(rows.shape[0], -1, 16)
-    scale = (block_scales_fp8.float() * per_tensor_scale).reshape(rows.shape[0], -1, 1)
     # torchao rounds the E4M3 block scale to nearest; where that went down, the block's largest
     # element would saturate at 6 and bias stochastic rounding. Step such scales one E4M3 value up.
-    too_small = blocks.abs().amax(-1, keepdim=True) > 6.0 * scale
-    bumped = (block_scales_fp8.float().reshape(scale.shape) * 1.125).to(torch.float8_e4m3fn).float() * per_tensor_scale
-    scale = torch.where(too_small, bumped, scale)
+    too_small = blocks.abs().amax(-1) > 6.0 * (block_scales_fp8.float() * per_tensor_scale)
+    bumped = (block_scales_fp8.float() * 1.125).to(torch.float8_e4m3fn)
+    block_scales_fp8 = torch.where(too_small, bumped, block_scales_fp8)
+    scale = (block_scales_fp8.float() * per_tensor_scale).unsqueeze(-1)
     q = _stochastic_round_e2m1(blocks / scale, generator)
-    return (q * scale).reshape(rows.shape)
+    return q.reshape(rows.shape), block_scales_fp8, per_tensor_scale
 
 
 def _stochastic_round_e2m1(v: "torch.Tensor", generator: "torch.Generator | None") -> "torch.Tensor":

@@ -31,21 +31,30 @@ class Kernel(enum.Enum):
 
     EMULATED = "emulated"  # fused fake quantization (lightning_snip.fused), then a high-precision matmul
     TORCHAO_FP8 = "native torchao kernel"  # torchao.float8's training tensors: its scales, torch._scaled_mm
+    # torchao.prototype.mx_formats' MXTensor / NVFP4Tensor: cuBLAS / CUTLASS block-scaled GEMMs
+    TORCHAO_BLOCK = "native torchao block-scaled kernel"
 
 
 def kernel_for(fmt: Format, device: torch.device) -> Kernel:
     """The kernel a format's GEMMs use on ``device``.
 
     FP8: torchao.float8's training path (torch._scaled_mm) on CUDA GPUs with FP8 tensor cores
-    (compute capability 8.9 and up: Ada, Hopper, Blackwell). MX and NVFP4: emulated everywhere.
-    torchao's MX GEMMs need compute capability 10.x and round to nearest only; routing the FP4
-    backward's stochastically rounded operands into them is not built (README, issue 13).
+    (compute capability 8.9 and up: Ada, Hopper, Blackwell). MXFP8, MXFP4, NVFP4: torchao's
+    block-scaled GEMMs (torchao_block_mm) on compute capability 10.x (B200/GB200/B300, the GPUs
+    torchao's MX and NVFP4 GEMMs are built for); emulated elsewhere. A GEMM whose shapes or operand
+    types the native kernel does not take is emulated (quantized_matmul).
     """
     device = torch.device(device)
-    if fmt is Format.FP8 and device.type == "cuda" and torch.cuda.is_available():
-        if torch.cuda.get_device_capability(device) >= (8, 9):
+    if fmt is not Format.BF16 and device.type == "cuda" and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability(device)
+        if fmt is Format.FP8 and capability >= (8, 9):
             return Kernel.TORCHAO_FP8
+        if fmt in _BLOCK_FORMATS and capability[0] == 10:
+            return Kernel.TORCHAO_BLOCK
     return Kernel.EMULATED
+
+
+_BLOCK_FORMATS = (Format.MXFP8, Format.MXFP4, Format.NVFP4)
 
 
 def describe_kernels(formats: Iterable[Format], device: torch.device) -> str:
@@ -76,6 +85,8 @@ def quantized_matmul(
     # torch._scaled_mm needs every dimension a multiple of 16; other shapes are emulated.
     if kernel is Kernel.TORCHAO_FP8 and a.shape[1] % 16 == 0 and a.shape[0] % 16 == 0 and b.shape[0] % 16 == 0:
         return torchao_fp8_mm(a, b, recipe, a_is_grad, b_is_grad)
+    if kernel is Kernel.TORCHAO_BLOCK and block_native_supported(a, b, fmt, recipe, a_is_grad, b_is_grad):
+        return torchao_block_mm(a, b, fmt, recipe, a_is_grad, b_is_grad, generator)
     qa = fake_quantize(a, fmt, axis=1, rounding=_rounding(fmt, recipe, a_is_grad), recipe=recipe, is_grad=a_is_grad,
                        generator=generator)
     qb = fake_quantize(b, fmt, axis=1, rounding=_rounding(fmt, recipe, b_is_grad), recipe=recipe, is_grad=b_is_grad,
@@ -114,6 +125,78 @@ def torchao_fp8_mm(a, b, recipe: QuantRecipe, a_is_grad: bool, b_is_grad: bool, 
     # b^T (k x n) is scaled along its dim 0, the contraction axis, as torchao scales a weight.
     qb_t = cast(b.t(), b_is_grad, GemmInputRole.WEIGHT, 0)
     return torch.mm(qa, qb_t)
+
+
+def block_native_supported(a: torch.Tensor, b: torch.Tensor, fmt: Format, recipe: QuantRecipe, a_is_grad: bool,
+                           b_is_grad: bool) -> bool:
+    """Whether torchao's block-scaled GEMM takes this GEMM: every dimension a multiple of 32 (the MX
+    block; the cuBLAS/CUTLASS tile constraints and FP4's two-per-byte packing), bf16 or fp32
+    operands, and for MXFP8 E4M3 elements (torchao's MX GEMM has no E5M2 gradient operands)."""
+    if fmt not in _BLOCK_FORMATS or a.dim() != 2 or b.dim() != 2:
+        return False
+    if any(d % 32 for d in (a.shape[0], a.shape[1], b.shape[0])):
+        return False
+    if a.dtype not in (torch.float32, torch.bfloat16) or b.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    e5m2_grads = fmt is Format.MXFP8 and recipe.fp8_grad_dtype.torch_dtype is torch.float8_e5m2
+    return not (e5m2_grads and (a_is_grad or b_is_grad))
+
+
+def torchao_block_mm(a: torch.Tensor, b: torch.Tensor, fmt: Format, recipe: QuantRecipe, a_is_grad: bool,
+                     b_is_grad: bool, generator: torch.Generator | None = None, *, emulate: bool = False
+                     ) -> torch.Tensor:
+    """Q(a) @ Q(b)^T through torchao.prototype.mx_formats' tensors: MXTensor (mxfp8, mxfp4) or
+    NVFP4Tensor, whose torch.mm dispatch runs torch._scaled_mm / F.scaled_mm with block scales
+    (cuBLAS / CUTLASS on compute capability 10.x). ``emulate=True`` takes torchao's emulated GEMM
+    instead (dequantize, then a high-precision matmul): the same operands on any device, which is
+    how the CPU tests check them. Both operands are quantized along dim 1; the output has a's dtype.
+
+    Round-to-nearest operands are cast by torchao itself (RCEIL MX scales; NVFP4's per-tensor and
+    E4M3 block scales): what the emulation restates, bit for bit. torchao's casts round to nearest
+    only, so stochastically rounded FP4 gradient operands are built here. MXFP4: lightning_snip's
+    stochastic fake quantization, then torchao's cast, which is exact on values already on a
+    block's grid (the RCEIL scale of the rounded block is at most the one it was rounded with, and
+    E2M1 values times a power of two that keeps them <= 6 are E2M1 values). NVFP4: the rounded
+    codes and the scales they were rounded with, wrapped into an NVFP4Tensor (its E4M3 block scales
+    are not powers of two, so a second cast would move values). Operands are drawn a first, then b,
+    as the emulation draws them.
+    """
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.kernels import f32_to_f4_unpacked, pack_uint4
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+    from torchao.prototype.mx_formats.nvfp4_tensor import (NVFP4Tensor, QuantizeTensorToNVFP4Kwargs,
+                                                           per_tensor_amax_to_scale)
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    from lightning_snip.formats import nvfp4_stochastic_parts
+
+    preference = KernelPreference.EMULATED if emulate else KernelPreference.AUTO
+
+    def cast(t: torch.Tensor, is_grad: bool):
+        t = t.contiguous()
+        stochastic = _rounding(fmt, recipe, is_grad) is Rounding.STOCHASTIC
+        if fmt is Format.NVFP4:
+            # act_quant_kwargs=None makes NVFP4Tensor's mm dequantize (torchao's emulation); set, it
+            # runs torch._scaled_mm. Our operands are both pre-quantized, so its fields are unused.
+            kwargs = None if emulate else QuantizeTensorToNVFP4Kwargs()
+            if stochastic:
+                codes, block_scales, per_tensor_scale = nvfp4_stochastic_parts(t.float(), generator)
+                qdata = pack_uint4(f32_to_f4_unpacked(codes))
+                return NVFP4Tensor(qdata, block_scales, 16, t.dtype, per_tensor_scale=per_tensor_scale,
+                                   act_quant_kwargs=kwargs)
+            per_tensor_scale = per_tensor_amax_to_scale(t.float().abs().amax())
+            out = NVFP4Tensor.to_nvfp4(t.float(), per_tensor_scale=per_tensor_scale)
+            return NVFP4Tensor(out.qdata, out.scale, 16, t.dtype, per_tensor_scale=per_tensor_scale,
+                               act_quant_kwargs=kwargs)
+        if stochastic:  # MXFP4 gradient operand: round here, then an exact cast (see above)
+            t = fake_quantize(t, fmt, axis=1, rounding=Rounding.STOCHASTIC, recipe=recipe, is_grad=is_grad,
+                              generator=generator)
+        elem = torch.float4_e2m1fn_x2 if fmt is Format.MXFP4 else torch.float8_e4m3fn
+        return MXTensor.to_mx(t, elem, 32, scaling_mode=ScaleCalculationMode.RCEIL, kernel_preference=preference)
+
+    qa = cast(a, a_is_grad)
+    qb = cast(b, b_is_grad)
+    return torch.mm(qa, qb.t()).to(a.dtype)
 
 
 class _SNIPLinearFunction(torch.autograd.Function):
