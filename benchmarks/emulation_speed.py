@@ -11,9 +11,10 @@ i.e. the run's own fp32 F.linear. The peer: torchao's own emulated training GEMM
 layer (x 1024x512), fwd+bwd, against nn.Linear: Float8Linear(emulate=True) (rowwise recipe) and
 mx_mm with emulated kernels (mxfp8, mxfp4); lightning_snip's SNIPLinear on the same layer beside it.
 
-    python benchmarks/emulation_speed.py [--repeats 3] [--steps 3] [--quick] [--threads 1]
+    python benchmarks/emulation_speed.py [--repeats 3] [--steps 3] [--quick] [--threads 1] [--no-reference]
 
-Prints ``step_ratio <model> <format> <value>`` (compiled), ``step_ratio_reference ...``,
+Prints ``step_ratio <model> <format> <value>`` (compiled), ``step_ratio_paired ... median m range
+lo-hi n k`` (per-repeat ratios to the same repeat's high-precision step), ``step_ratio_reference ...``,
 ``layer_ratio <impl> <format> <value>`` for the one-layer comparison, and the compile time.
 """
 
@@ -125,13 +126,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--quick", action="store_true", help="demo model only, 1 repeat of 2 steps")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="skip the reference (torchao-composed) quantizers: more repeats of the targets' ratios")
     args = parser.parse_args()
     if args.quick:
         args.models, args.repeats, args.steps = ["demo"], 1, 2
     torch.set_num_threads(args.threads)
     print(f"# emulation_speed {datetime.date.today()} torch {torch.__version__} {platform.processor() or platform.machine()} "
           f"threads {args.threads} repeats {args.repeats} steps {args.steps} seed 0")
-    configs = [(Format.BF16, "compiled")] + [(f, m) for f in FORMATS for m in ("compiled", "reference")]
+    modes = ("compiled",) if args.no_reference else ("compiled", "reference")
+    configs = [(Format.BF16, "compiled")] + [(f, m) for f in FORMATS for m in modes]
     for name in args.models:
         config, batch_size = MODELS[name]
         timer = StepTimer(config, batch_size)
@@ -143,7 +147,14 @@ def main() -> None:
         print(f"# {name}: {dataclasses.asdict(config)}, batch {batch_size}x128; high-precision step {hp * 1e3:.1f} ms")
         for fmt in FORMATS:
             print(f"step_ratio {name} {fmt.value} {statistics.median(times[(fmt, 'compiled')]) / hp:.2f}")
-            print(f"step_ratio_reference {name} {fmt.value} {statistics.median(times[(fmt, 'reference')]) / hp:.2f}")
+            # Paired: each repeat's format time over the same repeat's high-precision time (timed
+            # minutes apart at most), so drift of the machine between repeats cancels.
+            paired = sorted(t / h for t, h in zip(times[(fmt, "compiled")], times[(Format.BF16, "compiled")]))
+            print(f"step_ratio_paired {name} {fmt.value} median {statistics.median(paired):.2f} "
+                  f"range {paired[0]:.2f}-{paired[-1]:.2f} n {len(paired)}")
+            if not args.no_reference:
+                print(f"step_ratio_reference {name} {fmt.value} "
+                      f"{statistics.median(times[(fmt, 'reference')]) / hp:.2f}")
     if not args.quick:
         for (impl, fmt), ratio in peer_layer_ratios(args.repeats).items():
             print(f"layer_ratio {impl} {fmt} {ratio:.2f}")
