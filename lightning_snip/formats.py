@@ -310,25 +310,52 @@ def _mx_fake_quantize(rows, fmt, rounding, recipe, is_grad, generator) -> torch.
     mode = ScaleCalculationMode.RCEIL
     if rounding is Rounding.NEAREST:
         return MXTensor.to_mx(rows, elem, block, scaling_mode=mode).dequantize(torch.float32)
-    scale_e8m0, _ = to_mx(rows, elem, block, mode)
+    q, scale_e8m0 = mxfp4_stochastic_parts(rows, generator)
     scale = get_fp_scale(scale_e8m0).reshape(rows.shape[0], -1, 1)
-    blocks = rows.reshape(rows.shape[0], -1, block)
-    q = _stochastic_round_e2m1(blocks / scale, generator)
-    return (q * scale).reshape(rows.shape)
+    return (q.reshape(scale.shape[0], -1, block) * scale).reshape(rows.shape)
+
+
+def mxfp4_stochastic_parts(rows: "torch.Tensor", generator: "torch.Generator | None"):
+    """MXFP4 with stochastically rounded elements, as parts: (E2M1 values as float32 of rows' shape,
+    the E8M0 block scales torchao's RCEIL cast computes for rows, (rows, cols / 32)). Rows' columns
+    must be a multiple of 32. The native GEMM path wraps the parts into torchao's MXTensor
+    (linear.torchao_block_mm); the emulation multiplies them out."""
+    import torch
+
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import get_fp_scale, to_mx
+
+    # RCEIL: see _mx_fake_quantize.
+    scale_e8m0, _ = to_mx(rows, torch.float4_e2m1fn_x2, 32, ScaleCalculationMode.RCEIL)
+    scale_e8m0 = scale_e8m0.reshape(rows.shape[0], -1)
+    scale = get_fp_scale(scale_e8m0).unsqueeze(-1)
+    q = _stochastic_round_e2m1(rows.reshape(rows.shape[0], -1, 32) / scale, generator)
+    return q.reshape(rows.shape), scale_e8m0
 
 
 def _nvfp4_fake_quantize(rows, rounding, generator) -> torch.Tensor:
     import torch
 
-    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
 
     if rounding is Rounding.NEAREST:
-        per_tensor_scale = per_tensor_amax_to_scale(rows.abs().amax())
-        t = NVFP4Tensor.to_nvfp4(rows, per_tensor_scale=per_tensor_scale)
+        t = NVFP4Tensor.to_nvfp4(rows, per_tensor_scale=nvfp4_per_tensor_scale(rows))
         return t.dequantize(torch.float32)
     q, block_scales, per_tensor_scale = nvfp4_stochastic_parts(rows, generator)
     scale = (block_scales.float() * per_tensor_scale).unsqueeze(-1)
     return (q.reshape(scale.shape[0], -1, 16) * scale).reshape(rows.shape)
+
+
+def nvfp4_per_tensor_scale(rows: "torch.Tensor") -> "torch.Tensor":
+    """torchao's per-tensor NVFP4 scale (amax / (448 * 6)), except 1.0 for an all-zero tensor: torchao's
+    0 makes every block 0 / 0 = NaN, where a zero weight (e.g. a LoRA-B initialization) or an all-zero
+    gradient must quantize to zeros. A NaN amax stays NaN (non-finite inputs stay non-finite)."""
+    import torch
+
+    from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
+
+    scale = per_tensor_amax_to_scale(rows.abs().amax())
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
 def nvfp4_stochastic_parts(rows: "torch.Tensor", generator: "torch.Generator | None"):
@@ -338,16 +365,17 @@ def nvfp4_stochastic_parts(rows: "torch.Tensor", generator: "torch.Generator | N
     parts into torchao's NVFP4Tensor (linear.torchao_block_mm); the emulation multiplies them out."""
     import torch
 
-    from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+    from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
 
-    per_tensor_scale = per_tensor_amax_to_scale(rows.abs().amax())
+    per_tensor_scale = nvfp4_per_tensor_scale(rows)
     block_scales_fp8, _ = nvfp4_quantize(rows, 16, per_tensor_scale)
     block_scales_fp8 = block_scales_fp8.reshape(rows.shape[0], -1)
     blocks = rows.reshape(rows.shape[0], -1, 16)
     # torchao rounds the E4M3 block scale to nearest; where that went down, the block's largest
     # element would saturate at 6 and bias stochastic rounding. Step such scales one E4M3 value up.
     too_small = blocks.abs().amax(-1) > 6.0 * (block_scales_fp8.float() * per_tensor_scale)
-    bumped = (block_scales_fp8.float() * 1.125).to(torch.float8_e4m3fn)
+    # (Clamped: torch before 2.12 does not saturate an eager float8 cast; 504 would become NaN.)
+    bumped = (block_scales_fp8.float() * 1.125).clamp(max=448.0).to(torch.float8_e4m3fn)
     block_scales_fp8 = torch.where(too_small, bumped, block_scales_fp8)
     scale = (block_scales_fp8.float() * per_tensor_scale).unsqueeze(-1)
     q = _stochastic_round_e2m1(blocks / scale, generator)

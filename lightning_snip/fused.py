@@ -142,6 +142,8 @@ def _nvfp4_scales(blocks: torch.Tensor):
     """nvfp4_quantize's two-level scale (torchao, per_tensor_scale given): per-tensor fp32 scale and
     the E4M3 block scales as fp32 values."""
     per_tensor = blocks.abs().amax().float() / (448.0 * 6.0)  # per_tensor_amax_to_scale
+    # formats.nvfp4_per_tensor_scale: 1 for an all-zero tensor (torchao's 0 gives 0 / 0 = NaN).
+    per_tensor = torch.where(per_tensor == 0, torch.ones_like(per_tensor), per_tensor)
     block_scale = blocks.abs().amax(-1, keepdim=True) / 6.0
     eps = torch.finfo(torch.float8_e4m3fn).tiny
     block_fp8 = round_to_grid(torch.clamp(block_scale / per_tensor, min=eps, max=448.0), E4M3)

@@ -58,9 +58,15 @@ _BLOCK_FORMATS = (Format.MXFP8, Format.MXFP4, Format.NVFP4)
 
 
 def describe_kernels(formats: Iterable[Format], device: torch.device) -> str:
-    """One line for the setup log, e.g. "fp8: native torchao kernel; mxfp4: emulated (cpu)"."""
-    parts = [f"{f.value}: {kernel_for(f, device).value}" for f in formats if f is not Format.BF16]
-    return "; ".join(parts) + f" ({torch.device(device)})"
+    """One line for the setup log, e.g. "fp8: native torchao kernel; mxfp4: emulated (cuda:0); a GEMM
+    runs natively when ..." (the shape rules, named whenever a format has a native kernel)."""
+    kernels = {f: kernel_for(f, device) for f in formats if f is not Format.BF16}
+    line = "; ".join(f"{f.value}: {k.value}" for f, k in kernels.items()) + f" ({torch.device(device)})"
+    if any(k is not Kernel.EMULATED for k in kernels.values()):
+        # quantized_matmul's per-GEMM rules: say so once, or a run whose GEMMs all fall back reads as native
+        line += ("; a GEMM runs natively when its dimensions are multiples of 16 (fp8) / 32 (block-scaled, "
+                 "bf16/fp32 operands, E4M3 MXFP8 gradients), otherwise emulated")
+    return line
 
 
 def quantized_matmul(
@@ -153,22 +159,23 @@ def torchao_block_mm(a: torch.Tensor, b: torch.Tensor, fmt: Format, recipe: Quan
 
     Round-to-nearest operands are cast by torchao itself (RCEIL MX scales; NVFP4's per-tensor and
     E4M3 block scales): what the emulation restates, bit for bit. torchao's casts round to nearest
-    only, so stochastically rounded FP4 gradient operands are built here. MXFP4: lightning_snip's
-    stochastic fake quantization, then torchao's cast, which is exact on values already on a
-    block's grid (the RCEIL scale of the rounded block is at most the one it was rounded with, and
-    E2M1 values times a power of two that keeps them <= 6 are E2M1 values). NVFP4: the rounded
-    codes and the scales they were rounded with, wrapped into an NVFP4Tensor (its E4M3 block scales
-    are not powers of two, so a second cast would move values). Operands are drawn a first, then b,
-    as the emulation draws them.
+    only, so stochastically rounded FP4 gradient operands are built here from the emulation's own
+    parts, the rounded E2M1 codes and the scales they were rounded with
+    (formats.mxfp4_stochastic_parts / nvfp4_stochastic_parts, drawing the same random bits), packed
+    into torchao's tensors. Operands are drawn a first, then b, as the emulation draws them.
+
+    Numerics of the native kernels (not run here: no such GPU): torchao's MX GEMM returns bf16 (cast
+    to a's dtype after), so an fp32 run gets bf16-rounded MX GEMM outputs; NVFP4 operands are wrapped
+    as fp32 on the native path, so that torchao applies the product of the two per-tensor scales in
+    fp32 rather than rounded to bf16 (a whole-output bias of up to 2^-8 otherwise).
     """
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.prototype.mx_formats.kernels import f32_to_f4_unpacked, pack_uint4
     from torchao.prototype.mx_formats.mx_tensor import MXTensor
-    from torchao.prototype.mx_formats.nvfp4_tensor import (NVFP4Tensor, QuantizeTensorToNVFP4Kwargs,
-                                                           per_tensor_amax_to_scale)
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, QuantizeTensorToNVFP4Kwargs
     from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
-    from lightning_snip.formats import nvfp4_stochastic_parts
+    from lightning_snip.formats import mxfp4_stochastic_parts, nvfp4_per_tensor_scale, nvfp4_stochastic_parts
 
     preference = KernelPreference.EMULATED if emulate else KernelPreference.AUTO
 
@@ -177,20 +184,23 @@ def torchao_block_mm(a: torch.Tensor, b: torch.Tensor, fmt: Format, recipe: Quan
         stochastic = _rounding(fmt, recipe, is_grad) is Rounding.STOCHASTIC
         if fmt is Format.NVFP4:
             # act_quant_kwargs=None makes NVFP4Tensor's mm dequantize (torchao's emulation); set, it
-            # runs torch._scaled_mm. Our operands are both pre-quantized, so its fields are unused.
+            # runs torch._scaled_mm. Both operands are pre-quantized, so its fields are unused.
             kwargs = None if emulate else QuantizeTensorToNVFP4Kwargs()
+            orig_dtype = t.dtype if emulate else torch.float32
             if stochastic:
-                codes, block_scales, per_tensor_scale = nvfp4_stochastic_parts(t.float(), generator)
+                codes, scales, per_tensor_scale = nvfp4_stochastic_parts(t.float(), generator)
                 qdata = pack_uint4(f32_to_f4_unpacked(codes))
-                return NVFP4Tensor(qdata, block_scales, 16, t.dtype, per_tensor_scale=per_tensor_scale,
-                                   act_quant_kwargs=kwargs)
-            per_tensor_scale = per_tensor_amax_to_scale(t.float().abs().amax())
-            out = NVFP4Tensor.to_nvfp4(t.float(), per_tensor_scale=per_tensor_scale)
-            return NVFP4Tensor(out.qdata, out.scale, 16, t.dtype, per_tensor_scale=per_tensor_scale,
+            else:
+                per_tensor_scale = nvfp4_per_tensor_scale(t.float())
+                out = NVFP4Tensor.to_nvfp4(t.float(), per_tensor_scale=per_tensor_scale)
+                qdata, scales = out.qdata, out.scale
+            return NVFP4Tensor(qdata, scales, 16, orig_dtype, per_tensor_scale=per_tensor_scale,
                                act_quant_kwargs=kwargs)
-        if stochastic:  # MXFP4 gradient operand: round here, then an exact cast (see above)
-            t = fake_quantize(t, fmt, axis=1, rounding=Rounding.STOCHASTIC, recipe=recipe, is_grad=is_grad,
-                              generator=generator)
+        if stochastic:  # MXFP4 gradient operand
+            codes, scales = mxfp4_stochastic_parts(t.float(), generator)
+            qdata = pack_uint4(f32_to_f4_unpacked(codes))
+            return MXTensor(qdata, scales.view(torch.float8_e8m0fnu), torch.float4_e2m1fn_x2, 32, t.dtype,
+                            preference, None, False)
         elem = torch.float4_e2m1fn_x2 if fmt is Format.MXFP4 else torch.float8_e4m3fn
         return MXTensor.to_mx(t, elem, 32, scaling_mode=ScaleCalculationMode.RCEIL, kernel_preference=preference)
 

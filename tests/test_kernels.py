@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_snip import linear as linear_mod
-from lightning_snip.formats import Format, QuantRecipe
+from lightning_snip.formats import Format, QuantRecipe, fake_quantize
 from lightning_snip.linear import (Kernel, SNIPLinear, describe_kernels, kernel_for, quantized_matmul,
                                   torchao_block_mm)
 
@@ -38,11 +38,12 @@ def test_kernel_choice_without_cuda_and_the_setup_line(monkeypatch):
     assert kernel_for(Format.NVFP4, torch.device("cuda", 0)) is Kernel.EMULATED
     _mock_gpu(monkeypatch, (9, 0))
     line = describe_kernels([Format.BF16, Format.FP8, Format.MXFP4], torch.device("cuda", 0))
-    assert line == "fp8: native torchao kernel; mxfp4: emulated (cuda:0)"
+    assert line.startswith("fp8: native torchao kernel; mxfp4: emulated (cuda:0); a GEMM runs natively when")
     _mock_gpu(monkeypatch, (10, 0))
     line = describe_kernels([Format.FP8, Format.MXFP8, Format.NVFP4], torch.device("cuda", 0))
-    assert line == ("fp8: native torchao kernel; mxfp8: native torchao block-scaled kernel; "
-                    "nvfp4: native torchao block-scaled kernel (cuda:0)")
+    assert line.startswith("fp8: native torchao kernel; mxfp8: native torchao block-scaled kernel; "
+                           "nvfp4: native torchao block-scaled kernel (cuda:0); a GEMM runs natively when")
+    assert describe_kernels([Format.MXFP4], torch.device("cpu")) == "mxfp4: emulated (cpu)"
 
 
 def _spy_scaled_mm(monkeypatch):
@@ -160,47 +161,94 @@ def test_block_kernel_stochastic_gradient_operand_is_unbiased():
         assert mean_err < 0.3 * rtn_err, (fmt, mean_err, rtn_err)
 
 
-def _spy_block_gemms(monkeypatch):
-    """Record torch's block-scaled GEMM calls (no CPU kernel exists) and return zeros of the shape."""
+def _decode_block_gemms(monkeypatch):
+    """Stand-ins for torch's block-scaled GEMMs (no CPU kernel exists) that decode what torchao hands
+    them (packed e2m1 pairs or e4m3 elements, swizzled e8m0 / e4m3 block scales, b column-major),
+    multiply in float64 and record each call: the native path run numerically on a CPU."""
+    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
+    from torchao.prototype.mx_formats.utils import from_blocked
+
     calls = []
 
-    def scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None, **kwargs):
-        calls.append(("_scaled_mm", a.dtype, b.dtype, scale_a.dtype, tuple(a.shape), tuple(b.shape)))
-        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype or torch.bfloat16)
+    def elements(x):
+        assert x.is_contiguous()
+        if x.dtype == torch.float4_e2m1fn_x2:
+            return f4_unpacked_to_f32(unpack_uint4(x.view(torch.uint8))).double()
+        return x.double()
 
-    def f_scaled_mm(a, b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, **kwargs):
-        calls.append(("F.scaled_mm", a.dtype, b.dtype, scale_a.dtype, tuple(a.shape), tuple(b.shape)))
-        return torch.zeros(a.shape[0], b.shape[1], dtype=kwargs.get("output_dtype") or torch.bfloat16)
+    def scales(s, rows, k, block):
+        s = from_blocked(s.reshape(-1), rows, k // block)
+        if s.dtype == torch.float8_e4m3fn:
+            return s.double()
+        return torch.exp2(s.view(torch.uint8).double() - 127)  # e8m0: a biased power of two
+
+    def gemm(name, a, b, scale_a, scale_b, out_dtype, block):
+        calls.append((name, a.dtype, b.dtype, scale_a.dtype, tuple(a.shape)))
+        qa, qb = elements(a), elements(b.t())  # b arrives column-major (k x n)
+        (m, k), n = qa.shape, qb.shape[0]
+        qa = (qa.view(m, k // block, block) * scales(scale_a, m, k, block)[..., None]).view(m, k)
+        qb = (qb.view(n, k // block, block) * scales(scale_b, n, k, block)[..., None]).view(n, k)
+        return (qa @ qb.t()).to(out_dtype)
+
+    def scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None, **kwargs):
+        assert bias is None
+        return gemm("_scaled_mm", a, b, scale_a, scale_b, out_dtype, 16 if scale_a.dtype == torch.float8_e4m3fn else 32)
+
+    def f_scaled_mm(a, b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, output_dtype=None, **kwargs):
+        return gemm("F.scaled_mm", a, b, scale_a, scale_b, output_dtype, 32)
 
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
     monkeypatch.setattr(torch.nn.functional, "scaled_mm", f_scaled_mm)
     return calls
 
 
-def test_block_kernel_dispatches_to_torchs_block_scaled_gemm(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_block_kernel_native_path_through_torchs_block_scaled_gemm(monkeypatch, dtype):
     """On the native path (not emulated), torchao's dispatch hands torch's block-scaled GEMM the packed
-    operands: e4m3 elements with e8m0 scales (mxfp8), e2m1 pairs with e8m0 scales (mxfp4, F.scaled_mm),
-    e2m1 pairs with e4m3 scales (nvfp4), for a forward GEMM and a stochastically rounded one alike."""
-    calls = _spy_block_gemms(monkeypatch)
-    a, b = _operands(torch.bfloat16)
+    operands, e4m3 elements with e8m0 scales (mxfp8), e2m1 pairs with e8m0 scales (mxfp4, F.scaled_mm),
+    e2m1 pairs with e4m3 scales (nvfp4), which decode to the emulation's product: for a forward GEMM and
+    a stochastically rounded one with the same draws. Differences allowed: torchao's MX GEMM returns
+    bf16 (an fp32 run's output is bf16-rounded), and the float64 stand-in accumulates exactly."""
+    calls = _decode_block_gemms(monkeypatch)
+    a, b = _operands(dtype)
     expected = {
         Format.MXFP8: ("_scaled_mm", torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float8_e8m0fnu, (64, 128)),
         Format.MXFP4: ("F.scaled_mm", torch.float4_e2m1fn_x2, torch.float4_e2m1fn_x2, torch.float8_e8m0fnu, (64, 64)),
         Format.NVFP4: ("_scaled_mm", torch.float4_e2m1fn_x2, torch.float4_e2m1fn_x2, torch.float8_e4m3fn, (64, 64)),
     }
-    for fmt, (name, a_dtype, b_dtype, scale_dtype, a_shape) in expected.items():
+    for fmt, call in expected.items():
         for a_is_grad in (False, True):
             calls.clear()
-            out = quantized_matmul(a, b, fmt, recipe=QuantRecipe(), a_is_grad=a_is_grad, kernel=Kernel.TORCHAO_BLOCK,
-                                   generator=torch.Generator().manual_seed(0))
-            assert out.shape == (64, 96) and out.dtype == torch.bfloat16
-            assert [c[:5] for c in calls] == [(name, a_dtype, b_dtype, scale_dtype, a_shape)], (fmt, calls)
+            native = quantized_matmul(a, b, fmt, recipe=QuantRecipe(), a_is_grad=a_is_grad, kernel=Kernel.TORCHAO_BLOCK,
+                                      generator=torch.Generator().manual_seed(1))
+            emulated = quantized_matmul(a, b, fmt, recipe=QuantRecipe(), a_is_grad=a_is_grad, kernel=Kernel.EMULATED,
+                                        generator=torch.Generator().manual_seed(1))
+            assert calls == [call], (fmt, calls)
+            assert native.shape == (64, 96) and native.dtype == dtype
+            # bf16 output rounding (2^-9 relative) at most; a lost per-tensor scale, a round-to-nearest
+            # gradient operand or a wrong scale rule differ by far more.
+            diff = float((native.double() - emulated.double()).norm() / emulated.double().norm())
+            assert diff < 4e-3, (fmt, a_is_grad, diff)
+            if fmt is not Format.NVFP4 and dtype is torch.bfloat16:
+                assert torch.equal(native, emulated), fmt  # products of bf16-exact values, one rounding
+    # NVFP4 operands travel as fp32 on the native path: the per-tensor scales' product is applied in
+    # fp32 (torchao rounds it to the operands' dtype), so bf16 runs see no whole-output scale bias.
+    from lightning_snip.formats import nvfp4_per_tensor_scale
+
+    g = torch.Generator().manual_seed(13)
+    a, b = (torch.randn(64, 128, generator=g) * 4.3).bfloat16(), torch.randn(96, 128, generator=g).bfloat16()
+    product = nvfp4_per_tensor_scale(a.float()) * nvfp4_per_tensor_scale(b.float())
+    assert float(product.bfloat16().float() / product) > 1.002  # these inputs would show the bias
+    exact = (fake_quantize(a.float(), Format.NVFP4, axis=1).double()
+             @ fake_quantize(b.float(), Format.NVFP4, axis=1).double().t())
+    native = quantized_matmul(a, b, Format.NVFP4, recipe=QuantRecipe(), kernel=Kernel.TORCHAO_BLOCK).double()
+    assert abs(float((native * exact).sum() / (exact * exact).sum()) - 1.0) < 2e-4
 
 
 def test_block_kernel_unsupported_gemms_are_emulated(monkeypatch):
     """Shapes off the 32-grid, and MXFP8 gradients in E5M2 (torchao's MX GEMM takes E4M3 only), take
     the emulation: no block-scaled GEMM call, the emulated result."""
-    calls = _spy_block_gemms(monkeypatch)
+    calls = _decode_block_gemms(monkeypatch)
     a, b = _operands(torch.float32, m=48, n=96, k=128)  # 48 rows: not a multiple of 32
     for fmt in BLOCK_FORMATS:
         out = quantized_matmul(a, b, fmt, recipe=QuantRecipe(fp4_grad_rounding="nearest"), kernel=Kernel.TORCHAO_BLOCK)
@@ -240,3 +288,63 @@ def test_snip_linear_routes_all_three_gemms_to_the_block_kernel(monkeypatch, fmt
                       (fmt, True, False, (96, 64), (64, 64))]    # wgrad: G^T, X^T along tokens
     for n, e in zip(native, emulated):
         assert torch.equal(n.detach(), e)
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=lambda f: f.value)
+def test_block_kernel_all_zero_and_tiny_operands(monkeypatch, fmt):
+    """An all-zero operand (a zero-initialized weight, an all-zero gradient) gives a zero product on
+    every path (torchao's NVFP4 per-tensor scale of 0 made it 0 / 0 = NaN), and blocks near the bottom
+    of the float32 range (a re-cast would clamp their MXFP4 scale and zero them) match the emulation."""
+    _decode_block_gemms(monkeypatch)
+    zeros, b = torch.zeros(64, 128), _operands(torch.float32)[1]
+    for a_is_grad in (False, True):
+        for kernel in (Kernel.EMULATED, Kernel.TORCHAO_BLOCK):
+            for x, y in ((zeros, b), (b[:64], zeros[:32])):
+                out = quantized_matmul(x, y, fmt, recipe=QuantRecipe(), a_is_grad=a_is_grad, kernel=kernel,
+                                       generator=torch.Generator().manual_seed(0))
+                assert torch.equal(out, torch.zeros_like(out)), (kernel, a_is_grad)
+        assert torch.equal(fake_quantize(zeros, fmt, axis=1), zeros)
+    tiny = torch.zeros(32, 64)
+    tiny[:, 0], tiny[:, 1] = 3.2 * 2.0**-126, 2.0**-126
+    for seed in range(3):
+        emulated = quantized_matmul(tiny, torch.eye(64)[:32], fmt, recipe=QuantRecipe(), a_is_grad=True,
+                                    kernel=Kernel.EMULATED, generator=torch.Generator().manual_seed(seed))
+        through = torchao_block_mm(tiny, torch.eye(64)[:32], fmt, QuantRecipe(), True, False,
+                                   torch.Generator().manual_seed(seed), emulate=True)
+        assert torch.equal(through, emulated), seed
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=lambda f: f.value)
+def test_snip_linear_native_block_path_in_all_three_gemms(monkeypatch, fmt):
+    """A bf16 SNIPLinear on a (mocked) compute-capability-10 device: forward, dgrad and wgrad each reach
+    torch's block-scaled GEMM through torchao's dispatch (decoded on the CPU), with the operands of
+    each GEMM's contraction axis, and give the emulated layer's output and gradients (MX: bit for bit;
+    NVFP4: up to the per-tensor scales applied in fp32 instead of bf16)."""
+    calls = _decode_block_gemms(monkeypatch)
+    torch.manual_seed(0)
+    layer = SNIPLinear(64, 96, format=fmt).bfloat16()
+    x = torch.randn(2, 32, 64, dtype=torch.bfloat16, requires_grad=True)
+    # A loss whose output gradient does not depend on the output: both runs round the same G
+    # stochastically (with the output's gradient, NVFP4's small forward difference would move every
+    # stochastic rounding decision downstream of it).
+    r = torch.randn(2, 32, 96, dtype=torch.bfloat16)
+
+    def fwd_bwd():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        layer.generator = torch.Generator().manual_seed(5)
+        y = layer(x)
+        (y * r).float().sum().backward()
+        return [y.detach().clone(), x.grad.clone(), layer.weight.grad.clone()]
+
+    emulated = fwd_bwd()
+    assert calls == []
+    monkeypatch.setattr(linear_mod, "kernel_for", lambda f, device: Kernel.TORCHAO_BLOCK)
+    native = fwd_bwd()
+    packed = 1 if fmt is Format.MXFP8 else 2  # e2m1 pairs: half the columns
+    assert [c[4] for c in calls] == [(64, 64 // packed), (64, 96 // packed), (96, 64 // packed)]  # fwd, dgrad, wgrad
+    for n, e in zip(native, emulated):
+        if fmt is Format.NVFP4:
+            assert float((n.double() - e.double()).norm() / e.double().norm()) < 1e-2
+        else:
+            assert torch.equal(n, e)
