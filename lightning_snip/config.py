@@ -73,7 +73,11 @@ class SNIPConfig:
         first_order_steps: training steps before each statistics round whose batches also sample LD's
             first-order term (the ``accumulated`` estimator averages them with the round's own); at
             most the interval - 1 steps since the previous round.
-        first_order_rows: token rows of each such step's batch sampled (spread over the batch).
+        first_order_rows: token rows of each such step's batch sampled (spread over the batch). 1024
+            by measurement (benchmarks/results/first_order_rows_2026-11-30.md): the term's noise
+            was mostly the row sample; 256 -> 1024 rows raised LD's out-of-sample ranking per round
+            from 0.52-0.83 to 0.62-0.90 and its round agreement from 0.44-0.75 to 0.59-0.91, at +3.3%
+            wall on emulated FP4 steps (256: +2.4%), +25% against high-precision steps (256: +6.5%).
         wd_propagation: how WD's propagated term is computed: probe (forward-mode random probes, a
             round's cost linear in depth, one module's parameters of extra memory at a time) or exact
             (one vector-Jacobian product per layer: quadratic in depth, holds the round's graph and a
@@ -123,7 +127,7 @@ class SNIPConfig:
     noise_scale: float = 0.1
     loss_estimator: str = "accumulated"
     first_order_steps: int = 32
-    first_order_rows: int = 256
+    first_order_rows: int = 1024
     wd_propagation: str = "probe"
     wd_probes: int = 4
     aggregate_decay: float = 0.5
