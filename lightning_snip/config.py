@@ -76,8 +76,9 @@ class SNIPConfig:
         first_order_rows: token rows of each such step's batch sampled (spread over the batch). 1024
             by measurement (benchmarks/results/first_order_rows_2026-11-30.md): the term's noise
             was mostly the row sample; 256 -> 1024 rows raised LD's out-of-sample ranking per round
-            from 0.52-0.83 to 0.62-0.90 and its round agreement from 0.44-0.75 to 0.59-0.91, at +3.3%
-            wall on emulated FP4 steps (256: +2.4%), +25% against high-precision steps (256: +6.5%).
+            from 0.52-0.83 to 0.62-0.90 and its round agreement from 0.44-0.75 to 0.59-0.91, at about
+            8-11% wall on emulated FP4 steps (256: ~3%), 25% against high-precision steps (256: 6.5%),
+            at interval 100. An upper bound: rows are strided, so n/2 to n are sampled.
         wd_propagation: how WD's propagated term is computed: probe (forward-mode random probes, a
             round's cost linear in depth, one module's parameters of extra memory at a time) or exact
             (one vector-Jacobian product per layer: quadratic in depth, holds the round's graph and a
