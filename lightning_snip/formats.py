@@ -298,7 +298,7 @@ def _mx_fake_quantize(rows, fmt, rounding, recipe, is_grad, generator) -> torch.
     import torch
 
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
-    from torchao.prototype.mx_formats.mx_tensor import MXTensor, get_fp_scale, to_mx
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor, get_fp_scale
 
     if fmt is Format.MXFP8:
         elem = recipe.fp8_grad_dtype.torch_dtype if is_grad else torch.float8_e4m3fn
@@ -373,11 +373,12 @@ def nvfp4_stochastic_parts(rows: "torch.Tensor", generator: "torch.Generator | N
     blocks = rows.reshape(rows.shape[0], -1, 16)
     # torchao rounds the E4M3 block scale to nearest; where that went down, the block's largest
     # element would saturate at 6 and bias stochastic rounding. Step such scales one E4M3 value up.
-    too_small = blocks.abs().amax(-1) > 6.0 * (block_scales_fp8.float() * per_tensor_scale)
+    scale = block_scales_fp8.float() * per_tensor_scale
+    too_small = blocks.abs().amax(-1) > 6.0 * scale
     # (Clamped: torch before 2.12 does not saturate an eager float8 cast; 504 would become NaN.)
     bumped = (block_scales_fp8.float() * 1.125).clamp(max=448.0).to(torch.float8_e4m3fn)
     block_scales_fp8 = torch.where(too_small, bumped, block_scales_fp8)
-    scale = (block_scales_fp8.float() * per_tensor_scale).unsqueeze(-1)
+    scale = torch.where(too_small, bumped.float() * per_tensor_scale, scale).unsqueeze(-1)
     q = _stochastic_round_e2m1(blocks / scale, generator)
     return q.reshape(rows.shape), block_scales_fp8, per_tensor_scale
 

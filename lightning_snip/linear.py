@@ -183,16 +183,17 @@ def torchao_block_mm(a: torch.Tensor, b: torch.Tensor, fmt: Format, recipe: Quan
         t = t.contiguous()
         stochastic = _rounding(fmt, recipe, is_grad) is Rounding.STOCHASTIC
         if fmt is Format.NVFP4:
+            t32 = t.float()
             # act_quant_kwargs=None makes NVFP4Tensor's mm dequantize (torchao's emulation); set, it
             # runs torch._scaled_mm. Both operands are pre-quantized, so its fields are unused.
             kwargs = None if emulate else QuantizeTensorToNVFP4Kwargs()
             orig_dtype = t.dtype if emulate else torch.float32
             if stochastic:
-                codes, scales, per_tensor_scale = nvfp4_stochastic_parts(t.float(), generator)
+                codes, scales, per_tensor_scale = nvfp4_stochastic_parts(t32, generator)
                 qdata = pack_uint4(f32_to_f4_unpacked(codes))
             else:
-                per_tensor_scale = nvfp4_per_tensor_scale(t.float())
-                out = NVFP4Tensor.to_nvfp4(t.float(), per_tensor_scale=per_tensor_scale)
+                per_tensor_scale = nvfp4_per_tensor_scale(t32)
+                out = NVFP4Tensor.to_nvfp4(t32, per_tensor_scale=per_tensor_scale)
                 qdata, scales = out.qdata, out.scale
             return NVFP4Tensor(qdata, scales, 16, orig_dtype, per_tensor_scale=per_tensor_scale,
                                act_quant_kwargs=kwargs)
