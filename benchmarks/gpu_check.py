@@ -1,13 +1,21 @@
 """GPU check, prepared to run once on a lent GPU in under 5 minutes (also runs on a CPU, smaller).
 
+0. The fused quantizers (Triton kernels on a GPU) against the torchao-composed reference, bit for bit,
+   per format and rounding, on operands with zero blocks, subnormals and a wide range: the CPU tests
+   check this only for the CPU's C++ kernels (a GPU flushes subnormals, which made all-zero MXFP4
+   blocks NaN under stochastic rounding until 2026-11-30).
 1. Numerics per format: relative error against float64 of the emulated GEMM (lightning_snip's fused
    quantizers) and, where the device has one, of the native kernel (kernel_for: torchao.float8's
    training path for FP8 on compute capability >= 8.9; torchao's MX / NVFP4 block-scaled GEMMs on
    10.x), and native vs emulated; for FP4 also a gradient GEMM (its first operand stochastically
    rounded, the same random draws on both paths).
-2. Speed: GEMM time over bf16 at 4096^3 and 8192^3 for the native kernels (casts included) and for
-   the emulated formats (quantizers + bf16 matmul), and quantizer compile times.
-3. A 50-step demo run with SNIPCallback in bf16-mixed (statistics round at step 20, plan applied).
+2. Speed: GEMM time over bf16 at 4096^3 and 8192^3 for the native kernels (casts included; eager, and
+   FP8 also under torch.compile, which fuses torchao's casts) and for the emulated formats (quantizers +
+   bf16 matmul), and quantizer compile times.
+3. A statistics round's cost on the device (benchmarks/stats_cost.py's measurement under bf16 autocast): round
+   time over a high-precision and over an emulated-MXFP4 training step of a 2048-row batch, for wider and
+   deeper demo models than fit the CPU benchmark (issue 11's "round <= 3 high-precision steps" on a GPU).
+4. A 50-step demo run with SNIPCallback in bf16-mixed (statistics round at step 20, plan applied).
 
     python benchmarks/gpu_check.py [--sizes 4096 8192] [--repeats 20] [--steps 50] [--out DIR]
 
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import logging
 import os
 import re
 import time
@@ -50,6 +59,38 @@ def timed(fn, repeats):
     for _ in range(repeats):
         fn()
     return (time.perf_counter() - t) / repeats
+
+
+class _WarningCount(logging.Handler):
+    """Counts lightning_snip's warnings during a part: a part that warned is not a clean pass."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.count, self.first = 0, ""
+
+    def emit(self, record):
+        self.count += 1
+        self.first = self.first or record.getMessage()[:200]
+
+
+def fused_vs_reference(device, lines):
+    from lightning_snip.formats import Rounding, fake_quantize, reference_fake_quantize
+
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(256, 512, device=device, generator=g) * torch.exp(4 * torch.randn(256, 512, device=device, generator=g))
+    x[0] = 0.0
+    x[:, 64:96] = 0.0
+    x[1::7, 1::5] = 1e-40
+    for fmt in FORMATS:
+        for rounding in ((Rounding.NEAREST, Rounding.STOCHASTIC) if fmt.is_fp4 else (Rounding.NEAREST,)):
+            for dtype in (torch.float32, torch.bfloat16):
+                kwargs = dict(axis=1, rounding=rounding, is_grad=rounding is Rounding.STOCHASTIC)
+                got = fake_quantize(x.to(dtype), fmt, generator=torch.Generator(device=device).manual_seed(1), **kwargs)
+                want = reference_fake_quantize(x.to(dtype), fmt, generator=torch.Generator(device=device).manual_seed(1),
+                                               **kwargs)
+                differ = int(((got != want) & ~(got.isnan() & want.isnan())).sum())
+                lines.append(f"fused_vs_reference {fmt.value} {rounding.value} {str(dtype)[6:]} elements={got.numel()} "
+                             f"differ {differ} nan_fused {int(got.isnan().sum())} nan_reference {int(want.isnan().sum())}")
 
 
 def numerics(device, lines):
@@ -91,9 +132,29 @@ def speed(device, sizes, repeats, lines):
             kernel = kernel_for(fmt, device)
             t = timed(lambda: quantized_matmul(x, w, fmt, recipe=recipe, kernel=kernel), max(2, repeats // 4))
             line += f" {fmt.value}_{'native' if kernel is not Kernel.EMULATED else 'emulated'}/bf16 {t / t_bf16:.3f}"
+        if kernel_for(Format.FP8, device) is not Kernel.EMULATED:
+            compiled = torch.compile(lambda a, b: quantized_matmul(a, b, Format.FP8, recipe=recipe))
+            line += f" fp8_native_compiled/bf16 {timed(lambda: compiled(x, w), max(2, repeats // 4)) / t_bf16:.3f}"
         lines.append(line)
     for (kernel, dev), seconds in sorted(fused.compile_seconds.items()):
         lines.append(f"compile_seconds {kernel} {dev} {seconds:.1f}")
+
+
+def round_cost(device, shapes, lines):
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from stats_cost import measure_one
+
+    for width, blocks in shapes:
+        r = measure_one(width, blocks, repeats=3, exact=False, seed=0, mode="time", device=device.type)
+        lines.append(f"round_cost width={width} blocks={blocks} layers={r['layers']} rows={r['rows']} "
+                     f"max_rows={r['max_rows']} hp_step_ms {r['hp_step_seconds'] * 1e3:.1f} "
+                     f"emulated_mxfp4_step_ms {r['emulated_step_seconds'] * 1e3:.1f} "
+                     f"round_ms {r['round_seconds'] * 1e3:.1f} "
+                     f"hp_steps {r['round_seconds'] / r['hp_step_seconds']:.2f} "
+                     f"emulated_steps {r['round_seconds'] / r['emulated_step_seconds']:.2f}")
+        print(lines[-1], flush=True)
 
 
 def demo_run(device, steps, lines):
@@ -140,12 +201,22 @@ def main() -> None:
     capability = torch.cuda.get_device_capability() if device.type == "cuda" else None
     lines = [f"# gpu_check {datetime.date.today()} device {name} capability {capability} torch {torch.__version__}"]
     sizes = args.sizes if device.type == "cuda" else [512]
-    for part in (lambda: numerics(device, lines), lambda: speed(device, sizes, args.repeats, lines),
-                 lambda: demo_run(device, args.steps, lines)):
+    shapes = [(1024, 4), (1024, 16), (2048, 8)] if device.type == "cuda" else [(128, 2)]
+    parts = {"fused_vs_reference": lambda: fused_vs_reference(device, lines),
+             "numerics": lambda: numerics(device, lines), "speed": lambda: speed(device, sizes, args.repeats, lines),
+             "round_cost": lambda: round_cost(device, shapes, lines), "demo": lambda: demo_run(device, args.steps, lines)}
+    for part_name, part in parts.items():
+        counter = _WarningCount()
+        logging.getLogger("lightning_snip").addHandler(counter)
+        start = time.perf_counter()
         try:
             part()
         except Exception as err:  # report and go on: one failing part must not lose the others
             lines.append(f"error {type(err).__name__}: {str(err).splitlines()[0][:300]}")
+        finally:
+            logging.getLogger("lightning_snip").removeHandler(counter)
+        lines.append(f"part {part_name} seconds {time.perf_counter() - start:.1f} lightning_snip_warnings {counter.count}"
+                     + (f" first: {counter.first}" if counter.count else ""))
         print("\n".join(lines[-3:]), flush=True)
     os.makedirs(args.out, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_").lower()

@@ -31,6 +31,7 @@ Prints ``round_cost <blocks> <hp_steps> <emulated_steps> <extra_mib> width=<w>``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -93,37 +94,51 @@ def parse_variants(text: str) -> list[int]:
 
 
 def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, mode: str,
-                variants: list[int] = ()) -> dict:
+                variants: list[int] = (), device: str = "cpu") -> dict:
+    """One configuration's measurement. ``device="cuda"`` (benchmarks/gpu_check.py) times on a GPU with
+    CUDA synchronisation; memory mode is CPU-only (it reads the process's RSS)."""
+    if mode == "memory" and device != "cpu":
+        raise ValueError(f"mode='memory' measures RSS and needs device='cpu', got device={device!r}")
     torch.manual_seed(seed)
     cfg = SNIPConfig()
-    model = TinyLlama(model_config(width, blocks))
+    model = TinyLlama(model_config(width, blocks)).to(device)
     layers = convert_linears(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     vocab = model.config.vocab_size if hasattr(model, "config") else 256
-    tokens = torch.randint(0, 256, (BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(seed))
+    tokens = torch.randint(0, 256, (BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(seed)).to(device)
     batch = (tokens[:, :-1], tokens[:, 1:])
     tiny = (tokens[:1, :32], tokens[:1, 1:33])
 
     def loss_of(b):
         return F.cross_entropy(model(b[0]).reshape(-1, vocab), b[1].reshape(-1))
 
+    # on a GPU both the steps and the round run under bf16 autocast, as bf16-mixed training does
+    autocast = (lambda: torch.autocast(device, torch.bfloat16)) if device != "cpu" else contextlib.nullcontext
+
     def step(b, fmt: Format):
         for layer in layers.values():
             layer.format = fmt
         opt.zero_grad(set_to_none=True)
-        loss_of(b).backward()
+        with autocast():
+            loss = loss_of(b)
+        loss.backward()
         opt.step()
         for layer in layers.values():
             layer.format = Format.BF16
 
     def round_on(b, propagation: Propagation, probes: int = cfg.wd_probes):
         sliced = slice_batch(b, cfg.max_rows)
-        stats = collect_stats(model, lambda: loss_of(sliced), layers=layers, optimizer=opt, propagation=propagation)
+
+        def loss_fn():
+            with autocast():
+                return loss_of(sliced)
+
+        stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt, propagation=propagation)
         try:
             estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
                                 noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator, probes=probes,
                                 curvature_probe=cfg.curvature_probe,
-                                generator=torch.Generator().manual_seed(seed))
+                                generator=torch.Generator(device=device).manual_seed(seed))
         finally:
             stats.release()
 
@@ -147,8 +162,12 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
         return out
 
     def timed(fn) -> float:
+        if device != "cpu":
+            torch.cuda.synchronize()
         start = time.perf_counter()
         fn()
+        if device != "cpu":
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     hp, emulated, probe, exact_times = [], [], [], []

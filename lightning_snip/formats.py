@@ -328,8 +328,12 @@ def mxfp4_stochastic_parts(rows: "torch.Tensor", generator: "torch.Generator | N
     # RCEIL: see _mx_fake_quantize.
     scale_e8m0, _ = to_mx(rows, torch.float4_e2m1fn_x2, 32, ScaleCalculationMode.RCEIL)
     scale_e8m0 = scale_e8m0.reshape(rows.shape[0], -1)
-    scale = get_fp_scale(scale_e8m0).unsqueeze(-1)
-    q = _stochastic_round_e2m1(rows.reshape(rows.shape[0], -1, 32) / scale, generator)
+    # Multiplied by 2^-e, not divided by the scale 2^e: 2^-127 (an all-zero block's scale) is
+    # subnormal, flushed to zero where denormals are (Triton kernels, torch.set_flush_denormal), and
+    # 0 / 0 would be NaN. 2^-e is normal for every E8M0 exponent; a NaN block (code 255) stays NaN.
+    codes = scale_e8m0.view(torch.uint8).to(torch.float32)
+    inverse = torch.where(codes == 255, float("nan"), torch.exp2(127.0 - codes)).unsqueeze(-1)
+    q = _stochastic_round_e2m1(rows.reshape(rows.shape[0], -1, 32) * inverse, generator)
     return q.reshape(rows.shape), scale_e8m0
 
 

@@ -118,24 +118,28 @@ def _e8m0_scales(blocks: torch.Tensor, max_pos: float):
     version builds the uint8 E8M0 code and converts it back through ``pow``, which inductor does not
     fuse on a CPU (5-10 ms for a 2048x128 operand); the arithmetic below gives the same values:
     exponent e = clamp(ceil(log2(amax / max_pos)), -127, 127) (NaN stays NaN, inf gives 127);
-    multiplier 2^-e, except 1.0 at e = -127 (torchao's zero-exponent rule); scale 2^e."""
+    multiplier 2^-e, except 1.0 at e = -127 (torchao's zero-exponent rule); scale 2^e; and e itself."""
     descale = blocks.abs().amax(-1, keepdim=True) / max_pos
     e = torch.clamp(torch.ceil(torch.log2(descale)), -127.0, 127.0)
-    return torch.where(e == -127.0, 1.0, torch.exp2(-e)), torch.exp2(e)
+    return torch.where(e == -127.0, 1.0, torch.exp2(-e)), torch.exp2(e), e
 
 
 def _mx_rtn_kernel(rows: torch.Tensor, grid_name: str) -> torch.Tensor:
     grid = GRID_NAMES[grid_name]
     blocks = rows.reshape(rows.shape[0], -1, MX_BLOCK)
-    multiplier, scale = _e8m0_scales(blocks, grid[2])
+    multiplier, scale, _ = _e8m0_scales(blocks, grid[2])
     scaled = torch.clamp(blocks * multiplier, -grid[2], grid[2])
     return (round_to_grid(scaled, grid) * scale).reshape(rows.shape)
 
 
 def _mx_sr_kernel(rows: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     blocks = rows.reshape(rows.shape[0], -1, MX_BLOCK)
-    _, scale = _e8m0_scales(blocks, 6.0)
-    return (stochastic_round_e2m1(blocks / scale, bits) * scale).reshape(rows.shape)
+    _, scale, e = _e8m0_scales(blocks, 6.0)
+    # Multiply by 2^-e rather than divide by the scale 2^e: an all-zero block has e = -127, and the
+    # subnormal 2^-127 is flushed to zero in a Triton kernel (pytorch#125557), where 0 / 0 gave NaN
+    # for every all-zero gradient block on a GPU (found by benchmarks/gpu_check.py on an H200).
+    # 2^-e is a normal number for every e in [-127, 127], and scaling by a power of two is exact.
+    return (stochastic_round_e2m1(blocks * torch.exp2(-e), bits) * scale).reshape(rows.shape)
 
 
 def _nvfp4_scales(blocks: torch.Tensor):

@@ -217,3 +217,30 @@ def test_sr_rounds_up_with_probability_equal_to_the_distance_from_below(fmt):
         share_up = float((body == hi).double().mean())
         expected = (value - lo) / (hi - lo)
         assert abs(share_up - expected) < 4 * (expected * (1 - expected) / body.numel()) ** 0.5 + 1e-4, (value, share_up)
+
+
+@pytest.mark.parametrize("mode", ["compiled", "eager", "reference"])
+@pytest.mark.parametrize("fmt,rounding", [(f, r) for f in FORMATS
+                                          for r in ((Rounding.NEAREST, Rounding.STOCHASTIC) if f.is_fp4
+                                                    else (Rounding.NEAREST,))],
+                         ids=lambda v: getattr(v, "value", str(v)))
+def test_zero_blocks_stay_zero_where_subnormals_flush(monkeypatch, mode, fmt, rounding):
+    """A GPU's Triton kernels flush subnormals to zero; an all-zero MX block's scale 2^-127 is one,
+    and dividing by it gave NaN for every all-zero gradient block on an H200 (the attention query's
+    gradient has one per sequence: the first token's). torch.set_flush_denormal reproduces the
+    flush on a CPU."""
+    monkeypatch.setenv("LIGHTNING_SNIP_QUANTIZERS", mode)
+    x = _wide_range((64, 128), 9)
+    x[0] = 0.0  # an all-zero row: zero blocks along axis 1
+    x[:, 32:64] = 0.0  # a zero block in every row
+    kwargs = dict(axis=1, rounding=rounding, is_grad=rounding is Rounding.STOCHASTIC)
+    want = fake_quantize(x, fmt, generator=torch.Generator().manual_seed(3), **kwargs)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    try:
+        got = fake_quantize(x, fmt, generator=torch.Generator().manual_seed(3), **kwargs)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.isfinite(got).all(), f"{int(got.isnan().sum())} NaN"
+    assert torch.equal(got[0], torch.zeros_like(got[0])) and torch.equal(got[:, 32:64], torch.zeros_like(got[:, 32:64]))
+    assert torch.equal(got, want)  # the other blocks hold no subnormals: the flush changes nothing
