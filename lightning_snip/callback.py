@@ -79,6 +79,8 @@ class SNIPCallback(Callback):
             per layer/format, before the clamp at 0 that planning applies.
         ``snip/wd/<fqn>/<format>``: backward weight divergence (relative update deviation).
         ``snip/stats_seconds``: wall time of the statistics round (statistics step).
+        ``snip/invalid_formats``: (layer, format) candidates the round found non-finite (left out of
+            its evidence; one warning per round names them). Non-zero is a fault to look into.
         ``snip/wd_probe_rel_stderr``: (``wd_propagation=probe``) the median over layers and formats of
             the probes' relative standard error of WD's propagated term in the round (this rank's).
         ``snip/solver_seconds``: ILP solve time (apply step).
@@ -125,6 +127,7 @@ class SNIPCallback(Callback):
         self._sr_seed = 0
         self.num_consecutive_failures = 0  # statistics rounds or solves in a row that gave no plan
         self.grad_noise_ratios: dict[str, float] = {}  # the last round's, per switchable layer
+        self.invalid_formats: list[tuple[str, Format]] = []  # the last round's non-finite candidates
 
     @property
     def fp4_fraction(self) -> float:
@@ -364,9 +367,11 @@ class SNIPCallback(Callback):
             self._count_failure(cause)
             return
         self.grad_noise_ratios = self._grad_noise_ratios(result)
+        self.invalid_formats = self._invalid_formats(result)
         if probe_noise is not None:
             log_to_loggers(trainer.loggers, step, {"snip/wd_probe_rel_stderr": probe_noise})
         log_to_loggers(trainer.loggers, step, {**divergence_scalars(result), "snip/stats_seconds": seconds,
+                                               "snip/invalid_formats": float(len(self.invalid_formats)),
                                                **{f"snip/grad_noise_ratio/{fqn}": r for fqn, r in self.grad_noise_ratios.items()}})
         self.history.append({"step": step, "divergence": result.as_dict()})
         self._fold_into_aggregate(self.history[-1]["divergence"])
@@ -426,6 +431,22 @@ class SNIPCallback(Callback):
         layers = divergence["layers"]
         self.aggregate.update({metric: {fqn: d[metric] for fqn, d in layers.items() if metric in d}
                                for metric in ("loss_divergence", "weight_divergence", "rel_error_wgrad")})
+
+    def _invalid_formats(self, result: DivergenceResult) -> list[tuple[str, Format]]:
+        """(fqn, format) of the unpinned layers' allowed low-precision candidates whose LD or WD the
+        round found non-finite: left out of this round's evidence (logged as snip/invalid_formats)."""
+        out = []
+        for fqn, layer in self.layers.items():
+            d = result.layers.get(fqn)
+            if layer.pinned is not None or d is None:
+                continue
+            for fmt in self.config.formats:
+                if fmt is Format.BF16 or fmt not in layer.allowed_formats:
+                    continue
+                if not (math.isfinite(d.loss_divergence.get(fmt, math.inf))
+                        and math.isfinite(d.weight_divergence.get(fmt, math.inf))):
+                    out.append((fqn, fmt))
+        return out
 
     def _grad_noise_ratios(self, result: DivergenceResult) -> dict[str, float]:
         """Per unpinned layer: ||G^T X|| / ||Q(G)^T Q(X) - G^T X|| on the round's rows, for the best

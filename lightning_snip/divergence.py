@@ -270,11 +270,12 @@ def estimate_divergence(
         flags = all_reduce_sum(torch.tensor([float(not f) for f in finite.values()], device=like.device), like)
         finite = {fqn: float(flag) == 0.0 for fqn, flag in zip(finite, flags.cpu())}
     valid = {}
+    r_invalid: list = []
     for fqn, s in stats.layers.items():
         if finite[fqn]:
             valid[fqn] = formats if allowed is None else [f for f in formats if f in set(allowed[fqn])]
         else:
-            logger.warning("statistics of layer %s hold non-finite values: its low-precision formats are marked invalid", fqn)
+            r_invalid.append((fqn, None))
     used_adam = all(a is not None for a in stats.param_adam.values())
     if not used_adam and not _warned_no_adam:
         logger.warning("weight divergence: optimizer keeps no Adam moments for every parameter; using plain gradient errors (A = 1)")
@@ -283,7 +284,7 @@ def estimate_divergence(
     r = _RoundInputs(
         stats=stats, formats=tuple(formats), recipe=recipe, adam=adam, denominator=1.0,
         loss_norm=abs(stats.loss) if stats.loss else 1.0, loss_estimator=loss_estimator,
-        first_order_history=first_order_history or {}, generator=generator,
+        first_order_history=first_order_history or {}, generator=generator, invalid=r_invalid,
     )
     metrics = {fqn: {k: {Format.BF16: 0.0} for k in _METRICS} for fqn in stats.layers}
     for fqn, fmts in valid.items():
@@ -309,6 +310,19 @@ def estimate_divergence(
                 st = stats.layers[fqn]
                 x, w = st.x.float(), dense(st.weight).float()
                 output_errors[fqn, fmt] = quantized_matmul(x, w, fmt, recipe=recipe) - x @ w.t()
+        # A non-finite output error (a quantizer fault) leaves the round for that (layer, format) only: the
+        # error probe below injects every layer's dY into one forward pass, where one NaN would make
+        # every layer's second-order term NaN. Ranks agree on the set (their collectives follow it).
+        bad = torch.tensor([float(not torch.isfinite(dy).all()) for dy in output_errors.values()])
+        if stats.sharded and len(bad):
+            like = _a_sharded_weight(stats)
+            bad = all_reduce_sum(bad.to(like.device), like).cpu()
+        for (fqn, _), flag in zip(list(output_errors), bad.tolist()):
+            if flag:
+                del output_errors[fqn, fmt]
+                valid[fqn] = [f for f in valid[fqn] if f is not fmt]
+                metrics[fqn]["ld"][fmt] = metrics[fqn]["wd"][fmt] = math.inf
+                r.invalid.append((fqn, fmt))
         if curvature_probe is CurvatureProbe.GAUSSIAN:
             second_order = {(fqn, f): 0.5 * curvature.get(fqn, 0.0) * float(dy.pow(2).sum())
                             for (fqn, f), dy in output_errors.items()}
@@ -355,12 +369,18 @@ def estimate_divergence(
             m["direct"][fmt] = direct[fqn, fmt] / r.denominator
             wd = m["direct"][fmt] + m["prop"][fmt]
             if not math.isfinite(wd) or not math.isfinite(m["ld"][fmt]):
-                logger.warning("layer %s: non-finite divergence for %s; format marked invalid", fqn, fmt.value)
+                if (fqn, fmt) not in r.invalid:
+                    r.invalid.append((fqn, fmt))
                 m["ld"][fmt] = wd = math.inf
             m["wd"][fmt] = wd
         if moments[fqn][0] is None:
             metrics[fqn]["first_mom"], metrics[fqn]["first_mom_se"] = {}, {}
         out[fqn] = _metrics_to_divergence(metrics[fqn], curvature.get(fqn, 0.0))
+    if r.invalid:
+        # One line per round, not one per layer (a GPU round once printed 199 of them).
+        shown = ", ".join(f"{fqn} ({'every format' if fmt is None else fmt.value})" for fqn, fmt in r.invalid[:6])
+        logger.warning("non-finite statistics or divergence: %d (layer, format) marked invalid and left out of plans: "
+                       "%s%s", len(r.invalid), shown, ", ..." if len(r.invalid) > 6 else "")
     return DivergenceResult(layers=out, loss=stats.loss, used_adam=used_adam)
 
 
@@ -377,6 +397,8 @@ class _RoundInputs:
     loss_estimator: LossEstimator
     first_order_history: Mapping[tuple[str, Format], list[float]]
     generator: torch.Generator | None  # stochastic rounding of the gradient GEMMs' errors
+    # (fqn, format or None for every format) marked invalid for non-finite values: one warning per round
+    invalid: list = dataclasses.field(default_factory=list)
 
 
 class FirstOrderTerms:
@@ -565,7 +587,7 @@ def _forward_metrics(r: _RoundInputs, s: LayerStats, fmt: Format, dy: torch.Tens
         first_weight_momentum_stderr=first_mom_se / norm, first_accumulated=first_acc / norm if history else None,
         first_accumulated_stderr=first_acc_se / norm, second=second / norm)
     if not math.isfinite(ld):
-        logger.warning("layer %s: non-finite loss divergence for %s; format marked invalid", s.fqn, fmt.value)
+        r.invalid.append((s.fqn, fmt))
         ld = math.inf
     metrics["ld"][fmt] = ld
     metrics["first"][fmt], metrics["second"][fmt] = first / norm, second / norm

@@ -562,3 +562,29 @@ def test_a_model_without_forward_mode_derivatives_switches_to_exact_propagation_
     switches = [r for r in caplog.records if "wd_propagation=exact" in r.getMessage()]
     assert len(switches) == 1 and "forward-mode derivative" in switches[0].getMessage()
     assert snip._propagation.value == "exact"
+
+
+def test_non_finite_candidates_are_counted_logged_and_kept_out_of_plans(tmp_path, monkeypatch, caplog):
+    """A quantizer that returns NaN for one layer type's MXFP4 forward (as an all-zero block did on a
+    GPU): every round logs snip/invalid_formats, warns once (not once per layer), and no plan gives
+    those layers MXFP4."""
+    import lightning_snip.divergence as div
+
+    real = div.quantized_matmul
+
+    def nan_for_down(a, b, fmt, **kw):
+        out = real(a, b, fmt, **kw)
+        forward = not kw.get("a_is_grad") and not kw.get("b_is_grad")
+        return out * float("nan") if forward and fmt is Format.MXFP4 and tuple(b.shape) == (64, 160) else out
+
+    monkeypatch.setattr(div, "quantized_matmul", nan_for_down)
+    snip = SNIPCallback(_snip(fp4_fraction=0.5))
+    with caplog.at_level(logging.WARNING, logger="lightning_snip"):
+        _fit(tmp_path, snip)
+    downs = sorted(fqn for fqn in snip.layers if fqn.endswith("mlp.down"))
+    assert len(downs) == 2 and sorted(snip.invalid_formats) == [(fqn, Format.MXFP4) for fqn in downs]
+    assert _tb_scalars(tmp_path, "snip/invalid_formats")["snip/invalid_formats"] == {2: 2.0, 6: 2.0}
+    warned = [r.getMessage() for r in caplog.records if "non-finite statistics or divergence" in r.getMessage()]
+    assert len(warned) == 2 and all("2 (layer, format)" in m and downs[0] in m for m in warned)
+    assert snip.plan is not None and all(snip.plan[fqn] is not Format.MXFP4 for fqn in downs)
+    assert snip.plan.fp4_fraction >= 0.5
