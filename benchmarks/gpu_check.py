@@ -15,9 +15,11 @@
 3. A statistics round's cost on the device (benchmarks/stats_cost.py's measurement under bf16 autocast): round
    time over a high-precision and over an emulated-MXFP4 training step of a 2048-row batch, for wider and
    deeper demo models than fit the CPU benchmark (issue 11's "round <= 3 high-precision steps" on a GPU).
+   ``round_profile`` (not in the default parts): where one such round's time goes on the device (its
+   phases timed with CUDA synchronisation, and the number of CUDA kernels it launches).
 4. A 50-step demo run with SNIPCallback in bf16-mixed (statistics round at step 20, plan applied).
 
-    python benchmarks/gpu_check.py [--sizes 4096 8192] [--repeats 20] [--steps 50] [--out DIR]
+    python benchmarks/gpu_check.py [--sizes 4096 8192] [--repeats 20] [--steps 50] [--out DIR] [--parts ...]
 
 Writes benchmarks/results/gpu_check_<date>_<device>.md (or under --out) and prints the same lines.
 """
@@ -80,7 +82,15 @@ def fused_vs_reference(device, lines):
     x = torch.randn(256, 512, device=device, generator=g) * torch.exp(4 * torch.randn(256, 512, device=device, generator=g))
     x[0] = 0.0
     x[:, 64:96] = 0.0
-    x[1::7, 1::5] = 1e-40
+    normal = x.clone()
+    x[1::7, 1::5] = 1e-40  # fp32 subnormals: Triton flushes them, eager CUDA keeps them
+    for name, operand in (("with_subnormals", x), ("no_subnormals", normal)):
+        _fused_vs_reference_on(device, operand, name, lines)
+
+
+def _fused_vs_reference_on(device, x, name, lines):
+    from lightning_snip.formats import Rounding, fake_quantize, reference_fake_quantize
+
     for fmt in FORMATS:
         for rounding in ((Rounding.NEAREST, Rounding.STOCHASTIC) if fmt.is_fp4 else (Rounding.NEAREST,)):
             for dtype in (torch.float32, torch.bfloat16):
@@ -89,7 +99,7 @@ def fused_vs_reference(device, lines):
                 want = reference_fake_quantize(x.to(dtype), fmt, generator=torch.Generator(device=device).manual_seed(1),
                                                **kwargs)
                 differ = int(((got != want) & ~(got.isnan() & want.isnan())).sum())
-                lines.append(f"fused_vs_reference {fmt.value} {rounding.value} {str(dtype)[6:]} elements={got.numel()} "
+                lines.append(f"fused_vs_reference {name} {fmt.value} {rounding.value} {str(dtype)[6:]} elements={got.numel()} "
                              f"differ {differ} nan_fused {int(got.isnan().sum())} nan_reference {int(want.isnan().sum())}")
 
 
@@ -157,6 +167,104 @@ def round_cost(device, shapes, lines):
         print(lines[-1], flush=True)
 
 
+def round_profile(device, lines, width=1024, blocks=4):
+    """One statistics round of stats_cost's setup, its phases timed (CUDA-synchronised wrappers around
+    the round's functions; nested ones overlap), and its CUDA kernel launches counted."""
+    import sys
+
+    import torch.nn.functional as F
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import stats_cost
+
+    import lightning_snip.divergence as div
+    from lightning_snip.config import SNIPConfig
+    from lightning_snip.convert import convert_linears
+    from lightning_snip.demo.model import TinyLlama
+    from lightning_snip.stats import Propagation, slice_batch
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    totals, counts = {}, {}
+
+    def wrap(module, name):
+        fn = getattr(module, name)
+
+        def timed_fn(*args, **kwargs):
+            sync()
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sync()
+                totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
+                counts[name] = counts.get(name, 0) + 1
+
+        setattr(module, name, timed_fn)
+        return fn
+
+    names = [(stats_cost, "collect_stats"), (stats_cost, "estimate_divergence"), (div, "quantized_matmul"),
+             (div, "_error_probe_second_order"), (div, "_estimate_curvature"), (div, "_forward_metrics"),
+             (div, "_probe_propagated"), (div, "_backward_metrics")]
+    originals = [(m, n, wrap(m, n)) for m, n in names if hasattr(m, n)]
+    try:
+        torch.manual_seed(0)
+        cfg = SNIPConfig()
+        model = TinyLlama(stats_cost.model_config(width, blocks)).to(device)
+        layers = convert_linears(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        tokens = torch.randint(0, 256, (stats_cost.BATCH, stats_cost.SEQ_LEN + 1), device=device)
+        sliced = slice_batch((tokens[:, :-1], tokens[:, 1:]), cfg.max_rows)
+
+        def loss_fn():
+            with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):  # as stats_cost
+                return F.cross_entropy(model(sliced[0]).reshape(-1, 256), sliced[1].reshape(-1))
+
+        loss_fn().backward()
+        opt.step()
+
+        def one_round():
+            stats = stats_cost.collect_stats(model, loss_fn, layers=layers, optimizer=opt, propagation=Propagation.PROBE)
+            try:
+                stats_cost.estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
+                                               noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator,
+                                               probes=cfg.wd_probes, curvature_probe=cfg.curvature_probe,
+                                               generator=torch.Generator(device=device).manual_seed(0))
+            finally:
+                stats.release()
+
+        one_round()  # compiles
+        totals.clear()
+        counts.clear()
+        sync()
+        start = time.perf_counter()
+        one_round()  # phases timed, no profiler
+        sync()
+        plain = time.perf_counter() - start
+        phases, calls = dict(totals), dict(counts)
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        sync()
+        start = time.perf_counter()
+        with torch.profiler.profile(activities=activities) as prof:
+            one_round()
+            sync()
+        wall = time.perf_counter() - start
+        events = prof.key_averages()
+        kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        device_ms = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+        lines.append(f"round_profile width={width} blocks={blocks} layers={len(layers)} wall_ms {plain * 1e3:.0f} "
+                     f"under_profiler_ms {wall * 1e3:.0f} cuda_kernels {kernels} kernel_time_ms {device_ms:.0f}")
+        for name, seconds in sorted(phases.items(), key=lambda kv: -kv[1]):
+            lines.append(f"round_phase {name} calls {calls[name]} ms {seconds * 1e3:.0f}")
+        top = sorted((e for e in events if e.device_type != torch.autograd.DeviceType.CUDA),
+                     key=lambda e: -e.self_cpu_time_total)[:12]
+        for e in top:
+            lines.append(f"round_op {e.key} calls {e.count} self_cpu_ms {e.self_cpu_time_total / 1e3:.1f} "
+                         f"device_ms {e.device_time_total / 1e3:.1f}")
+    finally:
+        for module, name, fn in originals:
+            setattr(module, name, fn)
+
+
 def demo_run(device, steps, lines):
     import logging
 
@@ -195,6 +303,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--parts", nargs="+", default=["fused_vs_reference", "numerics", "speed", "round_cost", "demo"],
+                        choices=["fused_vs_reference", "numerics", "speed", "round_cost", "round_profile", "demo"])
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
@@ -204,8 +314,10 @@ def main() -> None:
     shapes = [(1024, 4), (1024, 16), (2048, 8)] if device.type == "cuda" else [(128, 2)]
     parts = {"fused_vs_reference": lambda: fused_vs_reference(device, lines),
              "numerics": lambda: numerics(device, lines), "speed": lambda: speed(device, sizes, args.repeats, lines),
-             "round_cost": lambda: round_cost(device, shapes, lines), "demo": lambda: demo_run(device, args.steps, lines)}
-    for part_name, part in parts.items():
+             "round_cost": lambda: round_cost(device, shapes, lines), "demo": lambda: demo_run(device, args.steps, lines),
+             "round_profile": lambda: round_profile(device, lines, *((1024, 4) if device.type == "cuda" else (128, 2)))}
+    for part_name in args.parts:
+        part = parts[part_name]
         counter = _WarningCount()
         logging.getLogger("lightning_snip").addHandler(counter)
         start = time.perf_counter()
@@ -220,7 +332,8 @@ def main() -> None:
         print("\n".join(lines[-3:]), flush=True)
     os.makedirs(args.out, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_").lower()
-    path = os.path.join(args.out, f"gpu_check_{datetime.date.today()}_{slug}.md")
+    suffix = "" if args.parts == parser.get_default("parts") else "_" + "_".join(args.parts)
+    path = os.path.join(args.out, f"gpu_check_{datetime.date.today()}_{slug}{suffix}.md")
     with open(path, "w") as f:
         f.write("```\n" + "\n".join(lines) + "\n```\n")
     print(f"wrote {path}")
