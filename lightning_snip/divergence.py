@@ -275,7 +275,7 @@ def estimate_divergence(
         if finite[fqn]:
             valid[fqn] = formats if allowed is None else [f for f in formats if f in set(allowed[fqn])]
         else:
-            r_invalid.append((fqn, None))
+            r_invalid.extend((fqn, f) for f in formats if allowed is None or f in set(allowed[fqn]))
     used_adam = all(a is not None for a in stats.param_adam.values())
     if not used_adam and not _warned_no_adam:
         logger.warning("weight divergence: optimizer keeps no Adam moments for every parameter; using plain gradient errors (A = 1)")
@@ -313,7 +313,8 @@ def estimate_divergence(
         # A non-finite output error (a quantizer fault) leaves the round for that (layer, format) only: the
         # error probe below injects every layer's dY into one forward pass, where one NaN would make
         # every layer's second-order term NaN. Ranks agree on the set (their collectives follow it).
-        bad = torch.tensor([float(not torch.isfinite(dy).all()) for dy in output_errors.values()])
+        bad = (torch.stack([torch.isfinite(dy).all() for dy in output_errors.values()]).logical_not().float().cpu()
+               if output_errors else torch.zeros(0))  # one device sync, not one per layer
         if stats.sharded and len(bad):
             like = _a_sharded_weight(stats)
             bad = all_reduce_sum(bad.to(like.device), like).cpu()
@@ -378,7 +379,7 @@ def estimate_divergence(
         out[fqn] = _metrics_to_divergence(metrics[fqn], curvature.get(fqn, 0.0))
     if r.invalid:
         # One line per round, not one per layer (a GPU round once printed 199 of them).
-        shown = ", ".join(f"{fqn} ({'every format' if fmt is None else fmt.value})" for fqn, fmt in r.invalid[:6])
+        shown = ", ".join(f"{fqn} ({fmt.value})" for fqn, fmt in r.invalid[:6])
         logger.warning("non-finite statistics or divergence: %d (layer, format) marked invalid and left out of plans: "
                        "%s%s", len(r.invalid), shown, ", ..." if len(r.invalid) > 6 else "")
     return DivergenceResult(layers=out, loss=stats.loss, used_adam=used_adam)
@@ -397,7 +398,7 @@ class _RoundInputs:
     loss_estimator: LossEstimator
     first_order_history: Mapping[tuple[str, Format], list[float]]
     generator: torch.Generator | None  # stochastic rounding of the gradient GEMMs' errors
-    # (fqn, format or None for every format) marked invalid for non-finite values: one warning per round
+    # (fqn, format) marked invalid for non-finite values: one warning per round
     invalid: list = dataclasses.field(default_factory=list)
 
 

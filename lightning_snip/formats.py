@@ -328,12 +328,14 @@ def mxfp4_stochastic_parts(rows: "torch.Tensor", generator: "torch.Generator | N
     # RCEIL: see _mx_fake_quantize.
     scale_e8m0, _ = to_mx(rows, torch.float4_e2m1fn_x2, 32, ScaleCalculationMode.RCEIL)
     scale_e8m0 = scale_e8m0.reshape(rows.shape[0], -1)
-    # Multiplied by 2^-e, not divided by the scale 2^e: 2^-127 (an all-zero block's scale) is
-    # subnormal, flushed to zero where denormals are (Triton kernels, torch.set_flush_denormal), and
-    # 0 / 0 would be NaN. 2^-e is normal for every E8M0 exponent; a NaN block (code 255) stays NaN.
-    codes = scale_e8m0.view(torch.uint8).to(torch.float32)
-    inverse = torch.where(codes == 255, float("nan"), torch.exp2(127.0 - codes)).unsqueeze(-1)
-    q = _stochastic_round_e2m1(rows.reshape(rows.shape[0], -1, 32) * inverse, generator)
+    # Multiplied by 2^-e (fused.times_pow2_neg: normal factors), not divided by the scale 2^e: 2^-127 (an
+    # all-zero block's scale) is subnormal, flushed to zero where denormals are (Triton kernels,
+    # torch.set_flush_denormal), and 0 / 0 would be NaN. A NaN block (code 255) stays NaN.
+    from lightning_snip.fused import times_pow2_neg
+
+    e = (scale_e8m0.view(torch.uint8).to(torch.float32) - 127.0).unsqueeze(-1)
+    scaled = times_pow2_neg(rows.reshape(rows.shape[0], -1, 32), e.clamp(max=127.0))
+    q = _stochastic_round_e2m1(torch.where(e == 128.0, float("nan"), scaled), generator)
     return q.reshape(rows.shape), scale_e8m0
 
 
@@ -353,13 +355,17 @@ def _nvfp4_fake_quantize(rows, rounding, generator) -> torch.Tensor:
 def nvfp4_per_tensor_scale(rows: "torch.Tensor") -> "torch.Tensor":
     """torchao's per-tensor NVFP4 scale (amax / (448 * 6)), except 1.0 for an all-zero tensor: torchao's
     0 makes every block 0 / 0 = NaN, where a zero weight (e.g. a LoRA-B initialization) or an all-zero
-    gradient must quantize to zeros. A NaN amax stays NaN (non-finite inputs stay non-finite)."""
+    gradient must quantize to zeros; and at least fused.NVFP4_MIN_PER_TENSOR_SCALE (2^-120), below which
+    the block scale x this scale is subnormal (flushed to zero on a GPU) and its inverse overflows (an
+    eager 0 * inf gave NaN for a tensor of amax ~1e-34). A NaN amax stays NaN."""
     import torch
 
     from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
 
+    from lightning_snip.fused import NVFP4_MIN_PER_TENSOR_SCALE
+
     scale = per_tensor_amax_to_scale(rows.abs().amax())
-    return torch.where(scale == 0, torch.ones_like(scale), scale)
+    return torch.where(scale == 0, torch.ones_like(scale), scale.clamp(min=NVFP4_MIN_PER_TENSOR_SCALE))
 
 
 def nvfp4_stochastic_parts(rows: "torch.Tensor", generator: "torch.Generator | None"):

@@ -112,42 +112,57 @@ def _fp8_tensorwise_kernel(rows: torch.Tensor, fp8_dtype: torch.dtype) -> torch.
     return round_to_grid(rows * scale, _GRIDS[fp8_dtype]) / scale
 
 
+# NVFP4's per-tensor scale is at least this (formats.nvfp4_per_tensor_scale; torchao's has no floor): below
+# it, a block scale (>= E4M3's smallest normal 2^-6) times the per-tensor scale is subnormal, flushed to
+# zero on a GPU (0 / 0 = NaN), and 1 / per-tensor / block scale overflows. Only tensors whose amax is
+# below 448 * 6 * 2^-120 (about 2e-33) are affected.
+NVFP4_MIN_PER_TENSOR_SCALE = 2.0**-120
+
+
+def times_pow2_neg(v: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """v * 2^-e for integer-valued e in [-127, 127], with every factor a normal float32: 2^-127 (e = 127,
+    a block holding inf) is subnormal, flushed to zero where denormals are (Triton kernels,
+    torch.set_flush_denormal), and inf * 0 would be NaN. Equal to v * 2^-e where nothing is flushed."""
+    return v * torch.where(e == 127.0, 0.5, 1.0) * torch.exp2(-torch.clamp(e, max=126.0))
+
+
 def _e8m0_scales(blocks: torch.Tensor, max_pos: float):
     """torchao's RCEIL MX scale (``_to_mx_rceil``, cuBLAS's rule) as fp32 values: the multiplier
     applied before rounding and the block scale applied after. Written out because torchao's
     version builds the uint8 E8M0 code and converts it back through ``pow``, which inductor does not
     fuse on a CPU (5-10 ms for a 2048x128 operand); the arithmetic below gives the same values:
     exponent e = clamp(ceil(log2(amax / max_pos)), -127, 127) (NaN stays NaN, inf gives 127);
-    multiplier 2^-e, except 1.0 at e = -127 (torchao's zero-exponent rule); scale 2^e; and e itself."""
+    block scale 2^e, and e. Rounding multiplies by 2^-e (times_pow2_neg), except by 1.0 at e = -127
+    (torchao's zero-exponent rule, _mx_rtn_kernel) or not (the SR kernel, as torchao's SR reference)."""
     descale = blocks.abs().amax(-1, keepdim=True) / max_pos
     e = torch.clamp(torch.ceil(torch.log2(descale)), -127.0, 127.0)
-    return torch.where(e == -127.0, 1.0, torch.exp2(-e)), torch.exp2(e), e
+    return torch.exp2(e), e
 
 
 def _mx_rtn_kernel(rows: torch.Tensor, grid_name: str) -> torch.Tensor:
     grid = GRID_NAMES[grid_name]
     blocks = rows.reshape(rows.shape[0], -1, MX_BLOCK)
-    multiplier, scale, _ = _e8m0_scales(blocks, grid[2])
-    scaled = torch.clamp(blocks * multiplier, -grid[2], grid[2])
+    scale, e = _e8m0_scales(blocks, grid[2])
+    scaled = torch.clamp(torch.where(e == -127.0, blocks, times_pow2_neg(blocks, e)), -grid[2], grid[2])
     return (round_to_grid(scaled, grid) * scale).reshape(rows.shape)
 
 
 def _mx_sr_kernel(rows: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     blocks = rows.reshape(rows.shape[0], -1, MX_BLOCK)
-    _, scale, e = _e8m0_scales(blocks, 6.0)
-    # Multiply by 2^-e rather than divide by the scale 2^e: an all-zero block has e = -127, and the
-    # subnormal 2^-127 is flushed to zero in a Triton kernel (pytorch#125557), where 0 / 0 gave NaN
-    # for every all-zero gradient block on a GPU (found by benchmarks/gpu_check.py on an H200).
-    # 2^-e is a normal number for every e in [-127, 127], and scaling by a power of two is exact.
-    return (stochastic_round_e2m1(blocks * torch.exp2(-e), bits) * scale).reshape(rows.shape)
+    scale, e = _e8m0_scales(blocks, 6.0)
+    # Multiplied by 2^-e (normal factors), not divided by the scale 2^e: an all-zero block has e = -127,
+    # and the subnormal 2^-127 is flushed to zero in a Triton kernel (pytorch#125557), where 0 / 0 gave
+    # NaN for every all-zero gradient block on a GPU (found by benchmarks/gpu_check.py on an H200).
+    return (stochastic_round_e2m1(times_pow2_neg(blocks, e), bits) * scale).reshape(rows.shape)
 
 
 def _nvfp4_scales(blocks: torch.Tensor):
     """nvfp4_quantize's two-level scale (torchao, per_tensor_scale given): per-tensor fp32 scale and
     the E4M3 block scales as fp32 values."""
     per_tensor = blocks.abs().amax().float() / (448.0 * 6.0)  # per_tensor_amax_to_scale
-    # formats.nvfp4_per_tensor_scale: 1 for an all-zero tensor (torchao's 0 gives 0 / 0 = NaN).
-    per_tensor = torch.where(per_tensor == 0, torch.ones_like(per_tensor), per_tensor)
+    # formats.nvfp4_per_tensor_scale: 1 for an all-zero tensor (torchao's 0 gives 0 / 0 = NaN), and at
+    # least NVFP4_MIN_PER_TENSOR_SCALE.
+    per_tensor = torch.where(per_tensor == 0, torch.ones_like(per_tensor), per_tensor.clamp(min=NVFP4_MIN_PER_TENSOR_SCALE))
     block_scale = blocks.abs().amax(-1, keepdim=True) / 6.0
     eps = torch.finfo(torch.float8_e4m3fn).tiny
     block_fp8 = round_to_grid(torch.clamp(block_scale / per_tensor, min=eps, max=448.0), E4M3)

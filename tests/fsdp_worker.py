@@ -17,6 +17,7 @@ from lightning_snip.callback import SNIPCallback
 from lightning_snip.config import SNIPConfig
 from lightning_snip.demo.lightning import ByteTextDataModule, DemoLM
 from lightning_snip.demo.model import LlamaConfig
+from lightning_snip.formats import Format
 
 MODEL = LlamaConfig(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=160)
 
@@ -45,11 +46,30 @@ class _RestoredPlan(pl.Callback):
         self.plan = {k: v.value for k, v in self.snip.plan.items()} if self.snip.plan is not None else None
 
 
+def _nan_on_rank_one() -> None:
+    """Mode "fault": rank 1's MXFP4 forward output error of the mlp.down layers is NaN (a quantizer
+    fault on one rank only); the ranks must agree to leave exactly those pairs out, or their
+    collectives diverge."""
+    import lightning_snip.divergence as div
+
+    real = div.quantized_matmul
+
+    def nan_for_down(a, b, fmt, **kw):
+        out = real(a, b, fmt, **kw)
+        forward = not kw.get("a_is_grad") and not kw.get("b_is_grad")
+        faulty = torch.distributed.is_initialized() and torch.distributed.get_rank() == 1
+        return out * float("nan") if faulty and forward and fmt is Format.MXFP4 and tuple(b.shape) == (64, 160) else out
+
+    div.quantized_matmul = nan_for_down
+
+
 def main(out_dir: str, mode: str) -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0)
     real = cb._round_generator
     cb._round_generator = lambda device, step, rank: real(device, step, 0)  # the same draws on every rank
+    if mode == "fault":
+        _nan_on_rank_one()
     module = ShardedLM(shard=mode != "single")
     data = ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1, seed=0)  # the same data on both ranks
     snip = SNIPCallback(SNIPConfig(warmup_steps=2, interval=3, apply_delay=1, fp4_fraction=0.6, max_rows=128,
@@ -76,6 +96,7 @@ def main(out_dir: str, mode: str) -> None:
     weight = module.model.layers[0].attn.q.weight
     with open(os.path.join(out_dir, f"{mode}_rank{trainer.global_rank}.json"), "w") as f:
         json.dump({"plan": {k: v.value for k, v in snip.plan.items()},
+                   "invalid": [[fqn, fmt.value] for fqn, fmt in snip.invalid_formats],
                    "formats": {k: layer.format.value for k, layer in snip.layers.items()},
                    "rounds": [entry["divergence"] for entry in snip.history],
                    "restored_plan": restored.plan, "num_stats_rounds": snip.num_stats_rounds,

@@ -13,7 +13,7 @@ def _run(tmp_path, mode):
     proc = subprocess.run([sys.executable, str(worker), str(tmp_path), mode], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = 1 if mode == "single" else 2
+    ranks = 1 if mode == "single" else 2  # fsdp, resume, fault: 2
     return [json.loads((tmp_path / f"{mode}_rank{r}.json").read_text()) for r in range(ranks)]
 
 
@@ -50,3 +50,14 @@ def test_fsdp2_two_processes_plan_like_one_process_and_resume_the_plan(tmp_path)
         assert rank["restored_plan"] == ranks[0]["plan"]
         assert rank["num_stats_rounds"] == 2
     assert resumed[0]["plan"] == resumed[1]["plan"] and resumed[0]["formats"] == resumed[0]["plan"]
+
+
+def test_fsdp2_a_fault_on_one_rank_leaves_the_same_pairs_out_on_every_rank(tmp_path):
+    """Rank 1's MXFP4 forward errors of the mlp.down layers are NaN, rank 0's are not: both ranks leave
+    exactly those (layer, format) pairs out of the round (an all-reduce of the flags; without it their
+    collectives diverge and the run dies), and plan identically without them."""
+    pytest.importorskip("torch.distributed.fsdp")
+    ranks = _run(tmp_path, "fault")
+    downs = sorted([fqn, "mxfp4"] for fqn in ranks[0]["plan"] if fqn.endswith("mlp.down"))
+    assert len(downs) == 2 and sorted(ranks[0]["invalid"]) == sorted(ranks[1]["invalid"]) == downs
+    assert ranks[0]["plan"] == ranks[1]["plan"] and all(ranks[0]["plan"][fqn] != "mxfp4" for fqn, _ in downs)
