@@ -17,6 +17,8 @@
    deeper demo models than fit the CPU benchmark (issue 11's "round <= 3 high-precision steps" on a GPU).
    ``round_profile`` (not in the default parts): where one such round's time goes on the device (its
    phases timed with CUDA synchronisation, and the number of CUDA kernels it launches).
+   ``train_fp4`` (not in the default parts): the demo model trained 50 steps with every linear layer in one
+   format (bf16, fp8, mxfp4, nvfp4; bf16 autocast, AdamW), first and last loss and whether every step was finite.
 4. A 50-step demo run with SNIPCallback in bf16-mixed (statistics round at step 20, plan applied).
 
     python benchmarks/gpu_check.py [--sizes 4096 8192] [--repeats 20] [--steps 50] [--out DIR] [--parts ...]
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import math
 import os
 import re
 import time
@@ -265,6 +268,36 @@ def round_profile(device, lines, width=1024, blocks=4):
             setattr(module, name, fn)
 
 
+def train_fp4(device, steps, lines):
+    from lightning_snip.convert import convert_linears
+    from lightning_snip.demo.lightning import ByteTextDataModule
+    from lightning_snip.demo.model import LlamaConfig, TinyLlama
+
+    data = ByteTextDataModule(seq_len=128, batch_size=16)
+    data.setup("fit")
+    for fmt in (Format.BF16, Format.FP8, Format.MXFP4, Format.NVFP4):
+        torch.manual_seed(0)
+        model = TinyLlama(LlamaConfig()).to(device)
+        layers = convert_linears(model)
+        for layer in layers.values():
+            layer.format = fmt
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses, batches = [], iter(data.train_dataloader())
+        start = time.perf_counter()
+        for _ in range(steps):
+            batch = [t.to(device) for t in next(batches)]
+            with torch.autocast(device.type, torch.bfloat16):
+                loss = model.loss(batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        finite = all(math.isfinite(v) for v in losses) and all(torch.isfinite(p).all() for p in model.parameters())
+        lines.append(f"train_fp4 {fmt.value} steps {steps} first_loss {losses[0]:.4f} last_loss {losses[-1]:.4f} "
+                     f"all_finite {finite} seconds {time.perf_counter() - start:.1f}")
+        print(lines[-1], flush=True)
+
+
 def demo_run(device, steps, lines):
     import logging
 
@@ -304,7 +337,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--parts", nargs="+", default=["fused_vs_reference", "numerics", "speed", "round_cost", "demo"],
-                        choices=["fused_vs_reference", "numerics", "speed", "round_cost", "round_profile", "demo"])
+                        choices=["fused_vs_reference", "numerics", "speed", "round_cost", "round_profile", "train_fp4",
+                                 "demo"])
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
@@ -315,6 +349,7 @@ def main() -> None:
     parts = {"fused_vs_reference": lambda: fused_vs_reference(device, lines),
              "numerics": lambda: numerics(device, lines), "speed": lambda: speed(device, sizes, args.repeats, lines),
              "round_cost": lambda: round_cost(device, shapes, lines), "demo": lambda: demo_run(device, args.steps, lines),
+             "train_fp4": lambda: train_fp4(device, args.steps, lines),
              "round_profile": lambda: round_profile(device, lines, *((1024, 4) if device.type == "cuda" else (128, 2)))}
     for part_name in args.parts:
         part = parts[part_name]
