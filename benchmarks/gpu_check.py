@@ -10,7 +10,8 @@
    10.x), and native vs emulated; for FP4 also a gradient GEMM (its first operand stochastically
    rounded, the same random draws on both paths).
 2. Speed: GEMM time over bf16 at 4096^3 and 8192^3 for the native kernels (casts included; eager, and
-   FP8 also under torch.compile, which fuses torchao's casts) and for the emulated formats (quantizers +
+   FP8 also under torch.compile, which fuses torchao's casts, with rowwise and tensorwise scales, and
+   torch._scaled_mm alone on operands already in FP8) and for the emulated formats (quantizers +
    bf16 matmul), and quantizer compile times.
 3. A statistics round's cost on the device (benchmarks/stats_cost.py's measurement under bf16 autocast): round
    time over a high-precision and over an emulated-MXFP4 training step of a 2048-row batch, for wider and
@@ -148,6 +149,14 @@ def speed(device, sizes, repeats, lines):
         if kernel_for(Format.FP8, device) is not Kernel.EMULATED:
             compiled = torch.compile(lambda a, b: quantized_matmul(a, b, Format.FP8, recipe=recipe))
             line += f" fp8_native_compiled/bf16 {timed(lambda: compiled(x, w), max(2, repeats // 4)) / t_bf16:.3f}"
+            tensorwise = QuantRecipe(fp8_scaling="tensorwise")
+            compiled_tw = torch.compile(lambda a, b: quantized_matmul(a, b, Format.FP8, recipe=tensorwise))
+            line += f" fp8_tensorwise_native_compiled/bf16 {timed(lambda: compiled_tw(x, w), max(2, repeats // 4)) / t_bf16:.3f}"
+            # the GEMM alone on operands already in FP8 (no casts): the ceiling the casts eat into
+            x8, w8 = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+            one = torch.ones((), device=device)
+            t_mm = timed(lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), repeats)
+            line += f" fp8_scaled_mm_only/bf16 {t_mm / t_bf16:.3f}"
         lines.append(line)
     for (kernel, dev), seconds in sorted(fused.compile_seconds.items()):
         lines.append(f"compile_seconds {kernel} {dev} {seconds:.1f}")
