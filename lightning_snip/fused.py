@@ -122,7 +122,10 @@ NVFP4_MIN_PER_TENSOR_SCALE = 2.0**-120
 def times_pow2_neg(v: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     """v * 2^-e for integer-valued e in [-127, 127], with every factor a normal float32: 2^-127 (e = 127,
     a block holding inf) is subnormal, flushed to zero where denormals are (Triton kernels,
-    torch.set_flush_denormal), and inf * 0 would be NaN. Equal to v * 2^-e where nothing is flushed."""
+    torch.set_flush_denormal), and inf * 0 would be NaN. Equal to v * 2^-e where nothing is flushed.
+    What a flush still changes, without NaN and as in torchao's own cast: a block whose amax is below
+    max_pos * 2^-126 (about 7e-38 for E2M1, 5e-36 for E4M3, 7e-34 for E5M2 gradients) has a subnormal
+    amax / max_pos, and its values quantize to zero."""
     return v * torch.where(e == 127.0, 0.5, 1.0) * torch.exp2(-torch.clamp(e, max=126.0))
 
 
