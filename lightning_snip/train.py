@@ -198,6 +198,8 @@ def run(config: TrainConfig, *, output_folder: str | None = None) -> dict:
         "val_loss": metrics.get("val/loss"),
         "fp4_fraction": snip.plan.fp4_fraction if snip.plan else snip.fp4_fraction,
         "plans_applied": snip.num_plans_applied,
+        "stats_rounds": snip.num_stats_rounds,
+        "invalid_formats": len(snip.invalid_formats),
         "log_dir": tb.log_dir,
         "checkpoint": str(final_ckpt),
     }
@@ -211,7 +213,11 @@ def run(config: TrainConfig, *, output_folder: str | None = None) -> dict:
         resumed = f" ({progress.num_steps} in this run)" if progress.num_steps != summary["steps"] else ""
         print(f"steps {summary['steps']}{resumed} in {seconds:.1f} s ({steps_per_second:.2f} steps/s); "
               f"train loss {_fmt(summary['train_loss'])}; val loss {_fmt(summary['val_loss'])}")
-        print(f"FP4 FLOPs fraction {summary['fp4_fraction']:.3f}; plans applied {summary['plans_applied']}")
+        print(f"FP4 FLOPs fraction {summary['fp4_fraction']:.3f}; plans applied {summary['plans_applied']}; "
+              f"statistics rounds {summary['stats_rounds']}")
+        if summary["invalid_formats"]:
+            print(f"WARNING: the last statistics round found {summary['invalid_formats']} (layer, format) candidates "
+                  "non-finite and left them out of the plan (snip/invalid_formats; the log names them)")
         print(f"checkpoint: {Path(final_ckpt).resolve()}  (resume: trainer.ckpt_path=last)")
         if output_folder:
             print(f"output folder: {output_folder}")

@@ -42,6 +42,7 @@ def test_progress_plan_lines_clean_output_and_summary(tmp_path):
         assert noise not in log, noise
     summary = proc.stdout.split("=== SNIP summary ===", 1)[1]
     assert f"checkpoint: {tmp_path}/runs/checkpoints/last.ckpt" in summary
+    assert "plans applied 2; statistics rounds 2" in summary and "non-finite" not in summary
     assert f"output folder: {tmp_path}/hydra" in summary
     assert f"--logdir {tmp_path}/runs" in summary
     assert (tmp_path / "runs" / "checkpoints" / "last.ckpt").is_file()
