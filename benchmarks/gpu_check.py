@@ -80,8 +80,6 @@ class _WarningCount(logging.Handler):
 
 
 def fused_vs_reference(device, lines):
-    from lightning_snip.formats import Rounding, fake_quantize, reference_fake_quantize
-
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(256, 512, device=device, generator=g) * torch.exp(4 * torch.randn(256, 512, device=device, generator=g))
     x[0] = 0.0

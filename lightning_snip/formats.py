@@ -323,7 +323,7 @@ def mxfp4_stochastic_parts(rows: "torch.Tensor", generator: "torch.Generator | N
     import torch
 
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
-    from torchao.prototype.mx_formats.mx_tensor import get_fp_scale, to_mx
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
 
     # RCEIL: see _mx_fake_quantize.
     scale_e8m0, _ = to_mx(rows, torch.float4_e2m1fn_x2, 32, ScaleCalculationMode.RCEIL)
