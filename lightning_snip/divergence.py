@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_snip.formats import Format, QuantRecipe, fake_quantize
-from lightning_snip.linear import quantized_matmul
-from lightning_snip.stats import (AdamState, LayerStats, Propagation, Statistics, all_reduce_sum, dense,
-                                  from_local_parts, is_sharded, local_part)
+from lightning_snip.linear import mm_fp32, quantized_matmul
+from lightning_snip.stats import (AdamState, LayerStats, Propagation, RoundPrecision, Statistics, all_reduce_sum,
+                                  dense, from_local_parts, is_sharded, local_part)
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +235,7 @@ def estimate_divergence(
     allowed: Mapping[str, Iterable[Format]] | None = None,
     generator: torch.Generator | None = None,
     probes: int = 8,
+    precision: RoundPrecision = RoundPrecision.TRAINING,
 ) -> DivergenceResult:
     """LD and WD for every recorded layer and each of ``formats``.
 
@@ -253,6 +254,8 @@ def estimate_divergence(
         allowed: fqn -> formats the layer supports; others get +inf (never chosen).
         probes: forward-mode probes of WD's propagated term when ``stats`` was collected with
             Propagation.PROBE (relative standard error per layer <= sqrt(2 / probes)).
+        precision: the dtype of the round's GEMM operands (RoundPrecision: as the training GEMMs
+            ran, bf16 under bf16-mixed; or fp32).
 
     A layer whose sample holds NaN/Inf, or whose metric comes out non-finite, gets +inf for its
     low-precision formats (the planner then keeps it high) and a warning naming it.
@@ -261,6 +264,7 @@ def estimate_divergence(
     formats = [f for f in dict.fromkeys(formats) if f is not Format.BF16]
     curvature_probe = CurvatureProbe(curvature_probe)
     loss_estimator = LossEstimator(loss_estimator)
+    precision = RoundPrecision(precision)
     finite = {fqn: bool(torch.isfinite(s.x).all() and torch.isfinite(s.g).all()
                         and torch.isfinite(s.weight.to_local() if is_sharded(s.weight) else s.weight).all())
               for fqn, s in stats.layers.items()}
@@ -284,7 +288,7 @@ def estimate_divergence(
     r = _RoundInputs(
         stats=stats, formats=tuple(formats), recipe=recipe, adam=adam, denominator=1.0,
         loss_norm=abs(stats.loss) if stats.loss else 1.0, loss_estimator=loss_estimator,
-        first_order_history=first_order_history or {}, generator=generator, invalid=r_invalid,
+        first_order_history=first_order_history or {}, generator=generator, invalid=r_invalid, precision=precision,
     )
     metrics = {fqn: {k: {Format.BF16: 0.0} for k in _METRICS} for fqn in stats.layers}
     for fqn, fmts in valid.items():
@@ -292,10 +296,17 @@ def estimate_divergence(
             if fmt not in fmts:
                 metrics[fqn]["ld"][fmt] = metrics[fqn]["wd"][fmt] = math.inf
     # Forward (LD): one format at a time, so the round holds one format's dY of every layer (the
-    # error probe injects them all at once), not all of them. Y itself is kept one layer at a time.
-    output_rms = {}
+    # error probe injects them all at once), not all of them; Y = X W^T of every layer is computed
+    # once (and the weight all-gathered once under FSDP2) and kept, the reference of every format's dY.
+    references, rms = {}, []
     for fqn, st in stats.layers.items():
-        output_rms[fqn] = float((st.x.float() @ dense(st.weight).float().t()).pow(2).mean().sqrt())
+        x, _, w = _operands(stats, st, precision)
+        y = mm_fp32(x, w)
+        rms.append(y.pow(2).mean().sqrt())
+        if valid.get(fqn):
+            references[fqn] = y
+        del y
+    output_rms = dict(zip(stats.layers, torch.stack(rms).tolist())) if rms else {}  # one device sync
     curvature = {}
     # FISHER: the per-token losses the loss averages, taken as the most token rows any layer saw.
     tokens = max((st.num_rows for st in stats.layers.values()), default=0)
@@ -307,9 +318,8 @@ def estimate_divergence(
         output_errors = {}
         for fqn, fmts in valid.items():
             if fmt in fmts:
-                st = stats.layers[fqn]
-                x, w = st.x.float(), dense(st.weight).float()
-                output_errors[fqn, fmt] = quantized_matmul(x, w, fmt, recipe=recipe) - x @ w.t()
+                x, _, w = _operands(stats, stats.layers[fqn], precision)
+                output_errors[fqn, fmt] = quantized_matmul(x, w, fmt, recipe=recipe, out_dtype=torch.float32) - references[fqn]
         # A non-finite output error (a quantizer fault) leaves the round for that (layer, format) only: the
         # error probe below injects every layer's dY into one forward pass, where one NaN would make
         # every layer's second-order term NaN. Ranks agree on the set (their collectives follow it).
@@ -333,24 +343,26 @@ def estimate_divergence(
         else:
             second_order = _error_probe_second_order(stats, output_errors, [fmt], noise_draws, generator)
         for (fqn, _), dy in output_errors.items():
-            _forward_metrics(r, stats.layers[fqn], fmt, dy, second_order[fqn, fmt], output_rms[fqn], moments[fqn],
-                             metrics[fqn])
+            _forward_metrics(r, stats.layers[fqn], fmt, dy, references[fqn], second_order[fqn, fmt], output_rms[fqn],
+                             moments[fqn], metrics[fqn])
         del output_errors
+    del references
     # Backward (WD): the dgrad errors E_X of every (layer, format), drawn before any propagation (one
     # order of stochastic-rounding draws for both Propagation modes), then each layer's wgrad error.
-    r = dataclasses.replace(r, denominator=_update_energy(stats, adam) or 1.0)
+    r = dataclasses.replace(r, denominator=_update_energy(stats, adam, precision) or 1.0)
     input_errors = {}
     for fqn, fmts in valid.items():
         if not fmts:
             continue
-        st = stats.layers[fqn]
-        g, w = st.g.float(), dense(st.weight).float()
-        gx_ref = g @ w
+        _, g, w = _operands(stats, stats.layers[fqn], precision)
+        w_t = w.t().contiguous()  # dgrad's W, quantized along its dim 0: one contiguous copy for every format
+        gx_ref = mm_fp32(g, w_t)
         input_errors[fqn] = torch.stack([
-            quantized_matmul(g, w.t(), fmt, recipe=recipe, a_is_grad=True, generator=generator) - gx_ref for fmt in fmts])
+            quantized_matmul(g, w_t, fmt, recipe=recipe, a_is_grad=True, generator=generator, out_dtype=torch.float32)
+            - gx_ref for fmt in fmts])
     propagated = None
     if stats.propagation is Propagation.PROBE:
-        propagated = _probe_propagated(stats, adam, input_errors, probes, generator)
+        propagated = _probe_propagated(stats, adam, input_errors, probes, generator, precision)
     direct = {}  # (fqn, format) -> the direct term's sum of squares over this rank's shard
     for fqn, st in stats.layers.items():
         if valid.get(fqn):
@@ -398,6 +410,7 @@ class _RoundInputs:
     loss_estimator: LossEstimator
     first_order_history: Mapping[tuple[str, Format], list[float]]
     generator: torch.Generator | None  # stochastic rounding of the gradient GEMMs' errors
+    precision: RoundPrecision = RoundPrecision.TRAINING
     # (fqn, format) marked invalid for non-finite values: one warning per round
     invalid: list = dataclasses.field(default_factory=list)
 
@@ -446,7 +459,7 @@ def _update_deviation(r: _RoundInputs, name: str, delta: torch.Tensor, grad: tor
     like = r.stats.parameter(name)
     if adam is None:
         return local_part(delta.float(), like)
-    grad = r.stats.param_grad(name) if grad is None else grad
+    grad = r.stats.param_grad(name, r.precision) if grad is None else grad
     # FSDP2: this rank's shard of the error and gradient, with its shard of the moments.
     return adam.local().update_deviation(local_part(grad, like), local_part(delta, like))
 
@@ -456,32 +469,35 @@ def _a_sharded_weight(stats: Statistics):
     return next(s.weight for s in stats.layers.values() if is_sharded(s.weight))
 
 
-def _update_energy(stats: Statistics, adam: Mapping[str, AdamState | None]) -> float:
+def _update_energy(stats: Statistics, adam: Mapping[str, AdamState | None],
+                   precision: RoundPrecision = RoundPrecision.TRAINING) -> float:
     """sum_k ||u_k||^2, one parameter at a time: AdamW's next update (its moments advanced by the
     slice's own gradient), or the gradient itself without Adam moments.
 
     WD perturbs the next AdamW step, the one that takes this batch's gradient: its moments include
     that gradient (SNIP_METHOD section 5 reads them before it; measured, that let one batch with
     unusually large gradients dominate a round: WD's two-round agreement fell to 0.16-0.36)."""
-    total, like = 0.0, None
+    parts, like = [], None  # one device sync at the end, not one per parameter
     for name in stats.param_names:
-        grad = stats.param_grad(name)
+        grad = stats.param_grad(name, precision)
         param = stats.parameter(name)
         like = param if is_sharded(param) else like
         if grad is not None:  # FSDP2: this rank's shard of it, with its shard of the moments
             grad = local_part(grad, param)
         state = adam.get(name)
         if state is not None:
-            total += float(state.local().after(grad).update().pow(2).sum())
+            parts.append(state.local().next_update_energy(grad).double())
         elif grad is not None:
-            total += float(grad.pow(2).sum())
+            parts.append(grad.pow(2).sum().double())
+    total = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
     if like is not None:
-        total = float(all_reduce_sum(torch.tensor([total], dtype=torch.float64, device=like.device), like))
-    return total
+        total = all_reduce_sum(total.reshape(1).to(like.device), like)
+    return float(total)
 
 
 def _probe_propagated(stats: Statistics, adam: Mapping[str, AdamState | None], input_errors: Mapping[str, torch.Tensor],
-                      probes: int, generator: torch.Generator | None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+                      probes: int, generator: torch.Generator | None, precision: RoundPrecision = RoundPrecision.TRAINING
+                      ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """sum_k ||Lambda_k J_kl^T E_X(l, p)||^2 for every layer l and format p from ``probes`` forward-mode
     passes (stats.Propagation.PROBE): parameter tangents Lambda * r with random signs r, read
     <t_l, E_X(l, p)> at each layer's input; the mean of its square over probes, and its standard error.
@@ -492,8 +508,9 @@ def _probe_propagated(stats: Statistics, adam: Mapping[str, AdamState | None], i
     if probes < 1:
         raise ValueError(f"probes: invalid value {probes!r}; allowed: an integer >= 1")
     index = {name: i for i, name in enumerate(stats.param_names)}
-    sums = {fqn: torch.zeros(len(e), dtype=torch.float64) for fqn, e in input_errors.items()}
-    squares = {fqn: torch.zeros(len(e), dtype=torch.float64) for fqn, e in input_errors.items()}
+    # Accumulated on the errors' device and read once at the end: no device sync per layer and probe.
+    sums = {fqn: torch.zeros(len(e), dtype=torch.float64, device=e.device) for fqn, e in input_errors.items()}
+    squares = {fqn: torch.zeros(len(e), dtype=torch.float64, device=e.device) for fqn, e in input_errors.items()}
     touched: set[str] = set()
     # Seeds from the round generator's seed, without drawing from it: the stochastic rounding of the
     # gradient GEMMs after the probes sees the same draws in both Propagation modes.
@@ -510,14 +527,14 @@ def _probe_propagated(stats: Statistics, adam: Mapping[str, AdamState | None], i
             draw = torch.Generator(device=param.device).manual_seed((seed + 7919 * index[name]) % 2**63)
             signs = torch.randint(0, 2, like.shape, generator=draw, device=param.device, dtype=torch.int8)
             state = adam.get(name)
-            grad = stats.param_grad(name)
+            grad = stats.param_grad(name, precision)
             scale = (state.local().update_sensitivity(None if grad is None else local_part(grad, like))
                      if state is not None else 1.0)
             return from_local_parts((2.0 * local_part(signs, like) - 1.0) * scale, like)
 
         def measure(fqn: str, tangent: torch.Tensor) -> None:
             if fqn in input_errors:
-                value = (input_errors[fqn] * tangent).sum(dim=(1, 2)).double().cpu().pow(2)
+                value = (input_errors[fqn] * tangent).sum(dim=(1, 2)).double().pow(2)
                 sums[fqn] += value
                 squares[fqn] += value.pow(2)
 
@@ -529,20 +546,28 @@ def _probe_propagated(stats: Statistics, adam: Mapping[str, AdamState | None], i
                        "snip.wd_propagation=exact for this model)", missing[:5])
     out = {}
     for fqn in input_errors:
-        mean = sums[fqn] / probes
+        mean = sums[fqn].cpu() / probes
+        squares[fqn] = squares[fqn].cpu()
         var = (squares[fqn] / probes - mean.pow(2)).clamp_min(0) * probes / max(probes - 1, 1)
         out[fqn] = (mean, (var / probes).sqrt() if probes > 1 else torch.full_like(mean, math.inf))
     return out
 
 
-def _sum_and_stderr(per_row: torch.Tensor, num_samples: int) -> tuple[float, float]:
-    """The sum of per-row contributions and its standard error, estimated from the spread of the
-    per-sample sums (rows of a sample are contiguous and correlated; samples are independent)."""
+def _sum_and_variance(per_row: torch.Tensor, num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum of per-row contributions and its sampling variance (inf with one unit), estimated from
+    the spread of the per-sample sums (rows of a sample are contiguous and correlated; samples are
+    independent); 0-d float64 tensors on the rows' device (read with the round's other scalars)."""
     units = num_samples if 2 <= num_samples <= per_row.numel() and per_row.numel() % num_samples == 0 else per_row.numel()
     per_unit = per_row.double().reshape(units, -1).sum(1)
     if units < 2:
-        return float(per_unit.sum()), math.inf
-    return float(per_unit.sum()), math.sqrt(units * float(per_unit.var()))
+        return per_unit.sum(), torch.full((), math.inf, dtype=torch.float64, device=per_row.device)
+    return per_unit.sum(), units * per_unit.var()
+
+
+def _sum_and_stderr(per_row: torch.Tensor, num_samples: int) -> tuple[float, float]:
+    """_sum_and_variance as floats: the sum and its standard error."""
+    total, variance = _sum_and_variance(per_row, num_samples)
+    return float(total), math.sqrt(float(variance))
 
 
 _METRICS = ("ld", "wd", "first", "second", "direct", "prop", "rel_y", "rel_w", "first_w", "first_x", "first_se",
@@ -561,20 +586,38 @@ def _momentum_and_variance(adam: AdamState | None):
     return m_hat, m_var
 
 
-def _forward_metrics(r: _RoundInputs, s: LayerStats, fmt: Format, dy: torch.Tensor, second: float, y_rms: float,
-                     moments, metrics: dict) -> None:
-    """LD and its parts for one layer and format, from its dY, into ``metrics``."""
-    x, g, w = s.x.float(), s.g.float(), dense(s.weight).float()
+def _operands(stats: Statistics, s: LayerStats, precision: RoundPrecision, *, weight: bool = True):
+    """X, G (Statistics.operands: cast once per round) and W (None with ``weight=False``: no
+    all-gather under FSDP2) in the dtype of the round's GEMMs (RoundPrecision)."""
+    x, g = stats.operands(s.fqn, precision)
+    return x, g, dense(s.weight).to(s.operand_dtype(precision)) if weight else None
+
+
+def _forward_metrics(r: _RoundInputs, s: LayerStats, fmt: Format, dy: torch.Tensor, y: torch.Tensor, second: float,
+                     y_rms: float, moments, metrics: dict) -> None:
+    """LD and its parts for one layer and format, from its dY and Y = X W^T, into ``metrics``."""
+    x, g, w = _operands(r.stats, s, r.precision)
     m_hat, m_var = moments
     norm = r.loss_norm
-    # The weight part of dY: X (Q(W) - W)^T; its first-order term is <G^T X, Q(W) - W>.
-    dw_fwd = fake_quantize(w, fmt, axis=1, recipe=r.recipe) - w
+    # The weight part of dY: X (Q(W) - W)^T = X Q(W)^T - Y; its first-order term is <G^T X, Q(W) - W>.
+    q_w = fake_quantize(w, fmt, axis=1, recipe=r.recipe)
+    dw_fwd = q_w.float() - w.float()
+    g = g.float()
     per_row = (g * dy).sum(1)
-    per_row_w = (g * (x @ dw_fwd.t())).sum(1)
-    first, first_se = _sum_and_stderr(per_row, s.num_samples)
-    first_x, first_x_se = _sum_and_stderr(per_row - per_row_w, s.num_samples)
-    first_mom = None if m_hat is None else float((m_hat * dw_fwd).sum())
-    first_mom_se = math.inf if m_var is None else math.sqrt(float((m_var * dw_fwd.pow(2)).sum()))
+    per_row_w = (g * (mm_fp32(x, q_w) - y)).sum(1)
+    # Every scalar below read with one device transfer (a sync per value made a GPU round wait ~10x per
+    # layer and format).
+    scalars = [*_sum_and_variance(per_row, s.num_samples), *_sum_and_variance(per_row - per_row_w, s.num_samples),
+               dy.norm().double(), dy.pow(2).sum().double()]
+    if m_hat is not None:
+        scalars.append((m_hat * dw_fwd).sum().double())
+    if m_var is not None:
+        scalars.append((m_var * dw_fwd.pow(2)).sum().double())
+    values = torch.stack(scalars).tolist()
+    first, first_se, first_x, first_x_se = values[0], math.sqrt(values[1]), values[2], math.sqrt(values[3])
+    dy_norm, abs_y = values[4], values[5]
+    first_mom = None if m_hat is None else values[6]
+    first_mom_se = math.inf if m_var is None else math.sqrt(values[-1])
     # This batch and the sampled batches before the round: independent draws of the first-order term.
     history = r.first_order_history.get((s.fqn, fmt), ())
     batch_values = [*history, first]
@@ -598,8 +641,8 @@ def _forward_metrics(r: _RoundInputs, s: LayerStats, fmt: Format, dy: torch.Tens
         metrics["first_mom"][fmt], metrics["first_mom_se"][fmt] = first_mom / norm, first_mom_se / norm
     if history:
         metrics["first_acc"][fmt], metrics["first_acc_se"][fmt] = first_acc / norm, first_acc_se / norm
-    metrics["rel_y"][fmt] = float(dy.norm()) / max(y_rms * math.sqrt(dy.numel()), 1e-30)
-    metrics["abs_y"][fmt] = float(dy.pow(2).sum())
+    metrics["rel_y"][fmt] = dy_norm / max(y_rms * math.sqrt(dy.numel()), 1e-30)
+    metrics["abs_y"][fmt] = abs_y
 
 
 def _backward_metrics(r: _RoundInputs, s: LayerStats, fmts, input_errors: torch.Tensor, propagated,
@@ -608,8 +651,10 @@ def _backward_metrics(r: _RoundInputs, s: LayerStats, fmts, input_errors: torch.
     sum of squares per format (over this rank's shard under FSDP2: summed over ranks before WD is
     formed). ``input_errors``: E_X per format (formats x rows x k); ``propagated``: the probes'
     (estimates, standard errors), or None for the exact vector-Jacobian products."""
-    x, g = s.x.float(), s.g.float()
-    gw_ref = g.t() @ x
+    x, g, _ = _operands(r.stats, s, r.precision, weight=False)
+    # wgrad's operands, quantized along the token axis: one contiguous copy each for every format
+    g_t, x_t = g.t().contiguous(), x.t().contiguous()
+    gw_ref = mm_fp32(g_t, x_t)
     weight_name = s.weight_name or s.fqn + ".weight"
     if propagated is not None:
         propagated_by_format, propagated_stderr = propagated
@@ -622,17 +667,25 @@ def _backward_metrics(r: _RoundInputs, s: LayerStats, fmts, input_errors: torch.
         propagated_stderr = torch.zeros(len(fmts), dtype=torch.float64)
         del upstream
     # A frozen weight (no gradient) has no update to deviate: only its propagated error counts.
-    own_grad = gw_ref if r.stats.is_recomputed(weight_name) else r.stats.param_grad(weight_name)
+    own_grad = gw_ref if r.stats.is_recomputed(weight_name) else r.stats.param_grad(weight_name, r.precision)
+    scalars = []  # per format: the direct term's sum of squares, ||E_W||, ||E_W||^2; read with one transfer
+    for fmt in fmts:
+        e_w = (quantized_matmul(g_t, x_t, fmt, recipe=r.recipe, a_is_grad=True, generator=r.generator,
+                                out_dtype=torch.float32) - gw_ref)
+        scalars += [_update_deviation(r, weight_name, e_w, own_grad).pow(2).sum().double() if own_grad is not None
+                    else torch.zeros((), dtype=torch.float64, device=e_w.device),
+                    e_w.norm().double(), e_w.pow(2).sum().double()]
+    scalars.append(gw_ref.norm().double().clamp_min(1e-30))
+    values = torch.stack(scalars).tolist()
     direct = {}
     for i, fmt in enumerate(fmts):
-        e_w = quantized_matmul(g.t(), x.t(), fmt, recipe=r.recipe, a_is_grad=True, generator=r.generator) - gw_ref
-        direct[s.fqn, fmt] = (float(_update_deviation(r, weight_name, e_w, own_grad).pow(2).sum())
-                              if own_grad is not None else 0.0)
+        direct_sum, e_w_norm, abs_w = values[3 * i: 3 * i + 3]
+        direct[s.fqn, fmt] = direct_sum
         metrics["prop"][fmt] = float(propagated_by_format[i]) / r.denominator
         metrics["prop_se"][fmt] = float(propagated_stderr[i]) / r.denominator
-        rel_w = float(e_w.norm() / gw_ref.norm().clamp_min(1e-30))
+        rel_w = e_w_norm / values[-1]
         metrics["rel_w"][fmt] = rel_w if math.isfinite(rel_w) else math.inf  # as LD/WD: non-finite = invalid
-        metrics["abs_w"][fmt] = float(e_w.pow(2).sum())
+        metrics["abs_w"][fmt] = abs_w
     return direct
 
 
@@ -687,15 +740,22 @@ def _error_probe_second_order(stats: Statistics, output_errors, formats, draws: 
     totals = {key: 0.0 for key in output_errors}
     if draws <= 0:
         return totals
+    terms = {key: [] for key in output_errors}  # device scalars, read with one transfer at the end
     for fmt in formats:
         keys = [key for key in output_errors if key[1] is fmt]
         if not keys:
             continue
         for _ in range(draws):
             device = generator.device if generator is not None else None
-            signs = {fqn: 1.0 if float(torch.rand((), generator=generator, device=device)) < 0.5 else -1.0 for fqn, _ in keys}
+            # every layer's sign in one draw (one device sync, not one per layer)
+            drawn = (torch.rand(len(keys), generator=generator, device=device) < 0.5).tolist()
+            signs = {fqn: 1.0 if heads else -1.0 for (fqn, _), heads in zip(keys, drawn)}
             noisy = stats.output_grads_with_noise({fqn: signs[fqn] * output_errors[fqn, f] for fqn, f in keys})
             for fqn, f in keys:
                 delta_g = noisy[fqn].float() - stats.layers[fqn].g.float()
-                totals[fqn, f] += 0.5 * signs[fqn] * float((output_errors[fqn, f] * delta_g).sum()) / draws
+                terms[fqn, f].append(signs[fqn] * (output_errors[fqn, f] * delta_g).sum().double())
+    flat = [(key, t) for key, ts in terms.items() for t in ts]
+    if flat:
+        for (key, _), value in zip(flat, torch.stack([t for _, t in flat]).tolist()):
+            totals[key] += 0.5 * value / draws
     return totals

@@ -190,9 +190,53 @@ def _nvfp4_sr_kernel(rows: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return (stochastic_round_e2m1(blocks / scale, bits) * scale).reshape(rows.shape)
 
 
+# --- AdamW's update maps (stats.AdamState: the statistics round's weight divergence) -------------
+# Not quantizers, but the same problem: each is a chain of 10-20 elementwise ops over a parameter's
+# moments, and eagerly every op is a pass over parameter-sized memory (on an H200 at width 4096 the
+# eager chains were most of a round's device time: benchmarks/results/gpu_check_2026-11-30_round_precision.md).
+# Compiled, each is one pass. The hyper-parameters come as one fp32 tensor ``h`` (AdamState.
+# coefficients: beta1, 1 - beta1, beta2, 1 - beta2, 1 - beta2^t, eps, lr / (1 - beta1^t), for the
+# step t whose update is perturbed), not as Python floats, which a compiled graph specializes on: the
+# bias corrections change every step, and every round would recompile.
+
+
+def _adam_sensitivity_kernel(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+                             h: torch.Tensor) -> torch.Tensor:
+    b1, c1, b2, c2, bc2, eps, gain = h[0], h[1], h[2], h[3], h[4], h[5], h[6]
+    g = grad.float()
+    m1 = b1 * exp_avg.float() + c1 * g
+    s1 = ((b2 * exp_avg_sq.float() + c2 * g * g) / bc2).sqrt()
+    through_v = torch.where(s1 > 0, m1 * c2 * g / (bc2 * s1.clamp_min(1e-38) * (s1 + eps) ** 2), torch.zeros_like(s1))
+    return gain * (c1 / (s1 + eps) - through_v)
+
+
+def _adam_deviation_kernel(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, delta: torch.Tensor,
+                           h: torch.Tensor) -> torch.Tensor:
+    b1, c1, b2, c2, bc2, eps, gain = h[0], h[1], h[2], h[3], h[4], h[5], h[6]
+    g, d = grad.float(), delta.float()
+    m1 = b1 * exp_avg.float() + c1 * g
+    v1 = b2 * exp_avg_sq.float() + c2 * g * g
+    dv = c2 * d * (2 * g + d)  # v2 - v1
+    s1 = (v1 / bc2).sqrt()
+    s2 = ((v1 + dv).clamp_min(0) / bc2).sqrt()
+    ds = torch.where(s1 + s2 > 0, dv / bc2 / (s1 + s2), torch.zeros_like(dv))
+    return gain * (c1 * d / (s2 + eps) - m1 * ds / ((s1 + eps) * (s2 + eps)))
+
+
+def _adam_update_energy_kernel(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+                               h: torch.Tensor) -> torch.Tensor:
+    b1, c1, b2, c2, bc2, eps, gain = h[0], h[1], h[2], h[3], h[4], h[5], h[6]
+    g = grad.float()
+    m1 = b1 * exp_avg.float() + c1 * g
+    v1 = b2 * exp_avg_sq.float() + c2 * g * g
+    return (gain * m1 / ((v1 / bc2).sqrt() + eps)).pow(2).sum()
+
+
 # --- compilation ------------------------------------------------------------------------------
 
-_KERNELS = {k.__name__: k for k in (_fp8_rowwise_kernel, _fp8_tensorwise_kernel, _mx_rtn_kernel, _mx_sr_kernel, _nvfp4_rtn_kernel, _nvfp4_sr_kernel)}
+_KERNELS = {k.__name__: k for k in (_fp8_rowwise_kernel, _fp8_tensorwise_kernel, _mx_rtn_kernel, _mx_sr_kernel,
+                                    _nvfp4_rtn_kernel, _nvfp4_sr_kernel, _adam_sensitivity_kernel,
+                                    _adam_deviation_kernel, _adam_update_energy_kernel)}
 _compiled: dict[tuple[str, str], object] = {}
 _broken: set[tuple[str, str]] = set()
 _lock = threading.Lock()
@@ -254,7 +298,7 @@ def run_kernel(name: str, *args):
                     out = fn(*inputs)
     except Exception as err:  # noqa: BLE001 - any compiler failure falls back to the same eager code
         _broken.add(key)
-        logger.warning("lightning_snip: quantizer %s could not be compiled on %s (%s: %s); running it eagerly "
+        logger.warning("lightning_snip: kernel %s could not be compiled on %s (%s: %s); running it eagerly "
                        "(same numerics, slower)", name, device_type, type(err).__name__, str(err).splitlines()[0][:200])
         return kernel(*args)
     if first:

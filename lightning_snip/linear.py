@@ -69,6 +69,26 @@ def describe_kernels(formats: Iterable[Format], device: torch.device) -> str:
     return line
 
 
+_MM_OUT_DTYPE_WORKS: dict[str, bool] = {}
+
+
+def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b^T accumulated and returned in fp32, the operands in their own dtype.
+
+    bf16/fp16 operands on a CUDA device run torch.mm's ``out_dtype=float32`` form: tensor-core
+    GEMMs whose products are exact and whose sums are fp32, the arithmetic of an fp32 GEMM on the
+    same (bf16-valued) operands, at bf16 speed (on an H200 an fp32 GEMM is about 15x slower). Where
+    that form is missing (CPU builds have no aten::mm.dtype kernel) or for fp32 operands, both are
+    upcast and multiplied in fp32: the same products and sums."""
+    if a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16) and a.device.type == "cuda":
+        if _MM_OUT_DTYPE_WORKS.get(a.device.type, True):
+            try:
+                return torch.mm(a, b.t(), out_dtype=torch.float32)
+            except (RuntimeError, TypeError, NotImplementedError):  # an older torch: the upcast below
+                _MM_OUT_DTYPE_WORKS[a.device.type] = False
+    return a.float() @ b.float().t()
+
+
 def quantized_matmul(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -79,25 +99,32 @@ def quantized_matmul(
     b_is_grad: bool = False,
     generator: torch.Generator | None = None,
     kernel: Kernel | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Return Q(a) @ Q(b)^T, both operands quantized along dim 1 (the contraction axis).
 
     ``generator``: the random source of stochastic rounding (the global one when None).
     ``kernel``: None chooses by device (kernel_for); tests force TORCHAO_FP8 on a CPU, where
-    torch._scaled_mm exists too."""
+    torch._scaled_mm exists too. ``out_dtype``: None returns a's dtype (training's GEMMs);
+    torch.float32 returns the fp32 accumulation itself (mm_fp32: the statistics round measures the
+    quantization error, not the output's bf16 rounding; native kernels' outputs are upcast)."""
+    if out_dtype not in (None, torch.float32):
+        raise ValueError(f"out_dtype: invalid value {out_dtype!r}; allowed: None or torch.float32")
     if fmt is Format.BF16:
-        return a @ b.t()
+        return mm_fp32(a, b) if out_dtype is not None else a @ b.t()
     kernel = kernel_for(fmt, a.device) if kernel is None else kernel
     # torch._scaled_mm needs every dimension a multiple of 16; other shapes are emulated.
     if kernel is Kernel.TORCHAO_FP8 and a.shape[1] % 16 == 0 and a.shape[0] % 16 == 0 and b.shape[0] % 16 == 0:
-        return torchao_fp8_mm(a, b, recipe, a_is_grad, b_is_grad)
+        out = torchao_fp8_mm(a, b, recipe, a_is_grad, b_is_grad)
+        return out if out_dtype is None else out.to(out_dtype)
     if kernel is Kernel.TORCHAO_BLOCK and block_native_supported(a, b, fmt, recipe, a_is_grad, b_is_grad):
-        return torchao_block_mm(a, b, fmt, recipe, a_is_grad, b_is_grad, generator)
+        out = torchao_block_mm(a, b, fmt, recipe, a_is_grad, b_is_grad, generator)
+        return out if out_dtype is None else out.to(out_dtype)
     qa = fake_quantize(a, fmt, axis=1, rounding=_rounding(fmt, recipe, a_is_grad), recipe=recipe, is_grad=a_is_grad,
                        generator=generator)
     qb = fake_quantize(b, fmt, axis=1, rounding=_rounding(fmt, recipe, b_is_grad), recipe=recipe, is_grad=b_is_grad,
                        generator=generator)
-    return qa @ qb.t()
+    return mm_fp32(qa, qb) if out_dtype is not None else qa @ qb.t()
 
 
 def _rounding(fmt: Format, recipe: QuantRecipe, is_grad: bool) -> Rounding:

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_snip import fused
 from lightning_snip.formats import Format
-from lightning_snip.linear import SNIPLinear
+from lightning_snip.linear import SNIPLinear, mm_fp32
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,14 @@ class AdamState:
     beta1: float
     beta2: float
     eps: float
+
+    def coefficients(self) -> torch.Tensor:
+        """The compiled update maps' hyper-parameters (lightning_snip.fused's AdamW section) for the
+        next step t = step + 1: beta1, 1 - beta1, beta2, 1 - beta2, 1 - beta2^t, eps, lr / (1 - beta1^t),
+        computed in double and stored as one fp32 tensor on the moments' device."""
+        b1, b2, t = self.beta1, self.beta2, self.step + 1
+        values = [b1, 1 - b1, b2, 1 - b2, 1 - b2**t, self.eps, self.lr / (1 - b1**t)]
+        return torch.tensor(values, dtype=torch.float32).to(self.exp_avg.device, non_blocking=True)
 
     def preconditioner(self) -> torch.Tensor:
         """A = 1 / (sqrt(v_hat) + eps), the elementwise scale AdamW applies to a gradient change."""
@@ -76,16 +85,14 @@ class AdamState:
         multiplies the error, while AdamW's real update moves by at most about lr, because the error
         also enters v. Written as a difference that does not cancel: u2 - u1 =
         c (dm / (s2 + eps) - m1 (s2 - s1) / ((s1 + eps)(s2 + eps))), s = sqrt(v_hat)."""
-        b1, b2, t = self.beta1, self.beta2, self.step + 1
-        bc1, bc2 = 1 - b1**t, 1 - b2**t
-        g, d = grad.float(), delta.float()
-        m1 = b1 * self.exp_avg.float() + (1 - b1) * g
-        v1 = b2 * self.exp_avg_sq.float() + (1 - b2) * g * g
-        dv = (1 - b2) * d * (2 * g + d)  # v2 - v1
-        s1 = (v1 / bc2).sqrt()
-        s2 = ((v1 + dv).clamp_min(0) / bc2).sqrt()
-        ds = torch.where(s1 + s2 > 0, dv / bc2 / (s1 + s2), torch.zeros_like(dv))
-        return self.lr / bc1 * ((1 - b1) * d / (s2 + self.eps) - m1 * ds / ((s1 + self.eps) * (s2 + self.eps)))
+        return fused.run_kernel("_adam_deviation_kernel", self.exp_avg, self.exp_avg_sq, grad, delta, self.coefficients())
+
+    def next_update_energy(self, grad: torch.Tensor | None) -> torch.Tensor:
+        """||u||^2 of AdamW's next update (no weight decay) after this step's gradient ``grad``, the
+        same as ``after(grad).update().pow(2).sum()`` in one pass (a 0-d fp32 tensor)."""
+        if grad is None:
+            return self.after(None).update().pow(2).sum()
+        return fused.run_kernel("_adam_update_energy_kernel", self.exp_avg, self.exp_avg_sq, grad, self.coefficients())
 
     def update_sensitivity(self, grad: torch.Tensor | None) -> torch.Tensor:
         """dD/d(delta) at delta = 0, per element: the linear map that update_deviation becomes for
@@ -95,14 +102,8 @@ class AdamState:
         lr / (1 - beta1^t) * ((1 - beta1) / (s1 + eps) - m1 (1 - beta2) g / ((1 - beta2^t) s1 (s1 + eps)^2)).
         Taken after the step, v1 >= (1 - beta2) g^2, so an element that has a gradient now is not
         scaled by 1/eps (the failure of the before-step linearization in the method text)."""
-        b1, b2, t = self.beta1, self.beta2, self.step + 1
-        bc1, bc2 = 1 - b1**t, 1 - b2**t
-        g = torch.zeros_like(self.exp_avg, dtype=torch.float32) if grad is None else grad.float()
-        m1 = b1 * self.exp_avg.float() + (1 - b1) * g
-        s1 = ((b2 * self.exp_avg_sq.float() + (1 - b2) * g * g) / bc2).sqrt()
-        through_v = torch.where(s1 > 0, m1 * (1 - b2) * g / (bc2 * s1.clamp_min(1e-38) * (s1 + self.eps) ** 2),
-                                torch.zeros_like(s1))
-        return self.lr / bc1 * ((1 - b1) / (s1 + self.eps) - through_v)
+        g = torch.zeros_like(self.exp_avg, dtype=torch.float32) if grad is None else grad
+        return fused.run_kernel("_adam_sensitivity_kernel", self.exp_avg, self.exp_avg_sq, g, self.coefficients())
 
     def local(self) -> "AdamState":
         """This rank's shard of the moments (FSDP2: DTensors -> their local tensors)."""
@@ -141,6 +142,23 @@ def read_adam_state(optimizer: torch.optim.Optimizer | None, weight: nn.Paramete
     )
 
 
+class RoundPrecision(enum.Enum):
+    """The dtype of a statistics round's GEMM operands (each layer's X, G, W and their quantized forms).
+
+    TRAINING: the dtype the layer's GEMMs ran in during the recording pass (LayerStats.compute_dtype)
+        when it is bf16: X, G and W cast to bf16 (SNIPLinear casts the fp32 master weight to the autocast
+        dtype before quantizing, so these are the operands the training GEMMs see), quantized in bf16 and
+        multiplied with fp32 sums (linear.mm_fp32: bf16 tensor cores on a GPU, where an fp32 GEMM is
+        about 15x slower). fp32 and fp16 layers (an fp16 G without its loss scale underflows) run as FP32.
+    FP32: every operand upcast to fp32 and the fp32 master weight quantized (the round before
+        2026-11-30 night, kept to measure the difference side by side: benchmarks/stats_cost.py).
+    Every elementwise sum of the round is fp32 or fp64 in both.
+    """
+
+    TRAINING = "training"
+    FP32 = "fp32"
+
+
 @dataclass
 class LayerStats:
     """One layer's record: X (rows x k), G (rows x m) of the same rows, W (m x k), Adam state.
@@ -158,10 +176,20 @@ class LayerStats:
     # The weight's name among the model's parameters: not "<fqn>.weight" when it is tied to another
     # module's (an lm_head sharing the embedding), whose name named_parameters() reports instead.
     weight_name: str = ""
+    # The dtype the layer's GEMM ran in during the recording pass (its output's: the autocast dtype
+    # under *-mixed precision): the statistics round quantizes and multiplies X, G, W in it, as the
+    # training GEMMs do (lightning_snip.divergence.RoundPrecision).
+    compute_dtype: torch.dtype = torch.float32
 
     @property
     def num_rows(self) -> int:
         return self.x.shape[0]
+
+    def operand_dtype(self, precision: RoundPrecision) -> torch.dtype:
+        """The dtype the round's GEMMs of this layer take their operands in (RoundPrecision)."""
+        if RoundPrecision(precision) is RoundPrecision.TRAINING and self.compute_dtype == torch.bfloat16:
+            return torch.bfloat16
+        return torch.float32
 
 
 def is_sharded(tensor) -> bool:
@@ -268,20 +296,34 @@ class Statistics:
         self._params = params
         self._rerun = rerun
         self._probe = probe
+        self._operands: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def operands(self, fqn: str, precision: RoundPrecision = RoundPrecision.TRAINING) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``fqn``'s X and G in the dtype of the round's GEMMs (RoundPrecision), cast once and
+        kept until ``release()``: every use would otherwise launch its own cast kernels (a round at
+        width 1024 on a GPU is bound by kernel launches), and fp32 layers are not copied at all."""
+        s = self.layers[fqn]
+        dtype = s.operand_dtype(precision)
+        key = (fqn, dtype)
+        if key not in self._operands:
+            self._operands[key] = (s.x.to(dtype), s.g.to(dtype))
+        return self._operands[key]
 
     def parameter(self, name: str) -> nn.Parameter:
         """The registered parameter ``name`` (a DTensor shard under FSDP2)."""
         return self._params[name]
 
-    def param_grad(self, name: str) -> torch.Tensor | None:
-        """The slice's float32 gradient of parameter ``name`` (None: it received none)."""
+    def param_grad(self, name: str, precision: RoundPrecision = RoundPrecision.TRAINING) -> torch.Tensor | None:
+        """The slice's float32 gradient of parameter ``name`` (None: it received none). A weight
+        recomputed as its layer's G^T X takes its operands in ``precision`` (RoundPrecision), as the
+        wgrad GEMM of training did."""
         if name in self.param_grads:
             return self.param_grads[name]
         fqn = self._recomputed.get(name)
         if fqn is None:
             return None
-        s = self.layers[fqn]
-        return s.g.float().t() @ s.x.float()
+        x, g = self.operands(fqn, precision)
+        return mm_fp32(g.t(), x.t())
 
     def has_grad(self, name: str) -> bool:
         """Whether ``name`` received a gradient on the slice (without computing it)."""
@@ -344,6 +386,7 @@ class Statistics:
 
     def release(self) -> None:
         self._inputs.clear()
+        self._operands.clear()
         self._rerun = None
         self._probe = None
         self._layers = {}
@@ -386,6 +429,7 @@ def collect_stats(
     if sharded and propagation is Propagation.EXACT:
         raise ValueError("wd_propagation: exact is not supported with sharded (FSDP2) parameters; allowed: probe")
     rng_states = _RandomStreams.capture(model)
+    compute_dtypes: dict[str, torch.dtype] = {}
 
     def run(noise: Mapping[str, torch.Tensor] | None, record: bool):
         inputs: dict[str, torch.Tensor] = {}
@@ -403,6 +447,8 @@ def collect_stats(
             def hook(module, args, output):
                 inputs[fqn] = args[0]
                 calls[fqn] = calls.get(fqn, 0) + 1
+                if record:
+                    compute_dtypes[fqn] = output.dtype
                 if noise is not None and fqn in noise:
                     output = output + noise[fqn].reshape(output.shape).to(output.dtype)
                 outputs[fqn] = output
@@ -461,6 +507,7 @@ def collect_stats(
             # (batch, ..., features) inputs: the leading dimension indexes samples; 2-D: each row is one.
             num_samples=int(inputs[fqn].shape[0]),
             weight_name=weight_names[fqn],
+            compute_dtype=compute_dtypes.get(fqn, torch.float32),
         )
         for fqn in layers
     }

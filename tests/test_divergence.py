@@ -430,7 +430,9 @@ def test_probed_propagated_term_agrees_with_the_exact_one_within_its_stated_erro
     assert checked == 2 * len(layers) == 10
 
 
-def test_update_sensitivity_is_the_derivative_of_the_update_deviation():
+@pytest.mark.parametrize("kernels", ["eager", "compiled"])
+def test_update_sensitivity_is_the_derivative_of_the_update_deviation(kernels, monkeypatch):
+    monkeypatch.setenv("LIGHTNING_SNIP_QUANTIZERS", kernels)  # fused's AdamW maps, both modes
     torch.manual_seed(0)
     state = read_adam_state(None, nn.Parameter(torch.zeros(3)))
     assert state is None
@@ -622,3 +624,84 @@ def test_a_non_finite_output_error_voids_only_its_layer_and_format(monkeypatch):
     finite += [d.weight_divergence[f] for fqn, d in result.items() for f in (Format.MXFP4, Format.NVFP4)
                if (fqn, f) != ("second", Format.MXFP4)]
     assert len(finite) == 2 * (2 * len(result) - 1) and all(math.isfinite(v) for v in finite)
+
+
+class _Rectangular(nn.Module):
+    """Layers whose shapes differ (a transposed operand in a round's GEMM cannot go unnoticed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(64, 96, bias=False)
+        self.down = nn.Linear(96, 48, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x)))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_round_precision_follows_the_training_dtype_and_keeps_the_estimates(autocast):
+    # RoundPrecision.TRAINING takes each layer's GEMM operands in the dtype its GEMM ran in (bf16 under
+    # bf16 autocast: on a GPU, tensor-core GEMMs ~15x faster than fp32 ones); FP32 upcasts them all.
+    # Both describe the same quantization: under autocast they must agree to a few percent; in fp32
+    # training they are the same computation.
+    from lightning_snip.stats import RoundPrecision
+
+    torch.manual_seed(0)
+    model = _Rectangular()
+    x, target = torch.randn(4, 64, 64), torch.randn(4, 64, 48)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def loss_fn():
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            return nn.functional.mse_loss(model(x).float(), target)
+
+    for _ in range(3):
+        opt.zero_grad()
+        loss_fn().backward()
+        opt.step()
+    layers = convert_linears(model)
+    results = {}
+    for precision in RoundPrecision:
+        # EXACT propagation: the probes' estimate is a mean of 8 squares, a few of which dominate (a
+        # 1-2% change of E_X moved it by 20% here; 2% with 64 probes), too noisy to compare the two.
+        stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt, propagation=Propagation.EXACT)
+        assert {s.compute_dtype for s in stats.layers.values()} == {torch.bfloat16 if autocast else torch.float32}
+        results[precision] = estimate_divergence(stats, [Format.MXFP4, Format.NVFP4], noise_draws=1,
+                                                 generator=torch.Generator().manual_seed(0), precision=precision)
+        stats.release()
+    checked = 0
+    for fqn in layers:
+        a, b = results[RoundPrecision.TRAINING].layers[fqn], results[RoundPrecision.FP32].layers[fqn]
+        for fmt in (Format.MXFP4, Format.NVFP4):
+            for name in ("abs_error_forward", "abs_error_wgrad", "wd_direct", "wd_propagated", "weight_divergence"):
+                got, want = getattr(a, name)[fmt], getattr(b, name)[fmt]
+                assert got == pytest.approx(want, rel=0.05 if autocast else 1e-4), (fqn, fmt, name)
+                checked += 1
+    assert checked == 20
+    # The first-order term <G, dY> is a signed sum that mostly cancels: the bf16 rounding of the
+    # operands moves it by ~15% here. Each precision must give its own, computed independently for
+    # the last layer: dY of the GEMM on bf16 operands (as autocast's SNIPLinear runs it) or fp32 ones.
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        h = torch.tanh(model.up(x)).detach()
+        y = model.down(h)
+    y.retain_grad()
+    loss = nn.functional.mse_loss(y.float(), target)
+    loss.backward()
+    g = y.grad.reshape(-1, 48).float()
+    for precision, dtype in ((RoundPrecision.TRAINING, torch.bfloat16 if autocast else torch.float32),
+                             (RoundPrecision.FP32, torch.float32)):
+        hd, w = h.reshape(-1, 96).to(dtype), model.down.weight.detach().to(dtype)
+        for fmt in (Format.MXFP4, Format.NVFP4):
+            dy = quantized_matmul(hd, w, fmt, recipe=QuantRecipe(), out_dtype=torch.float32) - hd.float() @ w.float().t()
+            expected = float((g * dy).sum()) / loss.item()
+            assert results[precision].layers["down"].first_order[fmt] == pytest.approx(expected, rel=1e-3), (precision, fmt)
+
+
+def test_mm_fp32_is_the_fp32_product_of_the_operands():
+    from lightning_snip.linear import mm_fp32
+
+    a, b = torch.randn(40, 64).bfloat16(), torch.randn(24, 64).bfloat16()
+    out = mm_fp32(a, b)
+    assert out.dtype == torch.float32 and out.shape == (40, 24)
+    assert torch.equal(out, a.float() @ b.float().t())  # bf16 products are exact in fp32
+    assert torch.equal(mm_fp32(a.float(), b.float()), a.float() @ b.float().t())

@@ -16,8 +16,12 @@ def _adamw_update(param, state, grad, lr=1e-3):
     return param.double() - p.detach()
 
 
+@pytest.mark.parametrize("kernels", ["eager", "compiled"])
 @pytest.mark.parametrize("regime", ["trained", "never_seen"])
-def test_update_deviation_is_torch_adamws_update_difference(regime):
+def test_update_deviation_is_torch_adamws_update_difference(regime, kernels, monkeypatch):
+    # AdamState's maps run as lightning_snip.fused's kernels: compiled by default (one pass over the
+    # moments each), eager in the other tests; both must be torch's AdamW.
+    monkeypatch.setenv("LIGHTNING_SNIP_QUANTIZERS", kernels)
     torch.manual_seed(0)
     param = torch.zeros(64, 32)
     if regime == "trained":
@@ -44,3 +48,7 @@ def test_update_deviation_is_torch_adamws_update_difference(regime):
     # Batched deltas (one per format) give each its own deviation.
     both = adam.update_deviation(grad, torch.stack([delta, 2 * delta]))
     assert torch.allclose(both[0], got) and not torch.allclose(both[1], got)
+    # The next update's energy (WD's denominator) is torch's AdamW update with this gradient, squared.
+    energy = float(adam.next_update_energy(grad))
+    assert energy == pytest.approx(float(_adamw_update(param, state, grad).pow(2).sum()), rel=1e-5)
+    assert energy == pytest.approx(float(adam.after(grad).update().pow(2).sum()), rel=1e-5)
