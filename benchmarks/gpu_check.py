@@ -15,9 +15,11 @@
    bf16 matmul), and quantizer compile times.
 3. A statistics round's cost on the device (benchmarks/stats_cost.py's measurement under bf16 autocast): round
    time over a high-precision and over an emulated-MXFP4 training step of a 2048-row batch, for wider and
-   deeper demo models than fit the CPU benchmark (issue 11's "round <= 3 high-precision steps" on a GPU).
+   deeper demo models than fit the CPU benchmark (issue 11's "round <= 3 high-precision steps" on a GPU),
+   beside the same round with fp32 GEMM operands (stats.RoundPrecision.FP32, the round before 2026-11-30 night).
    ``round_profile`` (not in the default parts): where one such round's time goes on the device (its
-   phases timed with CUDA synchronisation, and the number of CUDA kernels it launches).
+   phases timed with CUDA synchronisation, the number of CUDA kernels it launches, the busiest kernels),
+   for both operand precisions.
    ``train_fp4`` (not in the default parts): the demo model trained 50 steps with every linear layer in one
    format (bf16, fp8, mxfp4, nvfp4; bf16 autocast, AdamW), first and last loss and whether every step was finite.
 4. A 50-step demo run with SNIPCallback in bf16-mixed (statistics round at step 20, plan applied).
@@ -167,19 +169,27 @@ def round_cost(device, shapes, lines):
     from stats_cost import measure_one
 
     for width, blocks in shapes:
-        r = measure_one(width, blocks, repeats=3, exact=False, seed=0, mode="time", device=device.type)
+        r = measure_one(width, blocks, repeats=3, exact=False, seed=0, mode="time", device=device.type, fp32_round=True)
         lines.append(f"round_cost width={width} blocks={blocks} layers={r['layers']} rows={r['rows']} "
                      f"max_rows={r['max_rows']} hp_step_ms {r['hp_step_seconds'] * 1e3:.1f} "
                      f"emulated_mxfp4_step_ms {r['emulated_step_seconds'] * 1e3:.1f} "
                      f"round_ms {r['round_seconds'] * 1e3:.1f} "
                      f"hp_steps {r['round_seconds'] / r['hp_step_seconds']:.2f} "
-                     f"emulated_steps {r['round_seconds'] / r['emulated_step_seconds']:.2f}")
+                     f"emulated_steps {r['round_seconds'] / r['emulated_step_seconds']:.2f} "
+                     f"fp32_operands_round_ms {r['round_seconds_fp32'] * 1e3:.1f} "
+                     f"fp32_operands_hp_steps {r['round_seconds_fp32'] / r['hp_step_seconds']:.2f}")
         print(lines[-1], flush=True)
 
 
-def round_profile(device, lines, width=1024, blocks=4):
+def round_profile(device, lines, width=1024, blocks=4, precisions=("training", "fp32")):
     """One statistics round of stats_cost's setup, its phases timed (CUDA-synchronised wrappers around
-    the round's functions; nested ones overlap), and its CUDA kernel launches counted."""
+    the round's functions; nested ones overlap), and its CUDA kernel launches counted; for each of
+    ``precisions`` (stats.RoundPrecision: the dtype of the round's GEMM operands)."""
+    for precision in precisions:
+        _round_profile(device, lines, width, blocks, precision)
+
+
+def _round_profile(device, lines, width, blocks, precision):
     import sys
 
     import torch.nn.functional as F
@@ -238,7 +248,7 @@ def round_profile(device, lines, width=1024, blocks=4):
                 stats_cost.estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
                                                noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator,
                                                probes=cfg.wd_probes, curvature_probe=cfg.curvature_probe,
-                                               generator=torch.Generator(device=device).manual_seed(0))
+                                               precision=precision, generator=torch.Generator(device=device).manual_seed(0))
             finally:
                 stats.release()
 
@@ -261,7 +271,8 @@ def round_profile(device, lines, width=1024, blocks=4):
         events = prof.key_averages()
         kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
         device_ms = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
-        lines.append(f"round_profile width={width} blocks={blocks} layers={len(layers)} wall_ms {plain * 1e3:.0f} "
+        lines.append(f"round_profile precision={precision} width={width} blocks={blocks} layers={len(layers)} "
+                     f"wall_ms {plain * 1e3:.0f} "
                      f"under_profiler_ms {wall * 1e3:.0f} cuda_kernels {kernels} kernel_time_ms {device_ms:.0f}")
         for name, seconds in sorted(phases.items(), key=lambda kv: -kv[1]):
             lines.append(f"round_phase {name} calls {calls[name]} ms {seconds * 1e3:.0f}")
@@ -270,6 +281,10 @@ def round_profile(device, lines, width=1024, blocks=4):
         for e in top:
             lines.append(f"round_op {e.key} calls {e.count} self_cpu_ms {e.self_cpu_time_total / 1e3:.1f} "
                          f"device_ms {e.device_time_total / 1e3:.1f}")
+        busiest = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                         key=lambda e: -e.self_device_time_total)[:8]
+        for e in busiest:  # where the device time goes (GEMM kernels by name: their dtype)
+            lines.append(f"round_kernel {e.key[:90]} calls {e.count} device_ms {e.self_device_time_total / 1e3:.1f}")
     finally:
         for module, name, fn in originals:
             setattr(module, name, fn)
@@ -352,12 +367,12 @@ def main() -> None:
     capability = torch.cuda.get_device_capability() if device.type == "cuda" else None
     lines = [f"# gpu_check {datetime.date.today()} device {name} capability {capability} torch {torch.__version__}"]
     sizes = args.sizes if device.type == "cuda" else [512]
-    shapes = [(1024, 4), (1024, 16), (2048, 8)] if device.type == "cuda" else [(128, 2)]
+    shapes = [(1024, 4), (2048, 8), (4096, 4)] if device.type == "cuda" else [(128, 2)]
     parts = {"fused_vs_reference": lambda: fused_vs_reference(device, lines),
              "numerics": lambda: numerics(device, lines), "speed": lambda: speed(device, sizes, args.repeats, lines),
              "round_cost": lambda: round_cost(device, shapes, lines), "demo": lambda: demo_run(device, args.steps, lines),
              "train_fp4": lambda: train_fp4(device, args.steps, lines),
-             "round_profile": lambda: round_profile(device, lines, *((1024, 4) if device.type == "cuda" else (128, 2)))}
+             "round_profile": lambda: round_profile(device, lines, *((4096, 4) if device.type == "cuda" else (128, 2)))}
     for part_name in args.parts:
         part = parts[part_name]
         counter = _WarningCount()

@@ -49,7 +49,7 @@ from lightning_snip.convert import convert_linears
 from lightning_snip.demo.model import LlamaConfig, TinyLlama
 from lightning_snip.divergence import estimate_divergence
 from lightning_snip.formats import Format
-from lightning_snip.stats import Propagation, collect_stats, slice_batch
+from lightning_snip.stats import Propagation, RoundPrecision, collect_stats, slice_batch
 
 SEQ_LEN, BATCH = 128, 16  # 2048 rows per training step
 
@@ -94,9 +94,11 @@ def parse_variants(text: str) -> list[int]:
 
 
 def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, mode: str,
-                variants: list[int] = (), device: str = "cpu") -> dict:
+                variants: list[int] = (), device: str = "cpu", fp32_round: bool = False) -> dict:
     """One configuration's measurement. ``device="cuda"`` (benchmarks/gpu_check.py) times on a GPU with
-    CUDA synchronisation; memory mode is CPU-only (it reads the process's RSS)."""
+    CUDA synchronisation; memory mode is CPU-only (it reads the process's RSS). ``fp32_round``: also
+    time, interleaved, rounds whose GEMM operands are fp32 (RoundPrecision.FP32: the round before
+    2026-11-30 night; the default takes them in the training dtype, bf16 under the GPU's autocast)."""
     if mode == "memory" and device != "cpu":
         raise ValueError(f"mode='memory' measures RSS and needs device='cpu', got device={device!r}")
     torch.manual_seed(seed)
@@ -126,7 +128,8 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
         for layer in layers.values():
             layer.format = Format.BF16
 
-    def round_on(b, propagation: Propagation, probes: int = cfg.wd_probes):
+    def round_on(b, propagation: Propagation, probes: int = cfg.wd_probes,
+                 precision: RoundPrecision = RoundPrecision.TRAINING):
         sliced = slice_batch(b, cfg.max_rows)
 
         def loss_fn():
@@ -137,7 +140,7 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
         try:
             estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
                                 noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator, probes=probes,
-                                curvature_probe=cfg.curvature_probe,
+                                curvature_probe=cfg.curvature_probe, precision=precision,
                                 generator=torch.Generator(device=device).manual_seed(seed))
         finally:
             stats.release()
@@ -170,12 +173,14 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    hp, emulated, probe, exact_times = [], [], [], []
+    hp, emulated, probe, exact_times, fp32_times = [], [], [], [], []
     variant_times = {v: [] for v in variants}
     for _ in range(repeats):  # interleaved: the machine is shared
         hp.append(timed(lambda: step(batch, Format.BF16)))
         emulated.append(timed(lambda: step(batch, Format.MXFP4)))
         probe.append(timed(lambda: round_on(batch, Propagation.PROBE)))
+        if fp32_round:
+            fp32_times.append(timed(lambda: round_on(batch, Propagation.PROBE, precision=RoundPrecision.FP32)))
         for probes, times in variant_times.items():
             times.append(timed(lambda: round_on(batch, Propagation.PROBE, probes)))
         if exact:
@@ -186,6 +191,8 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
     out["variants"] = [[probes, statistics.median(t)] for probes, t in variant_times.items()]
     if exact:
         out["round_seconds_exact"] = statistics.median(exact_times)
+    if fp32_round:
+        out["round_seconds_fp32"] = statistics.median(fp32_times)
     return out
 
 
