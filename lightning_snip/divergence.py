@@ -297,7 +297,7 @@ def estimate_divergence(
                 metrics[fqn]["ld"][fmt] = metrics[fqn]["wd"][fmt] = math.inf
     # Forward (LD): one format at a time, so the round holds one format's dY of every layer (the
     # error probe injects them all at once), not all of them; Y = X W^T of every layer is computed
-    # once (and the weight all-gathered once under FSDP2) and kept, the reference of every format's dY.
+    # once and kept, the reference of every format's dY (was: once per format, plus once for its RMS).
     references, rms = {}, []
     for fqn, st in stats.layers.items():
         x, _, w = _operands(stats, st, precision)
@@ -306,7 +306,7 @@ def estimate_divergence(
         if valid.get(fqn):
             references[fqn] = y
         del y
-    output_rms = dict(zip(stats.layers, torch.stack(rms).tolist())) if rms else {}  # one device sync
+    output_rms = dict(zip(stats.layers, _read_scalars(rms)))
     curvature = {}
     # FISHER: the per-token losses the loss averages, taken as the most token rows any layer saw.
     tokens = max((st.num_rows for st in stats.layers.values()), default=0)
@@ -323,8 +323,8 @@ def estimate_divergence(
         # A non-finite output error (a quantizer fault) leaves the round for that (layer, format) only: the
         # error probe below injects every layer's dY into one forward pass, where one NaN would make
         # every layer's second-order term NaN. Ranks agree on the set (their collectives follow it).
-        bad = (torch.stack([torch.isfinite(dy).all() for dy in output_errors.values()]).logical_not().float().cpu()
-               if output_errors else torch.zeros(0))  # one device sync, not one per layer
+        bad = torch.tensor([0.0 if ok else 1.0 for ok in _read_scalars(
+            [torch.isfinite(dy).all() for dy in output_errors.values()])])  # one device sync, not one per layer
         if stats.sharded and len(bad):
             like = _a_sharded_weight(stats)
             bad = all_reduce_sum(bad.to(like.device), like).cpu()
@@ -432,11 +432,14 @@ class FirstOrderTerms:
         self.values: dict[tuple[str, Format], list[float]] = {}
 
     def add(self, fqn: str, x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, total_rows: int) -> None:
+        """``x`` in the dtype of the round's GEMM operands (FirstOrderSampler: bf16 where the layer's
+        GEMM ran in bf16; the weight is cast to it, as autocast casts it), ``g`` in fp32."""
         with torch.no_grad():
-            w = weight.float()
-            y = x @ w.t()
+            w = weight.to(x.dtype)
+            y = mm_fp32(x, w)
+            g = g.float()
             for fmt in self.formats:
-                dy = quantized_matmul(x, w, fmt, recipe=self.recipe) - y
+                dy = quantized_matmul(x, w, fmt, recipe=self.recipe, out_dtype=torch.float32) - y
                 value = float((g * dy).sum()) * total_rows / x.shape[0] / self.grad_scale
                 if math.isfinite(value):
                     self.values.setdefault((fqn, fmt), []).append(value)
@@ -489,10 +492,10 @@ def _update_energy(stats: Statistics, adam: Mapping[str, AdamState | None],
             parts.append(state.local().next_update_energy(grad).double())
         elif grad is not None:
             parts.append(grad.pow(2).sum().double())
-    total = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
+    total = math.fsum(_read_scalars(parts))
     if like is not None:
-        total = all_reduce_sum(total.reshape(1).to(like.device), like)
-    return float(total)
+        total = float(all_reduce_sum(torch.tensor([total], dtype=torch.float64, device=like.device), like))
+    return total
 
 
 def _probe_propagated(stats: Statistics, adam: Mapping[str, AdamState | None], input_errors: Mapping[str, torch.Tensor],
@@ -551,6 +554,16 @@ def _probe_propagated(stats: Statistics, adam: Mapping[str, AdamState | None], i
         var = (squares[fqn] / probes - mean.pow(2)).clamp_min(0) * probes / max(probes - 1, 1)
         out[fqn] = (mean, (var / probes).sqrt() if probes > 1 else torch.full_like(mean, math.inf))
     return out
+
+
+def _read_scalars(values: list[torch.Tensor]) -> list[float]:
+    """0-d tensors as floats, read with one device transfer (a sync per value made a GPU round wait
+    thousands of times); values on other devices than the first (a model split over devices) are
+    copied there first."""
+    if not values:
+        return []
+    device = values[0].device
+    return torch.stack([v.to(device) for v in values]).tolist()
 
 
 def _sum_and_variance(per_row: torch.Tensor, num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -613,7 +626,7 @@ def _forward_metrics(r: _RoundInputs, s: LayerStats, fmt: Format, dy: torch.Tens
         scalars.append((m_hat * dw_fwd).sum().double())
     if m_var is not None:
         scalars.append((m_var * dw_fwd.pow(2)).sum().double())
-    values = torch.stack(scalars).tolist()
+    values = _read_scalars(scalars)
     first, first_se, first_x, first_x_se = values[0], math.sqrt(values[1]), values[2], math.sqrt(values[3])
     dy_norm, abs_y = values[4], values[5]
     first_mom = None if m_hat is None else values[6]
@@ -676,7 +689,7 @@ def _backward_metrics(r: _RoundInputs, s: LayerStats, fmts, input_errors: torch.
                     else torch.zeros((), dtype=torch.float64, device=e_w.device),
                     e_w.norm().double(), e_w.pow(2).sum().double()]
     scalars.append(gw_ref.norm().double().clamp_min(1e-30))
-    values = torch.stack(scalars).tolist()
+    values = _read_scalars(scalars)
     direct = {}
     for i, fmt in enumerate(fmts):
         direct_sum, e_w_norm, abs_w = values[3 * i: 3 * i + 3]
@@ -755,7 +768,6 @@ def _error_probe_second_order(stats: Statistics, output_errors, formats, draws: 
                 delta_g = noisy[fqn].float() - stats.layers[fqn].g.float()
                 terms[fqn, f].append(signs[fqn] * (output_errors[fqn, f] * delta_g).sum().double())
     flat = [(key, t) for key, ts in terms.items() for t in ts]
-    if flat:
-        for (key, _), value in zip(flat, torch.stack([t for _, t in flat]).tolist()):
-            totals[key] += 0.5 * value / draws
+    for (key, _), value in zip(flat, _read_scalars([t for _, t in flat])):
+        totals[key] += 0.5 * value / draws
     return totals

@@ -303,5 +303,5 @@ def run_kernel(name: str, *args):
         return kernel(*args)
     if first:
         compile_seconds[key] = time.perf_counter() - start
-        logger.info("lightning_snip: compiled quantizer %s for %s in %.1f s", name, device_type, compile_seconds[key])
+        logger.info("lightning_snip: compiled kernel %s for %s in %.1f s", name, device_type, compile_seconds[key])
     return out

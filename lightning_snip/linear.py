@@ -115,8 +115,9 @@ def quantized_matmul(
     kernel = kernel_for(fmt, a.device) if kernel is None else kernel
     # torch._scaled_mm needs every dimension a multiple of 16; other shapes are emulated.
     if kernel is Kernel.TORCHAO_FP8 and a.shape[1] % 16 == 0 and a.shape[0] % 16 == 0 and b.shape[0] % 16 == 0:
-        out = torchao_fp8_mm(a, b, recipe, a_is_grad, b_is_grad)
-        return out if out_dtype is None else out.to(out_dtype)
+        if out_dtype is not None:  # torchao returns its operands' dtype: fp32 operands (the same FP8 casts,
+            a, b = a.float(), b.float()  # scales from the same amax) give the fp32 output of torch._scaled_mm
+        return torchao_fp8_mm(a, b, recipe, a_is_grad, b_is_grad)
     if kernel is Kernel.TORCHAO_BLOCK and block_native_supported(a, b, fmt, recipe, a_is_grad, b_is_grad):
         out = torchao_block_mm(a, b, fmt, recipe, a_is_grad, b_is_grad, generator)
         return out if out_dtype is None else out.to(out_dtype)

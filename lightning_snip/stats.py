@@ -728,8 +728,10 @@ class FirstOrderSampler:
             total_rows = x.shape[0]
             stride = max(1, -(-total_rows // self.max_rows))  # ceil: the samples cover the whole batch
             rows = slice(offset % stride, None, stride)
-            # No copy: autograd keeps X unmodified until this backward (the linear saved it).
-            sampled_x = x[rows].float()
+            # Autograd keeps X unmodified until this backward (the linear saved it). The rows are kept
+            # in the dtype of the round's GEMM operands (RoundPrecision.TRAINING: bf16 where the layer's
+            # GEMM ran in bf16), so this term and the round's own are measured on the same operands.
+            sampled_x = x[rows].to(torch.bfloat16 if output.dtype == torch.bfloat16 else torch.float32)
 
             def grad_hook(grad):
                 g = grad.detach().reshape(-1, module.out_features)[rows].float()

@@ -8,7 +8,7 @@ from torch import nn
 
 from lightning_snip.convert import convert_linears
 from lightning_snip.divergence import DivergenceResult, estimate_divergence
-from lightning_snip.formats import Format
+from lightning_snip.formats import Format, fake_quantize
 from lightning_snip.linear import quantized_matmul
 from lightning_snip.formats import QuantRecipe
 from lightning_snip.stats import Propagation, collect_stats, read_adam_state, slice_batch
@@ -31,7 +31,7 @@ def _setup(scale_second=1.0, steps=3):
     x, target = torch.randn(64, 64), torch.randn(64, 64)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss_fn = lambda: nn.functional.mse_loss(model(x), target)
-    loss_fn.target = target
+    loss_fn.target, loss_fn.x = target, x
     for _ in range(steps):
         opt.zero_grad()
         loss_fn().backward()
@@ -688,13 +688,27 @@ def test_round_precision_follows_the_training_dtype_and_keeps_the_estimates(auto
     loss = nn.functional.mse_loss(y.float(), target)
     loss.backward()
     g = y.grad.reshape(-1, 48).float()
+    state = opt.state[model.down.weight]
+    m_hat = state["exp_avg"] / (1 - 0.9 ** int(state["step"]))
     for precision, dtype in ((RoundPrecision.TRAINING, torch.bfloat16 if autocast else torch.float32),
                              (RoundPrecision.FP32, torch.float32)):
         hd, w = h.reshape(-1, 96).to(dtype), model.down.weight.detach().to(dtype)
         for fmt in (Format.MXFP4, Format.NVFP4):
-            dy = quantized_matmul(hd, w, fmt, recipe=QuantRecipe(), out_dtype=torch.float32) - hd.float() @ w.float().t()
-            expected = float((g * dy).sum()) / loss.item()
-            assert results[precision].layers["down"].first_order[fmt] == pytest.approx(expected, rel=1e-3), (precision, fmt)
+            d = results[precision].layers["down"]
+            y_ref = hd.float() @ w.float().t()
+            dy = quantized_matmul(hd, w, fmt, recipe=QuantRecipe(), out_dtype=torch.float32) - y_ref
+            q_w = fake_quantize(w, fmt, axis=1, recipe=QuantRecipe())
+            per_row = (g * dy).sum(1)
+            per_row_w = (g * (hd.float() @ q_w.float().t() - y_ref)).sum(1)  # dY's weight part X (Q(W) - W)^T
+            per_sample, per_sample_x = per_row.double().reshape(4, -1).sum(1), (per_row - per_row_w).double().reshape(4, -1).sum(1)
+            n = loss.item()
+            assert d.first_order[fmt] == pytest.approx(float(per_row.sum()) / n, rel=1e-3), (precision, fmt)
+            assert d.first_weight[fmt] == pytest.approx(float(per_row_w.sum()) / n, rel=1e-3, abs=1e-3 * abs(d.first_order[fmt]))
+            assert d.first_stderr[fmt] == pytest.approx(math.sqrt(4 * float(per_sample.var())) / n, rel=1e-3)
+            assert d.first_activation_stderr[fmt] == pytest.approx(math.sqrt(4 * float(per_sample_x.var())) / n, rel=1e-3)
+            assert d.abs_error_forward[fmt] == pytest.approx(float(dy.pow(2).sum()), rel=1e-4)
+            assert d.first_weight_momentum[fmt] == pytest.approx(
+                float((m_hat * (q_w.float() - w.float())).sum()) / n, rel=1e-3, abs=1e-9)
 
 
 def test_mm_fp32_is_the_fp32_product_of_the_operands():
@@ -705,3 +719,95 @@ def test_mm_fp32_is_the_fp32_product_of_the_operands():
     assert out.dtype == torch.float32 and out.shape == (40, 24)
     assert torch.equal(out, a.float() @ b.float().t())  # bf16 products are exact in fp32
     assert torch.equal(mm_fp32(a.float(), b.float()), a.float() @ b.float().t())
+
+
+@pytest.mark.parametrize("kernels", ["eager", "compiled"])
+def test_weight_divergence_denominator_is_the_energy_of_adamws_next_update(kernels, monkeypatch):
+    # WD is relative to sum_k ||u_k||^2 of the AdamW step that takes this slice's gradient (its moments
+    # advanced by it): checked against torch's own AdamW stepping a copy with those gradients.
+    from lightning_snip.divergence import _update_energy
+
+    monkeypatch.setenv("LIGHTNING_SNIP_QUANTIZERS", kernels)
+    model, layers, opt, loss_fn, _ = _setup()
+    stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
+    energy = _update_energy(stats, stats.param_adam)
+    twin = copy.deepcopy(model)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # (it would share the moments)
+    for group in twin_opt.param_groups:
+        group["weight_decay"] = 0.0  # the update WD perturbs is the gradient's part
+    twin_opt.zero_grad()
+    nn.functional.mse_loss(twin(loss_fn.x), loss_fn.target).backward()
+    before = [p.detach().double().clone() for p in twin.parameters()]
+    twin_opt.step()
+    expected = sum(float((b - p.detach().double()).pow(2).sum()) for b, p in zip(before, twin.parameters()))
+    assert energy == pytest.approx(expected, rel=1e-3)
+    stats.release()
+
+
+def test_error_probe_injects_each_layers_error_with_its_own_random_sign(monkeypatch):
+    # The second-order term's cross-layer terms vanish in expectation only if every layer's sign is
+    # random and independent of the others' in each draw.
+    model, layers, opt, loss_fn, _ = _setup()
+    stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
+    injected = []
+    original = stats.output_grads_with_noise
+
+    def spy(noise):
+        injected.append({fqn: n.clone() for fqn, n in noise.items()})
+        return original(noise)
+
+    monkeypatch.setattr(stats, "output_grads_with_noise", spy)
+    estimate_divergence(stats, [Format.MXFP4], noise_draws=16, generator=torch.Generator().manual_seed(0))
+    stats.release()
+    dy = {fqn: quantized_matmul(s.x, s.weight, Format.MXFP4, recipe=QuantRecipe()) - s.x @ s.weight.t()
+          for fqn, s in stats.layers.items()}
+    assert len(injected) == 16
+    signs = [{fqn: float(torch.sign((n * dy[fqn]).sum())) for fqn, n in draw.items()} for draw in injected]
+    for draw in injected:  # each injection is exactly +-dY of its own layer
+        for fqn, n in draw.items():
+            assert torch.allclose(n.abs(), dy[fqn].abs(), rtol=1e-5, atol=1e-7)
+    for fqn in dy:
+        assert {s[fqn] for s in signs} == {-1.0, 1.0}, fqn
+    assert any(s["first"] != s["second"] for s in signs) and any(s["first"] == s["second"] for s in signs)
+
+
+def test_first_order_sampler_measures_on_the_rounds_operands_under_bf16_autocast():
+    # The ACCUMULATED estimator averages the sampled steps' <G, dY> with the round's own: under bf16
+    # autocast both must take bf16 operands (the round's RoundPrecision.TRAINING), or the average
+    # mixes two quantities (here they differ by ~15%).
+    from lightning_snip.divergence import FirstOrderTerms
+    from lightning_snip.stats import FirstOrderSampler, RoundPrecision
+
+    torch.manual_seed(0)
+    model = _Rectangular()
+    x, target = torch.randn(4, 64, 64), torch.randn(4, 64, 48)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def loss_fn():
+        with torch.autocast("cpu", torch.bfloat16):
+            return nn.functional.mse_loss(model(x).float(), target)
+
+    for _ in range(3):
+        opt.zero_grad()
+        loss_fn().backward()
+        opt.step()
+    layers = convert_linears(model)
+    terms = FirstOrderTerms([Format.MXFP4, Format.NVFP4])
+    with FirstOrderSampler(layers, 256, terms.add).recording():
+        loss = loss_fn()
+        loss.backward()
+    model.zero_grad()
+    sampled = terms.take()
+    rounds = {}
+    for precision in RoundPrecision:
+        stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
+        rounds[precision] = estimate_divergence(stats, [Format.MXFP4, Format.NVFP4], noise_draws=0, precision=precision)
+        stats.release()
+    for fqn in layers:
+        for fmt in (Format.MXFP4, Format.NVFP4):
+            (value,) = sampled[fqn, fmt]
+            training = rounds[RoundPrecision.TRAINING].layers[fqn].first_order[fmt]
+            assert value / loss.item() == pytest.approx(training, rel=1e-3), (fqn, fmt)
+    fp32 = rounds[RoundPrecision.FP32].layers["down"].first_order[Format.MXFP4]
+    assert abs(fp32 - sampled["down", Format.MXFP4][0] / loss.item()) > 0.02 * abs(fp32)  # the check can tell

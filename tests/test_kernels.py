@@ -78,6 +78,23 @@ def test_native_fp8_gemm_runs_scaled_mm_and_matches_emulation(monkeypatch, scali
     assert float((a @ b.t() - native).norm() / native.norm()) > 5 * rel
 
 
+def test_native_fp8_gemm_with_fp32_output_is_the_fp32_gemm_of_the_same_fp8_operands(monkeypatch):
+    # The statistics round asks for fp32 outputs (out_dtype): on bf16 operands torchao would return
+    # bf16, adding the output's rounding to the measured quantization error. Same FP8 casts (torchao
+    # scales an fp32 upcast of them), fp32 output.
+    # (tensorwise: the CPU's rowwise kernel rounds its outputs through bf16 whatever the output dtype)
+    calls = _spy_scaled_mm(monkeypatch)
+    recipe = QuantRecipe(fp8_scaling="tensorwise")
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 128, generator=g).bfloat16(), torch.randn(96, 128, generator=g).bfloat16()
+    out = quantized_matmul(a, b, Format.FP8, recipe=recipe, kernel=Kernel.TORCHAO_FP8, out_dtype=torch.float32)
+    assert out.dtype == torch.float32 and len(calls) == 1
+    fp32_operands = quantized_matmul(a.float(), b.float(), Format.FP8, recipe=recipe, kernel=Kernel.TORCHAO_FP8)
+    assert torch.equal(out, fp32_operands)
+    bf16_out = quantized_matmul(a, b, Format.FP8, recipe=recipe, kernel=Kernel.TORCHAO_FP8)
+    assert bf16_out.dtype == torch.bfloat16 and not torch.equal(bf16_out.float(), out)
+
+
 def test_native_fp8_unaligned_shapes_are_emulated(monkeypatch):
     calls = _spy_scaled_mm(monkeypatch)
     a, b = torch.randn(40, 72), torch.randn(24, 72)  # not multiples of 16

@@ -37,7 +37,7 @@ def test_progress_plan_lines_clean_output_and_summary(tmp_path):
     assert log.count("step 8/8 | loss ") == 1  # a progress line per step here, each printed once
     assert "SNIP plan applied at step 3: FP4 FLOPs fraction" in log and "layers changed" in log
     assert "GEMM kernels: fp8: emulated; mxfp4: emulated (cpu)" in log
-    assert "compiled quantizer _mx_sr_kernel for cpu in" in log  # compiled, its first-call time reported
+    assert "compiled kernel _mx_sr_kernel for cpu in" in log  # compiled, its first-call time reported
     for noise in ("💡", "Failed to load", "Detected no triton", "LeafSpec", "register_constant", "INFO: "):
         assert noise not in log, noise
     summary = proc.stdout.split("=== SNIP summary ===", 1)[1]
