@@ -70,12 +70,13 @@ def main(out_dir: str, mode: str) -> None:
     cb._round_generator = lambda device, step, rank: real(device, step, 0)  # the same draws on every rank
     if mode == "fault":
         _nan_on_rank_one()
-    module = ShardedLM(shard=mode != "single")
+    single = mode in ("single", "bf16_single")
+    module = ShardedLM(shard=not single)
     data = ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1, seed=0)  # the same data on both ranks
     snip = SNIPCallback(SNIPConfig(warmup_steps=2, interval=3, apply_delay=1, fp4_fraction=0.6, max_rows=128,
                                    noise_draws=1, wd_probes=4, initial_format="fp8"))
     restored = _RestoredPlan(snip)
-    if mode == "single":
+    if single:
         strategy, devices = "auto", 1
     else:
         from lightning.pytorch.strategies import ModelParallelStrategy
@@ -83,6 +84,7 @@ def main(out_dir: str, mode: str) -> None:
         strategy, devices = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), 2
     trainer = pl.Trainer(
         max_steps=8 if mode == "resume" else 6, accelerator="cpu", devices=devices, strategy=strategy,
+        precision="bf16-mixed" if mode.startswith("bf16") else "32-true",
         callbacks=[snip, restored], logger=False, enable_progress_bar=False, enable_model_summary=False,
         # Validation right before the rounds: FSDP2 leaves its root unsharded after a forward without
         # backward, which the round must handle.

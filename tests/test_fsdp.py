@@ -13,7 +13,7 @@ def _run(tmp_path, mode):
     proc = subprocess.run([sys.executable, str(worker), str(tmp_path), mode], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = 1 if mode == "single" else 2  # fsdp, resume, fault: 2
+    ranks = 1 if mode in ("single", "bf16_single") else 2  # fsdp, resume, fault, bf16_fsdp: 2
     return [json.loads((tmp_path / f"{mode}_rank{r}.json").read_text()) for r in range(ranks)]
 
 
@@ -61,3 +61,17 @@ def test_fsdp2_a_fault_on_one_rank_leaves_the_same_pairs_out_on_every_rank(tmp_p
     downs = sorted([fqn, "mxfp4"] for fqn in ranks[0]["plan"] if fqn.endswith("mlp.down"))
     assert len(downs) == 2 and sorted(ranks[0]["invalid"]) == sorted(ranks[1]["invalid"]) == downs
     assert ranks[0]["plan"] == ranks[1]["plan"] and all(ranks[0]["plan"][fqn] != "mxfp4" for fqn, _ in downs)
+
+
+def test_fsdp2_under_bf16_mixed_plans_like_one_process(tmp_path):
+    """bf16-mixed (autocast) under FSDP2: the round takes bf16 operands (RoundPrecision.TRAINING) from the
+    all-gathered weights and each rank's shards of the moments; both ranks plan identically, and round 0
+    equals one process's bf16-mixed round up to float rounding."""
+    pytest.importorskip("torch.distributed.fsdp")
+    single, = _run(tmp_path, "bf16_single")
+    ranks = _run(tmp_path, "bf16_fsdp")
+    assert ranks[0]["weight_type"] == "DTensor" and single["weight_type"] == "Parameter"
+    assert ranks[0]["num_stats_rounds"] == ranks[1]["num_stats_rounds"] == single["num_stats_rounds"] == 2
+    assert ranks[0]["plan"] == ranks[1]["plan"] and ranks[0]["rounds"] == ranks[1]["rounds"]
+    assert "mxfp4" in ranks[0]["plan"].values()
+    assert _max_relative_difference(single["rounds"][0], ranks[0]["rounds"][0]) < 1e-5
