@@ -84,8 +84,13 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if _MM_OUT_DTYPE_WORKS.get(a.device.type, True):
             try:
                 return torch.mm(a, b.t(), out_dtype=torch.float32)
-            except (RuntimeError, TypeError, NotImplementedError):  # an older torch: the upcast below
+            # Only "this torch has no such form" (an unknown keyword, a missing kernel); any other error
+            # (out of memory) propagates. Said once: the round is then correct but runs fp32 GEMMs.
+            except (TypeError, NotImplementedError) as err:
                 _MM_OUT_DTYPE_WORKS[a.device.type] = False
+                logger.warning("lightning_snip: torch.mm(out_dtype=float32) is unavailable on %s (%s); statistics "
+                               "rounds multiply bf16 operands upcast to fp32 (same numbers, slower GEMMs)",
+                               a.device.type, str(err).splitlines()[0][:200])
     return a.float() @ b.float().t()
 
 

@@ -15,10 +15,10 @@ from lightning_snip.stats import Propagation, collect_stats, read_adam_state, sl
 
 
 class TwoLayer(nn.Module):
-    def __init__(self):
+    def __init__(self, sizes=(64, 64, 64)):
         super().__init__()
-        self.first = nn.Linear(64, 64, bias=False)
-        self.second = nn.Linear(64, 64, bias=False)
+        self.first = nn.Linear(sizes[0], sizes[1], bias=False)
+        self.second = nn.Linear(sizes[1], sizes[2], bias=False)
 
     def forward(self, x):
         return self.second(torch.tanh(self.first(x)))
@@ -359,7 +359,11 @@ def test_estimate_ranks_the_expected_loss_increase_not_one_batch():
 
 
 def test_first_order_standard_error_is_over_samples_not_rows():
-    from lightning_snip.divergence import _sum_and_stderr
+    from lightning_snip.divergence import _sum_and_variance
+
+    def _sum_and_stderr(per_row, num_samples):
+        total, variance = _sum_and_variance(per_row, num_samples)
+        return float(total), math.sqrt(float(variance))
 
     # 4 samples of 2 rows each; per-sample sums 1, 2, 3, 4: total 10, Var(sum) = 4 * var(1, 2, 3, 4).
     per_row = torch.tensor([0.5, 0.5, 1.5, 0.5, 1.0, 2.0, 4.0, 0.0])
@@ -626,16 +630,9 @@ def test_a_non_finite_output_error_voids_only_its_layer_and_format(monkeypatch):
     assert len(finite) == 2 * (2 * len(result) - 1) and all(math.isfinite(v) for v in finite)
 
 
-class _Rectangular(nn.Module):
+def _Rectangular():
     """Layers whose shapes differ (a transposed operand in a round's GEMM cannot go unnoticed)."""
-
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(64, 96, bias=False)
-        self.down = nn.Linear(96, 48, bias=False)
-
-    def forward(self, x):
-        return self.down(torch.tanh(self.up(x)))
+    return TwoLayer((64, 96, 48))
 
 
 @pytest.mark.parametrize("autocast", [False, True])
@@ -682,19 +679,19 @@ def test_round_precision_follows_the_training_dtype_and_keeps_the_estimates(auto
     # operands moves it by ~15% here. Each precision must give its own, computed independently for
     # the last layer: dY of the GEMM on bf16 operands (as autocast's SNIPLinear runs it) or fp32 ones.
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-        h = torch.tanh(model.up(x)).detach()
-        y = model.down(h)
+        h = torch.tanh(model.first(x)).detach()
+        y = model.second(h)
     y.retain_grad()
     loss = nn.functional.mse_loss(y.float(), target)
     loss.backward()
     g = y.grad.reshape(-1, 48).float()
-    state = opt.state[model.down.weight]
+    state = opt.state[model.second.weight]
     m_hat = state["exp_avg"] / (1 - 0.9 ** int(state["step"]))
     for precision, dtype in ((RoundPrecision.TRAINING, torch.bfloat16 if autocast else torch.float32),
                              (RoundPrecision.FP32, torch.float32)):
-        hd, w = h.reshape(-1, 96).to(dtype), model.down.weight.detach().to(dtype)
+        hd, w = h.reshape(-1, 96).to(dtype), model.second.weight.detach().to(dtype)
         for fmt in (Format.MXFP4, Format.NVFP4):
-            d = results[precision].layers["down"]
+            d = results[precision].layers["second"]
             y_ref = hd.float() @ w.float().t()
             dy = quantized_matmul(hd, w, fmt, recipe=QuantRecipe(), out_dtype=torch.float32) - y_ref
             q_w = fake_quantize(w, fmt, axis=1, recipe=QuantRecipe())
@@ -809,5 +806,5 @@ def test_first_order_sampler_measures_on_the_rounds_operands_under_bf16_autocast
             (value,) = sampled[fqn, fmt]
             training = rounds[RoundPrecision.TRAINING].layers[fqn].first_order[fmt]
             assert value / loss.item() == pytest.approx(training, rel=1e-3), (fqn, fmt)
-    fp32 = rounds[RoundPrecision.FP32].layers["down"].first_order[Format.MXFP4]
-    assert abs(fp32 - sampled["down", Format.MXFP4][0] / loss.item()) > 0.02 * abs(fp32)  # the check can tell
+    fp32 = rounds[RoundPrecision.FP32].layers["second"].first_order[Format.MXFP4]
+    assert abs(fp32 - sampled["second", Format.MXFP4][0] / loss.item()) > 0.02 * abs(fp32)  # the check can tell
