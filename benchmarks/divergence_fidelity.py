@@ -37,17 +37,25 @@ field names the model, demo or deep):
 
 ``--settings-study RAW.json --settings 8x2,4x2``: a round's cost against its fidelity. Replays the
 rounds of a --dump run (same seed and arguments: the rounds' losses are checked against the dump's)
-under each <WD probes>x<curvature draws> setting (<probes>xfisher: the Fisher curvature, no pass)
+under each <WD probes>x<curvature draws> setting (<probes>xfisher: the Fisher curvature, no pass;
+<probes>x<draws>layer: the error probe with one sign per layer, CurvatureProbe.ERROR_LAYER)
 and prints, against the dump's truths,
     settings <setting> <format> <round / hp step> <LD median round> <LD aggregate> <WD median round>
              <WD aggregate> <LD round agreement, median pair> <WD round agreement> <model>
 (aggregate: the callback's EMA after each round from the 4th on, median over them; ``--extra-rounds N``
-adds N rounds on the next training batches).
+adds N rounds on the next training batches; ``--draw-seeds N`` runs each setting with N seeds of its
+random draws and adds their mean as ``<setting>(mean)``).
+
+``--curvature-noise-study RAW.json [--draw-seeds 3]``: what the error probe's random signs cost LD. Replays
+the dump's rounds and compares the second-order term with one sign per layer and with one per (layer,
+sample) against the exact one-layer-at-a-time term, each added to the dump's first-order term:
+    curvature_noise <model> <format> <exact|layer|sample> <noise / spread> <LD vs truth> <LD round agreement>
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import itertools
 import json
@@ -69,7 +77,7 @@ from lightning_snip.demo.model import LlamaConfig, TinyLlama
 from lightning_snip.aggregate import DivergenceAggregate
 from lightning_snip.config import SNIPConfig
 from lightning_snip.divergence import CurvatureProbe, FirstOrderTerms, LossEstimator, estimate_divergence
-from lightning_snip.formats import Format
+from lightning_snip.formats import Format, QuantRecipe
 from lightning_snip.stats import FirstOrderSampler, Propagation, collect_stats, slice_batch
 
 FORMATS = (Format.MXFP4, Format.NVFP4)
@@ -116,9 +124,20 @@ def forward_from(model: TinyLlama, block: int, h: torch.Tensor, targets: torch.T
     return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)))
 
 
-@torch.no_grad()
+def precision(model: TinyLlama):
+    """The context every forward pass of rounds and truths runs in: bf16 autocast after --precision
+    bf16-mixed (the checkpoint itself is trained in fp32 either way: the same model as the fp32 runs)."""
+    return torch.autocast("cpu", torch.bfloat16) if getattr(model, "bf16_mixed", False) else contextlib.nullcontext()
+
+
 def loss_increase(model: TinyLlama, layers, batch, formats=FORMATS) -> dict:
-    """(fqn, fmt) -> loss with only that layer's forward in fmt, minus the high-precision loss."""
+    """(fqn, fmt) -> loss with only that layer's forward in fmt, minus the high-precision loss (the
+    run's: fp32, or bf16 autocast with --precision bf16-mixed)."""
+    with torch.no_grad(), precision(model):
+        return _loss_increase(model, layers, batch, formats)
+
+
+def _loss_increase(model: TinyLlama, layers, batch, formats) -> dict:
     inputs, targets = batch
     T = inputs.shape[1]
     cos, sin = model.rope_cos[:T], model.rope_sin[:T]
@@ -207,7 +226,17 @@ def train_checkpoint(name: str, cfg: LlamaConfig, corpus: str | None, args, quic
         loss.backward()
         opt.step()
     print(f"# [{name}] model {cfg}, corpus {corpus or 'stdlib'}, trained {train_steps} steps "
-          f"({time.perf_counter() - start:.0f} s): loss {loss.item():.3f}; batch {batch_size}x{seq_len}", flush=True)
+          f"({time.perf_counter() - start:.0f} s): loss {loss.item():.3f}; batch {batch_size}x{seq_len}; rounds and "
+          f"truths in {args.precision}", flush=True)
+    if args.precision == "bf16-mixed":  # from here on every model.loss (rounds, sampled steps, truths) autocasts
+        model.bf16_mixed = True
+        fp32_loss = model.loss
+
+        def loss(batch):
+            with precision(model):
+                return fp32_loss(batch)
+
+        model.loss = loss
     return Checkpoint(model=model, opt=opt, layers=convert_linears(model), data=data, held=held, batch_size=batch_size,
                       seq_len=seq_len, max_rows=256 if quick else args.max_rows,
                       first_steps=4 if quick else args.first_order_steps)
@@ -387,7 +416,9 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
         "update_deviation": {fmt.value: [[b[f, fmt] for f in fqns] for b in dev_batches] for fmt in FORMATS},
         "update_deviation_in_sample": {fmt.value: [wd_in_sample[f, fmt] for f in fqns] for fmt in FORMATS},
         "round_loss": [res.loss for res in results],
-        "setting": {"probes": args.probes, "noise_draws": args.noise_draws},  # the rounds' (settings study)
+        # the rounds' (settings study); estimate_divergence's default curvature probe
+        "setting": {"probes": args.probes, "noise_draws": args.noise_draws, "curvature_probe": CurvatureProbe.ERROR.value,
+                    "precision": args.precision},
         "first_order_history": [{f"{fqn}|{fmt.value}": values for (fqn, fmt), values in h.items()} for h in histories],
         "rounds": [
             {fqn: {k: {f.value: v for f, v in getattr(d, k).items()} for k in (
@@ -431,16 +462,27 @@ def history_study(raw: dict) -> list[str]:
 
 
 def parse_settings(text: str) -> list[tuple[int, int | str]]:
-    """"8x2,4xfisher" -> [(8, 2), (4, "fisher")]: (WD probes, curvature draws of the error probe, or
-    "fisher": CurvatureProbe.FISHER, no curvature pass) per setting."""
+    """"8x2,4xfisher,4x2layer" -> [(8, 2), (4, "fisher"), (4, "2layer")]: (WD probes, curvature draws
+    of the error probe (CurvatureProbe.ERROR), "fisher" (CurvatureProbe.FISHER, no curvature pass) or
+    "<draws>layer" (CurvatureProbe.ERROR_LAYER: one sign per layer)) per setting."""
     out = []
     for item in text.split(","):
         probes, _, draws = item.partition("x")
-        if not (probes.isdigit() and int(probes) >= 1 and (draws == "fisher" or draws.isdigit())):
-            raise SystemExit(f"--settings: invalid item {item!r}; allowed: <probes>x<draws> or <probes>xfisher, "
-                             "e.g. 8x2,4xfisher (probes >= 1, draws >= 0)")
-        out.append((int(probes), draws if draws == "fisher" else int(draws)))
+        if not (probes.isdigit() and int(probes) >= 1
+                and (draws == "fisher" or draws.isdigit() or (draws.endswith("layer") and draws[:-5].isdigit()))):
+            raise SystemExit(f"--settings: invalid item {item!r}; allowed: <probes>x<draws>, <probes>x<draws>layer or "
+                             "<probes>xfisher, e.g. 8x2,4xfisher,4x2layer (probes >= 1, draws >= 0)")
+        out.append((int(probes), int(draws) if draws.isdigit() else draws))
     return out
+
+
+def curvature_of(draws: int | str) -> tuple[CurvatureProbe, int]:
+    """A setting's curvature probe and its number of draws (parse_settings' encoding)."""
+    if draws == "fisher":
+        return CurvatureProbe.FISHER, 0
+    if isinstance(draws, str):
+        return CurvatureProbe.ERROR_LAYER, int(draws[:-5])
+    return CurvatureProbe.ERROR, draws
 
 
 def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: dict) -> list[str]:
@@ -451,10 +493,16 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
     slice and first-order history in each round; its seconds are the median over the rounds, and the
     unit is a high-precision training step (forward, backward, AdamW) of the full batch, timed on a
     copy of the model in the same run."""
-    settings = parse_settings(args.settings)
+    # (probes, draws, k): each setting under --draw-seeds generator seeds (k = 0: the dump's draws)
+    settings = [(probes, draws, k) for probes, draws in parse_settings(args.settings) for k in range(args.draw_seeds)]
+    if args.draw_seeds < 1:
+        raise SystemExit(f"--draw-seeds: invalid value {args.draw_seeds}; allowed: an integer >= 1")
     if args.extra_rounds < 0 or len(raw["round_loss"]) + args.extra_rounds < 2:
         raise SystemExit(f"--extra-rounds: invalid value {args.extra_rounds}; allowed: >= 0, with at least 2 rounds "
                          f"in all (the dump has {len(raw['round_loss'])}): round agreement needs a pair")
+    if raw.get("setting", {}).get("precision", "32-true") != args.precision:
+        raise SystemExit(f"--precision: {args.precision}, but the dump's rounds ran in "
+                         f"{raw['setting']['precision']}: pass --precision {raw['setting']['precision']}")
     ck = train_checkpoint(name, cfg, corpus, args, args.quick)
     fqns = list(ck.layers)
     if fqns != raw["fqns"]:
@@ -463,7 +511,9 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
     # The dump's own setting, whose WD the replay must reproduce (dumps before it was stored: this run's
     # --probes and --noise-draws, which must then be the dump run's).
     own = raw.get("setting", {"probes": args.probes, "noise_draws": args.noise_draws})
-    own = (own["probes"], own["noise_draws"])
+    # (dumps before 2026-12-01 ran the error probe with one sign per layer and do not record it)
+    own = (own["probes"], own["noise_draws"] if own.get("curvature_probe", "error_layer") == "error"
+           else f"{own['noise_draws']}layer")
     rounds = replayed + args.extra_rounds  # extra rounds: the next training batches (their truths are the same)
     terms = FirstOrderTerms(FORMATS)
     sampler = FirstOrderSampler(ck.layers, args.first_order_rows, terms.add)
@@ -492,19 +542,19 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
         twin.loss(full).backward()
         twin_opt.step()
         hp.append(time.perf_counter() - start)
-        for probes, draws in settings:
+        for probes, draws, k in settings:
             start = time.perf_counter()
             stats = collect_stats(ck.model, lambda: ck.model.loss(sliced), layers=ck.layers, optimizer=ck.opt)
-            curvature = CurvatureProbe.FISHER if draws == "fisher" else CurvatureProbe.ERROR
-            res = estimate_divergence(stats, FORMATS, noise_draws=0 if draws == "fisher" else draws,
+            curvature, noise_draws = curvature_of(draws)
+            res = estimate_divergence(stats, FORMATS, noise_draws=noise_draws,
                                       curvature_probe=curvature, first_order_history=history,
-                                      generator=torch.Generator().manual_seed(args.seed + r), probes=probes)
+                                      generator=torch.Generator().manual_seed(args.seed + r + 1000 * k), probes=probes)
             stats.release()
-            seconds[probes, draws].append(time.perf_counter() - start)
+            seconds[probes, draws, k].append(time.perf_counter() - start)
             if r < replayed and abs(res.loss - raw["round_loss"][r]) > 1e-5 * abs(raw["round_loss"][r]):
                 raise SystemExit(f"--settings-study: round {r} loss {res.loss} != the dump's {raw['round_loss'][r]}: "
                                  "not the dump's checkpoint (other seed, code or arguments)")
-            if r < replayed and (probes, draws) == own:
+            if r < replayed and (probes, draws) == own and k == 0 and not args.skip_wd_check:
                 # The dump's own setting (its run's --probes and --noise-draws): its WD, which reads the
                 # AdamW state, must come out as the dump's.
                 for fqn in fqns:
@@ -517,9 +567,10 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
                                              + ("" if "setting" in raw else " (this dump does not record its setting: "
                                                 "pass the --probes and --noise-draws its run used)"))
                 reproduced = True
-            results[probes, draws].append(res)
+            results[probes, draws, k].append(res)
     hp_step = statistics.median(hp)
     check = (f"WD of the dump's own setting {own[0]}x{own[1]} equal to the dump's" if reproduced
+             else "WD not checked (--skip-wd-check)" if args.skip_wd_check
              else f"the dump's own setting {own[0]}x{own[1]} not among the settings: WD not checked")
     lines = [f"# [{name}] settings study: {replayed} rounds replayed (losses and first-order samples match the dump; "
              f"{check}) + {args.extra_rounds} more, high-precision "
@@ -529,7 +580,8 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
                     for i in range(len(fqns))]
         dev = raw["update_deviation"][fmt.value]
         truth_wd = [sum(sum(b[i]) / len(b[i]) for b in dev) / len(dev) for i in range(len(fqns))]
-        for (probes, draws), res in results.items():
+        rows = {}
+        for (probes, draws, k), res in results.items():
             def ld(r, clamp=True):  # the aggregate averages unclamped values and clamps after, as the callback
                 return [res[r].layers[f].loss_divergence_as(DEFAULT_ESTIMATOR, clamp=clamp)[fmt] for f in fqns]
 
@@ -548,7 +600,7 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
                     agg_wd.append(spearman([agg.values("weight_divergence")[f][fmt.value] for f in fqns], truth_wd))
             pairs = list(itertools.combinations(range(rounds), 2))
             row = [
-                statistics.median(seconds[probes, draws]) / hp_step,
+                statistics.median(seconds[probes, draws, k]) / hp_step,
                 statistics.median(spearman(ld(r), truth_ld) for r in range(rounds)),
                 statistics.median(agg_ld),
                 statistics.median(spearman(wd(r), truth_wd) for r in range(rounds)),
@@ -556,7 +608,81 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
                 statistics.median(spearman(ld(a), ld(b)) for a, b in pairs),
                 statistics.median(spearman(wd(a), wd(b)) for a, b in pairs),
             ]
-            lines.append(f"settings {probes}x{draws} {fmt.value} " + " ".join(f"{v:.3f}" for v in row) + f" {name}")
+            label = f"{probes}x{draws}" + (f"#{k}" if args.draw_seeds > 1 else "")
+            lines.append(f"settings {label} {fmt.value} " + " ".join(f"{v:.3f}" for v in row) + f" {name}")
+            rows.setdefault((probes, draws), []).append(row)
+        if args.draw_seeds > 1:  # each column's mean over the draw seeds
+            for (probes, draws), per_seed in rows.items():
+                mean = [sum(col) / len(col) for col in zip(*per_seed)]
+                lines.append(f"settings {probes}x{draws}(mean) {fmt.value} " + " ".join(f"{v:.3f}" for v in mean)
+                             + f" {name}")
+    return lines
+
+
+def curvature_noise_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: dict) -> list[str]:
+    """What the error probe's noise costs LD: the rounds of a --dump run replayed (same checkpoint and
+    slices, checked by their losses), and on each round's slice, per layer and format, the second-order
+    term three ways: "exact" injects one layer's error at a time (1/2 <dY, G' - G>, no cross-layer term,
+    a pass per layer: quadratic in depth, a reference only), "layer" the error probe with one sign per
+    layer (CurvatureProbe.ERROR_LAYER), "sample" with a sign per (layer, sample) (CurvatureProbe.ERROR),
+    each with --noise-draws draws, repeated with --draw-seeds seeds. LD = the dump's accumulated
+    first-order term + that second-order term. Lines
+    ``curvature_noise <model> <format> <variant> <noise / spread> <LD vs truth> <LD round agreement>``:
+    noise = the rms deviation from "exact" over layers, relative to exact's spread over layers (median
+    over rounds and seeds); LD vs truth and agreement: medians over rounds (pairs) and seeds."""
+    from lightning_snip.divergence import _error_probe_second_order
+    from lightning_snip.linear import mm_fp32, quantized_matmul
+
+    if raw.get("setting", {}).get("precision", "32-true") != args.precision:
+        raise SystemExit(f"--precision: {args.precision}, but the dump's rounds ran in "
+                         f"{raw['setting']['precision']}: pass --precision {raw['setting']['precision']}")
+    ck = train_checkpoint(name, cfg, corpus, args, args.quick)
+    fqns = list(ck.layers)
+    terms = FirstOrderTerms(FORMATS)
+    sampler = FirstOrderSampler(ck.layers, args.first_order_rows, terms.add)
+    rounds = len(raw["round_loss"])
+    second = {}  # (variant, format) -> [round][seed][layer]
+    for r in range(rounds):
+        _, sliced, _ = round_inputs(ck, terms, sampler)
+        stats = collect_stats(ck.model, lambda: ck.model.loss(sliced), layers=ck.layers, optimizer=ck.opt)
+        if abs(stats.loss - raw["round_loss"][r]) > 1e-5 * abs(raw["round_loss"][r]):
+            raise SystemExit(f"--curvature-noise-study: round {r} loss {stats.loss} != the dump's {raw['round_loss'][r]}")
+        for fmt in FORMATS:
+            errors = {}
+            for fqn in fqns:
+                st = stats.layers[fqn]
+                errors[fqn, fmt] = quantized_matmul(st.x, st.weight, fmt, recipe=QuantRecipe()) - mm_fp32(st.x, st.weight)
+            exact = [0.5 * float((errors[f, fmt] * (stats.output_grads_with_noise({f: errors[f, fmt]})[f]
+                                                     - stats.layers[f].g)).sum()) / stats.loss for f in fqns]
+            second.setdefault(("exact", fmt), []).append([exact])
+            for variant in ("layer", "sample"):
+                per_seed = []
+                for k in range(args.draw_seeds):
+                    gen = torch.Generator().manual_seed(args.seed + r + 1000 * k)
+                    values = _error_probe_second_order(stats, errors, [fmt], args.noise_draws, gen,
+                                                       per_sample=variant == "sample")
+                    per_seed.append([values[f, fmt] / stats.loss for f in fqns])
+                second.setdefault((variant, fmt), []).append(per_seed)
+        stats.release()
+    lines = [f"# [{name}] curvature noise study: {rounds} rounds replayed (losses match the dump), "
+             f"{args.noise_draws} draws x {args.draw_seeds} seeds per variant"]
+    for fmt in FORMATS:
+        per_batch = raw["loss_increase"][fmt.value]
+        truth = [sum(b[i] for b in per_batch) / len(per_batch) for i in range(len(fqns))]
+        first = [[raw["rounds"][r][f]["first_accumulated"][fmt.value] for f in fqns] for r in range(rounds)]
+        exact = [second["exact", fmt][r][0] for r in range(rounds)]
+        for variant in ("exact", "layer", "sample"):
+            values = second[variant, fmt]
+            seeds = len(values[0])
+            ld = [[[first[r][i] + values[r][k][i] for i in range(len(fqns))] for r in range(rounds)] for k in range(seeds)]
+            noise = statistics.median(
+                math.sqrt(statistics.fmean((values[r][k][i] - exact[r][i]) ** 2 for i in range(len(fqns))))
+                / statistics.pstdev(exact[r]) for r in range(rounds) for k in range(seeds))
+            vs_truth = statistics.median(spearman([max(0.0, v) for v in ld[k][r]], truth)
+                                         for r in range(rounds) for k in range(seeds))
+            agreement = statistics.median(spearman(ld[k][a], ld[k][b]) for a, b in itertools.combinations(range(rounds), 2)
+                                          for k in range(seeds))
+            lines.append(f"curvature_noise {name} {fmt.value} {variant} {noise:.3f} {vs_truth:.3f} {agreement:.3f}")
     return lines
 
 
@@ -578,6 +704,9 @@ def main() -> None:
     parser.add_argument("--wd-batches", type=int, default=6,
                         help="held-out batches the WD truth averages (its ceiling: first half vs second half)")
     parser.add_argument("--max-rows", type=int, default=1024)
+    parser.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true",
+                        help="rounds, sampled steps and truths under bf16 autocast (bf16-mixed) or in fp32; the "
+                             "checkpoint is trained in fp32 either way")
     parser.add_argument("--noise-draws", type=int, default=2)
     parser.add_argument("--probes", type=int, default=SNIPConfig().wd_probes,
                         help="forward-mode probes of WD's propagated term (the callback's default)")
@@ -594,6 +723,15 @@ def main() -> None:
                              "against the dump's truths (same seed and arguments as the dump's run)")
     parser.add_argument("--extra-rounds", type=int, default=0,
                         help="--settings-study: rounds on the next training batches after the dump's")
+    parser.add_argument("--curvature-noise-study", metavar="DUMP",
+                        help="replay a --dump run's rounds and compare the error probe's second-order term (one sign "
+                             "per layer, per sample) with the exact one-layer-at-a-time term (--noise-draws, --draw-seeds)")
+    parser.add_argument("--skip-wd-check", action="store_true",
+                        help="--settings-study: do not require the dump's own setting to reproduce its WD (dumps "
+                             "whose code drew its random numbers in another order: before 2026-11-30's night)")
+    parser.add_argument("--draw-seeds", type=int, default=1,
+                        help="--settings-study: run each setting with this many random-draw seeds (signs, probes, "
+                             "stochastic rounding); lines per seed (#k) and their mean")
     parser.add_argument("--settings", default="8x2,4x2,8x1,4x1,2x1",
                         help="<probes>x<curvature draws> (or <probes>xfisher) per setting of --settings-study")
     parser.add_argument("--history-study", metavar="DUMP",
@@ -613,6 +751,14 @@ def main() -> None:
     if args.quick:
         models = {"demo": (LlamaConfig(dim=64, num_layers=2, hidden_dim=160), None),
                   "deep": (LlamaConfig(dim=64, num_layers=3, hidden_dim=160), second_corpus())}
+    if args.curvature_noise_study:
+        dump = json.loads(Path(args.curvature_noise_study).read_text())
+        lines = []
+        for name in args.models:
+            lines += curvature_noise_study(name, *models[name], args, dump[name])
+        print("# curvature_noise <model> <format> <variant> <noise / spread of exact> <LD vs truth> <LD round agreement>")
+        print("\n".join(lines))
+        return
     if args.settings_study:
         dump = json.loads(Path(args.settings_study).read_text())
         lines = []

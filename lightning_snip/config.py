@@ -64,7 +64,8 @@ class SNIPConfig:
         max_rows: token rows in a statistics round (bounds its memory and time).
         curvature_probe: how LD's second-order term is estimated: error (the default: noise_draws
             passes per candidate format injecting each layer's own quantization error with a random
-            sign), fisher (the per-token empirical Fisher: no pass, a 20-27% cheaper round, steadier
+            sign per sample), error_layer (one sign per layer: for models whose samples interact in
+            the forward pass, e.g. batch normalization), fisher (the per-token empirical Fisher: no pass, a 20-27% cheaper round, steadier
             rounds, but a worse aggregate on the demo model) or gaussian (isotropic noise). See
             lightning_snip.divergence.CurvatureProbe.
         noise_draws / noise_scale: curvature passes of the loss divergence (error, gaussian).

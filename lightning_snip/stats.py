@@ -180,6 +180,10 @@ class LayerStats:
     # under *-mixed precision): the statistics round quantizes and multiplies X, G, W in it, as the
     # training GEMMs do (lightning_snip.divergence.RoundPrecision).
     compute_dtype: torch.dtype = torch.float32
+    # The input had a leading sample dimension over token dimensions ((batch, seq, features) and up):
+    # rows of one sample are contiguous and samples independent. A 2-D input's rows may be tokens of
+    # one sequence (a flattened MLP input): the error probe then gives the layer one sign, not one per row.
+    leading_sample_dim: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -506,6 +510,7 @@ def collect_stats(
             adam=read_adam_state(optimizer, all_params.get(weight_names[fqn], layers[fqn].weight)),
             # (batch, ..., features) inputs: the leading dimension indexes samples; 2-D: each row is one.
             num_samples=int(inputs[fqn].shape[0]),
+            leading_sample_dim=inputs[fqn].dim() >= 3,
             weight_name=weight_names[fqn],
             compute_dtype=compute_dtypes.get(fqn, torch.float32),
         )

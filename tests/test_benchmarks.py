@@ -48,6 +48,25 @@ def test_fidelity_quick_prints_out_of_sample_lines_per_model_and_format(tmp_path
     assert other_seed.returncode != 0 and "not the dump's" in other_seed.stderr  # its samples or its losses differ
     bad = _fidelity("--models", "demo", "--settings-study", str(tmp_path / "raw.json"), "--settings", "4y2")
     assert bad.returncode != 0 and "--settings: invalid item '4y2'" in bad.stderr
+    # A dump from fp32 rounds replayed under bf16 autocast would compare other quantities: refused.
+    mixed = _fidelity("--models", "demo", "--precision", "bf16-mixed", "--settings-study", str(tmp_path / "raw.json"),
+                      "--settings", "1x0")
+    assert mixed.returncode != 0 and "--precision" in mixed.stderr
+
+    # The error probe with one sign per layer against one per sample, each under 2 seeds of its draws
+    # (lines per seed and their mean); and the same rounds' second-order terms against the exact
+    # one-layer-at-a-time term, whose own deviation from itself is 0.
+    signs = _fidelity("--models", "demo", "--settings-study", str(tmp_path / "raw.json"), "--settings", "1x1layer,1x1",
+                      "--draw-seeds", "2")
+    assert signs.returncode == 0, signs.stderr[-3000:]
+    labels = set(re.findall(r"^settings (\S+) (?:mxfp4|nvfp4) ", signs.stdout, re.M))
+    assert labels == {"1x1layer#0", "1x1layer#1", "1x1#0", "1x1#1", "1x1layer(mean)", "1x1(mean)"}
+    noise = _fidelity("--models", "demo", "--curvature-noise-study", str(tmp_path / "raw.json"), "--noise-draws", "1")
+    assert noise.returncode == 0, noise.stderr[-3000:]
+    rows = re.findall(rf"^curvature_noise demo (mxfp4|nvfp4) (exact|layer|sample) {number} {number} {number}$",
+                      noise.stdout, re.M)
+    assert {(f, v) for f, v, *_ in rows} == {(f, v) for f in ("mxfp4", "nvfp4") for v in ("exact", "layer", "sample")}
+    assert all((float(n) == 0) == (v == "exact") for _, v, n, _, _ in rows)
 
 
 def _compare_policies():

@@ -808,3 +808,110 @@ def test_first_order_sampler_measures_on_the_rounds_operands_under_bf16_autocast
             assert value / loss.item() == pytest.approx(training, rel=1e-3), (fqn, fmt)
     fp32 = rounds[RoundPrecision.FP32].layers["second"].first_order[Format.MXFP4]
     assert abs(fp32 - sampled["second", Format.MXFP4][0] / loss.item()) > 0.02 * abs(fp32)  # the check can tell
+
+
+class _TokenMixing(nn.Module):
+    """Two layers and, between them, a fixed linear mixing of each sample's tokens (attention's role):
+    the loss is quadratic in both layers' outputs jointly, samples do not interact, tokens of one do."""
+
+    def __init__(self, tokens=8, width=32):
+        super().__init__()
+        self.first = nn.Linear(width, width, bias=False)
+        self.second = nn.Linear(width, width, bias=False)
+        self.register_buffer("mix", torch.eye(tokens) + torch.rand(tokens, tokens, generator=torch.Generator().manual_seed(1)))
+
+    def forward(self, x):  # x: (samples, tokens, width)
+        return self.second(torch.einsum("st,btd->bsd", self.mix, self.first(x)))
+
+
+def _second_order_draws(stats, output_errors, per_sample, draws, seed=0):
+    """Per-draw error-probe values (one draw each) per (layer, format)."""
+    from lightning_snip.divergence import _error_probe_second_order
+
+    gen = torch.Generator().manual_seed(seed)
+    values = {key: [] for key in output_errors}
+    for _ in range(draws):
+        for key, v in _error_probe_second_order(stats, output_errors, [Format.MXFP4], 1, gen,
+                                                per_sample=per_sample).items():
+            values[key].append(v)
+    return values
+
+
+def test_error_probe_with_a_sign_per_sample_is_unbiased_and_steadier():
+    # On a loss quadratic in every layer's output the error probe's expectation is exactly
+    # 1/2 dY_l^T H_ll dY_l, which injecting layer l's error alone measures. With a sign per (layer,
+    # sample) it must stay unbiased: the cross-token terms inside a sample are kept (a sign per row
+    # would drop them: here they are most of the term), the cross-sample ones are zero; and the
+    # cross-layer noise, a sum of independent per-sample terms instead of the square of their sum,
+    # must be smaller than with one sign per layer where the samples' cross-layer terms share a sign
+    # (here: samples alike, as a trained model's quantization errors are alike across sequences).
+    torch.manual_seed(0)
+    model = _TokenMixing()
+    x = torch.randn(1, 8, 32) + 0.1 * torch.randn(16, 8, 32)
+    target = torch.randn(1, 8, 32) + 0.1 * torch.randn(16, 8, 32)
+    layers = convert_linears(model)
+    stats = collect_stats(model, lambda: nn.functional.mse_loss(model(x), target), layers=layers)
+    assert all(s.leading_sample_dim and s.num_samples == 16 for s in stats.layers.values())
+    output_errors = {(fqn, Format.MXFP4): quantized_matmul(s.x, s.weight, Format.MXFP4, recipe=QuantRecipe()) - s.x @ s.weight.t()
+                     for fqn, s in stats.layers.items()}
+    exact = {}
+    for (fqn, fmt), dy in output_errors.items():  # one layer at a time: no cross-layer term
+        exact[fqn] = 0.5 * float((dy * (stats.output_grads_with_noise({fqn: dy})[fqn] - stats.layers[fqn].g)).sum())
+    spread = {}
+    for per_sample in (True, False):
+        draws = _second_order_draws(stats, output_errors, per_sample, draws=400)
+        for (fqn, _), values in draws.items():
+            t = torch.tensor(values, dtype=torch.float64)
+            stderr = float(t.std()) / math.sqrt(len(values))
+            assert abs(float(t.mean()) - exact[fqn]) < 4 * stderr + 1e-6 * abs(exact[fqn]), (fqn, per_sample)
+            assert float(t.std()) > 0  # cross-layer terms present: not a test that holds trivially
+            spread[fqn, per_sample] = float(t.std())
+    for fqn in exact:
+        assert spread[fqn, True] < 0.5 * spread[fqn, False], (fqn, spread)
+    stats.release()
+
+
+def test_error_probe_signs_are_per_sample_for_sample_inputs_and_per_layer_otherwise(monkeypatch):
+    # CurvatureProbe.ERROR: every row of a sample carries its sample's sign, samples and layers draw
+    # independently; ERROR_LAYER, and a 2-D input (rows that may be one sequence's tokens), one sign
+    # for all of a layer's rows.
+    from lightning_snip.divergence import CurvatureProbe
+
+    torch.manual_seed(0)
+    model = _TokenMixing()
+    x, target = torch.randn(6, 8, 32), torch.randn(6, 8, 32)
+    flat_model = TwoLayer((32, 32, 32))
+    flat_x, flat_target = torch.randn(48, 32), torch.randn(48, 32)
+    for net, inputs, t, probe, per_sample in ((model, x, target, CurvatureProbe.ERROR, True),
+                                              (model, x, target, CurvatureProbe.ERROR_LAYER, False),
+                                              (flat_model, flat_x, flat_target, CurvatureProbe.ERROR, False)):
+        layers = convert_linears(net)
+        stats = collect_stats(net, lambda: nn.functional.mse_loss(net(inputs), t), layers=layers)
+        injected = []
+        original = stats.output_grads_with_noise
+        monkeypatch.setattr(stats, "output_grads_with_noise",
+                            lambda noise: injected.append({k: n.clone() for k, n in noise.items()}) or original(noise))
+        estimate_divergence(stats, [Format.MXFP4], noise_draws=16, curvature_probe=probe,
+                            generator=torch.Generator().manual_seed(0))
+        assert len(injected) == 16
+        units = 6 if per_sample else 1
+        signs = []  # per draw: {fqn: (units,) signs}
+        for draw in injected:
+            per_layer = {}
+            for fqn, n in draw.items():
+                s = stats.layers[fqn]
+                dy = quantized_matmul(s.x, s.weight, Format.MXFP4, recipe=QuantRecipe()) - s.x @ s.weight.t()
+                assert torch.allclose(n.abs(), dy.abs(), rtol=1e-5, atol=1e-7)  # exactly +-dY, row by row
+                row_signs = torch.sign((n * dy).sum(1)).reshape(units, -1)
+                assert (row_signs == row_signs[:, :1]).all(), fqn  # one sign per unit
+                per_layer[fqn] = row_signs[:, 0]
+            signs.append(per_layer)
+        for fqn in stats.layers:
+            all_signs = torch.stack([d[fqn] for d in signs])  # draws x units
+            assert set(all_signs.flatten().tolist()) == {-1.0, 1.0}
+            if per_sample:
+                assert any(len(set(row.tolist())) == 2 for row in all_signs), fqn  # samples differ in a draw
+        first, second = list(stats.layers)
+        assert any(not torch.equal(d[first], d[second]) for d in signs)  # layers draw independently
+        stats.release()
+        monkeypatch.undo()
