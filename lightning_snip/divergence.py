@@ -246,7 +246,7 @@ def estimate_divergence(
     first_order_history: Mapping[tuple[str, Format], list[float]] | None = None,
     allowed: Mapping[str, Iterable[Format]] | None = None,
     generator: torch.Generator | None = None,
-    probes: int = 8,
+    probes: int = 4,
     precision: RoundPrecision = RoundPrecision.TRAINING,
 ) -> DivergenceResult:
     """LD and WD for every recorded layer and each of ``formats``.
@@ -265,7 +265,8 @@ def estimate_divergence(
             ``FirstOrderTerms``), averaged with this round's for the ACCUMULATED estimator.
         allowed: fqn -> formats the layer supports; others get +inf (never chosen).
         probes: forward-mode probes of WD's propagated term when ``stats`` was collected with
-            Propagation.PROBE (relative standard error per layer <= sqrt(2 / probes)).
+            Propagation.PROBE (relative standard error per layer <= sqrt(2 / probes)); 4, as the
+            callback's ``wd_probes`` (8 until 2026-12-01, when the callback had used 4 since 2026-11-30).
         precision: the dtype of the round's GEMM operands (RoundPrecision: as the training GEMMs
             ran, bf16 under bf16-mixed; or fp32).
 
