@@ -630,8 +630,9 @@ def curvature_noise_study(name: str, cfg: LlamaConfig, corpus: str | None, args,
     ``curvature_noise <model> <format> <variant> <noise / spread> <LD vs truth> <LD round agreement>``:
     noise = the rms deviation from "exact" over layers, relative to exact's spread over layers (median
     over rounds and seeds); LD vs truth and agreement: medians over rounds (pairs) and seeds."""
-    from lightning_snip.divergence import _error_probe_second_order
+    from lightning_snip.divergence import _error_probe_second_order, _operands
     from lightning_snip.linear import mm_fp32, quantized_matmul
+    from lightning_snip.stats import RoundPrecision
 
     if raw.get("setting", {}).get("precision", "32-true") != args.precision:
         raise SystemExit(f"--precision: {args.precision}, but the dump's rounds ran in "
@@ -649,9 +650,9 @@ def curvature_noise_study(name: str, cfg: LlamaConfig, corpus: str | None, args,
             raise SystemExit(f"--curvature-noise-study: round {r} loss {stats.loss} != the dump's {raw['round_loss'][r]}")
         for fmt in FORMATS:
             errors = {}
-            for fqn in fqns:
-                st = stats.layers[fqn]
-                errors[fqn, fmt] = quantized_matmul(st.x, st.weight, fmt, recipe=QuantRecipe()) - mm_fp32(st.x, st.weight)
+            for fqn in fqns:  # the round's dY: its operands in the layer's training dtype, as estimate_divergence
+                x, _, w = _operands(stats, stats.layers[fqn], RoundPrecision.TRAINING)
+                errors[fqn, fmt] = quantized_matmul(x, w, fmt, recipe=QuantRecipe(), out_dtype=torch.float32) - mm_fp32(x, w)
             exact = [0.5 * float((errors[f, fmt] * (stats.output_grads_with_noise({f: errors[f, fmt]})[f]
                                                      - stats.layers[f].g)).sum()) / stats.loss for f in fqns]
             second.setdefault(("exact", fmt), []).append([exact])

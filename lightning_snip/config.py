@@ -64,9 +64,10 @@ class SNIPConfig:
         max_rows: token rows in a statistics round (bounds its memory and time).
         curvature_probe: how LD's second-order term is estimated: error (the default: noise_draws
             passes per candidate format injecting each layer's own quantization error with a random
-            sign per sample), error_layer (one sign per layer: for models whose samples interact in
-            the forward pass, e.g. batch normalization), fisher (the per-token empirical Fisher: no pass, a 20-27% cheaper round, steadier
-            rounds, but a worse aggregate on the demo model) or gaussian (isotropic noise). See
+            sign per (layer, sample); one per layer for 2-D inputs, and where the first round finds
+            the samples interacting), error_layer (one sign per layer, the method text's), fisher
+            (the per-token empirical Fisher: no pass, a 20-27% cheaper round, steadier rounds, but a
+            worse aggregate on the demo model) or gaussian (isotropic noise). See
             lightning_snip.divergence.CurvatureProbe.
         noise_draws / noise_scale: curvature passes of the loss divergence (error, gaussian).
         loss_estimator: how LD combines its first- and second-order terms (accumulated | batch |

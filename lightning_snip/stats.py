@@ -388,6 +388,11 @@ class Statistics:
         output gradients G' (rows x m) of every layer."""
         return self._rerun(noise)
 
+    @property
+    def layer_modules(self) -> Mapping[str, SNIPLinear]:
+        """The recorded layers' modules by fqn (the same objects round after round)."""
+        return self._layers
+
     def release(self) -> None:
         self._inputs.clear()
         self._operands.clear()
