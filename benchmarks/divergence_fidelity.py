@@ -476,6 +476,13 @@ def parse_settings(text: str) -> list[tuple[int, int | str]]:
     return out
 
 
+def check_dump_precision(raw: dict, args) -> None:
+    """A replay (settings or curvature-noise study) must run in the precision of the dump's rounds."""
+    if raw.get("setting", {}).get("precision", "32-true") != args.precision:
+        raise SystemExit(f"--precision: {args.precision}, but the dump's rounds ran in "
+                         f"{raw['setting']['precision']}: pass --precision {raw['setting']['precision']}")
+
+
 def curvature_of(draws: int | str) -> tuple[CurvatureProbe, int]:
     """A setting's curvature probe and its number of draws (parse_settings' encoding)."""
     if draws == "fisher":
@@ -495,14 +502,10 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
     copy of the model in the same run."""
     # (probes, draws, k): each setting under --draw-seeds generator seeds (k = 0: the dump's draws)
     settings = [(probes, draws, k) for probes, draws in parse_settings(args.settings) for k in range(args.draw_seeds)]
-    if args.draw_seeds < 1:
-        raise SystemExit(f"--draw-seeds: invalid value {args.draw_seeds}; allowed: an integer >= 1")
     if args.extra_rounds < 0 or len(raw["round_loss"]) + args.extra_rounds < 2:
         raise SystemExit(f"--extra-rounds: invalid value {args.extra_rounds}; allowed: >= 0, with at least 2 rounds "
                          f"in all (the dump has {len(raw['round_loss'])}): round agreement needs a pair")
-    if raw.get("setting", {}).get("precision", "32-true") != args.precision:
-        raise SystemExit(f"--precision: {args.precision}, but the dump's rounds ran in "
-                         f"{raw['setting']['precision']}: pass --precision {raw['setting']['precision']}")
+    check_dump_precision(raw, args)
     ck = train_checkpoint(name, cfg, corpus, args, args.quick)
     fqns = list(ck.layers)
     if fqns != raw["fqns"]:
@@ -634,9 +637,7 @@ def curvature_noise_study(name: str, cfg: LlamaConfig, corpus: str | None, args,
     from lightning_snip.linear import mm_fp32, quantized_matmul
     from lightning_snip.stats import RoundPrecision
 
-    if raw.get("setting", {}).get("precision", "32-true") != args.precision:
-        raise SystemExit(f"--precision: {args.precision}, but the dump's rounds ran in "
-                         f"{raw['setting']['precision']}: pass --precision {raw['setting']['precision']}")
+    check_dump_precision(raw, args)
     ck = train_checkpoint(name, cfg, corpus, args, args.quick)
     fqns = list(ck.layers)
     terms = FirstOrderTerms(FORMATS)
@@ -738,6 +739,8 @@ def main() -> None:
     parser.add_argument("--history-study", metavar="DUMP",
                         help="print the accumulated estimator's fidelity vs the number of sampled batches from a --dump file, and exit")
     args = parser.parse_args()
+    if args.draw_seeds < 1:
+        raise SystemExit(f"--draw-seeds: invalid value {args.draw_seeds}; allowed: an integer >= 1")
     if args.history_study:
         print("# history <model> <format> <sampled batches> <spearman_out clamped> <unclamped> <round_agreement clamped>")
         print("\n".join(history_study(json.loads(Path(args.history_study).read_text()))))

@@ -595,7 +595,6 @@ def _sum_and_variance(per_row: torch.Tensor, num_samples: int) -> tuple[torch.Te
     return per_unit.sum(), units * per_unit.var()
 
 
-
 _METRICS = ("ld", "wd", "first", "second", "direct", "prop", "rel_y", "rel_w", "first_w", "first_x", "first_se",
             "first_x_se", "first_mom", "first_mom_se", "first_acc", "first_acc_se", "abs_y", "abs_w", "prop_se")
 

@@ -636,14 +636,9 @@ def _Rectangular():
     return TwoLayer((64, 96, 48))
 
 
-@pytest.mark.parametrize("autocast", [False, True])
-def test_round_precision_follows_the_training_dtype_and_keeps_the_estimates(autocast):
-    # RoundPrecision.TRAINING takes each layer's GEMM operands in the dtype its GEMM ran in (bf16 under
-    # bf16 autocast: on a GPU, tensor-core GEMMs ~15x faster than fp32 ones); FP32 upcasts them all.
-    # Both describe the same quantization: under autocast they must agree to a few percent; in fp32
-    # training they are the same computation.
-    from lightning_snip.stats import RoundPrecision
-
+def _trained_rectangular(autocast: bool):
+    """_Rectangular trained 3 AdamW steps on (4, 64) samples, its MSE loss under bf16 autocast or not;
+    (model, converted layers, optimizer, loss_fn), the data as loss_fn.x and loss_fn.target."""
     torch.manual_seed(0)
     model = _Rectangular()
     x, target = torch.randn(4, 64, 64), torch.randn(4, 64, 48)
@@ -657,7 +652,19 @@ def test_round_precision_follows_the_training_dtype_and_keeps_the_estimates(auto
         opt.zero_grad()
         loss_fn().backward()
         opt.step()
-    layers = convert_linears(model)
+    loss_fn.x, loss_fn.target = x, target
+    return model, convert_linears(model), opt, loss_fn
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_round_precision_follows_the_training_dtype_and_keeps_the_estimates(autocast):
+    # RoundPrecision.TRAINING takes each layer's GEMM operands in the dtype its GEMM ran in (bf16 under
+    # bf16 autocast: on a GPU, tensor-core GEMMs ~15x faster than fp32 ones); FP32 upcasts them all.
+    # Both describe the same quantization: under autocast they must agree to a few percent; in fp32
+    # training they are the same computation.
+    from lightning_snip.stats import RoundPrecision
+
+    model, layers, opt, loss_fn = _trained_rectangular(autocast)
     results = {}
     for precision in RoundPrecision:
         # EXACT propagation: the probes' estimate is a mean of 8 squares, a few of which dominate (a
@@ -680,10 +687,10 @@ def test_round_precision_follows_the_training_dtype_and_keeps_the_estimates(auto
     # operands moves it by ~15% here. Each precision must give its own, computed independently for
     # the last layer: dY of the GEMM on bf16 operands (as autocast's SNIPLinear runs it) or fp32 ones.
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-        h = torch.tanh(model.first(x)).detach()
+        h = torch.tanh(model.first(loss_fn.x)).detach()
         y = model.second(h)
     y.retain_grad()
-    loss = nn.functional.mse_loss(y.float(), target)
+    loss = nn.functional.mse_loss(y.float(), loss_fn.target)
     loss.backward()
     g = y.grad.reshape(-1, 48).float()
     state = opt.state[model.second.weight]
@@ -777,20 +784,7 @@ def test_first_order_sampler_measures_on_the_rounds_operands_under_bf16_autocast
     from lightning_snip.divergence import FirstOrderTerms
     from lightning_snip.stats import FirstOrderSampler, RoundPrecision
 
-    torch.manual_seed(0)
-    model = _Rectangular()
-    x, target = torch.randn(4, 64, 64), torch.randn(4, 64, 48)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def loss_fn():
-        with torch.autocast("cpu", torch.bfloat16):
-            return nn.functional.mse_loss(model(x).float(), target)
-
-    for _ in range(3):
-        opt.zero_grad()
-        loss_fn().backward()
-        opt.step()
-    layers = convert_linears(model)
+    model, layers, opt, loss_fn = _trained_rectangular(autocast=True)
     terms = FirstOrderTerms([Format.MXFP4, Format.NVFP4])
     with FirstOrderSampler(layers, 256, terms.add).recording():
         loss = loss_fn()
