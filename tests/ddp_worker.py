@@ -46,7 +46,9 @@ def main(out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump({"plan": {k: v.value for k, v in snip.plan.items()}, "weights": weights,
                    "formats": {k: l.format.value for k, l in snip.layers.items()}, "rounds": snip.rounds,
-                   "sr_seed": snip._sr_generator.initial_seed()}, f)
+                   "sr_seed": snip._sr_generator.initial_seed(),
+                   "sampler": [type(trainer.train_dataloader.sampler).__name__,
+                               getattr(trainer.train_dataloader.sampler, "rank", None)]}, f)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ def test_two_process_ddp_identical_plans_and_weights(tmp_path):
     assert ranks[0]["formats"] == ranks[1]["formats"] == ranks[0]["plan"]
     assert "mxfp4" in ranks[0]["plan"].values()
     assert ranks[0]["weights"] == ranks[1]["weights"]
+    # The demo's stream shards itself: Lightning did not wrap it (its wrapper lists the whole 10^8-window
+    # epoch on every rank: 17 GB and ~80 s per start, measured).
+    assert [r["sampler"] for r in ranks] == [["WindowStream", 0], ["WindowStream", 1]]
     # Stochastic rounding: each rank its own stream (seed_everything gave both the same global seed).
     assert ranks[0]["sr_seed"] != ranks[1]["sr_seed"]
     # The reduced divergences are the mean of the ranks' own (which differ: each rank saw its own data).

@@ -105,3 +105,36 @@ def test_readme_pin_command_works_through_make(tmp_path):
     rows = {line.split()[0]: line.split()[1] for line in table.splitlines() if line.startswith("model.")}
     assert rows["model.layers.0.attn.q"] == rows["model.layers.1.attn.q"] == "fp8"
     assert rows["model.lm_head"] == "bf16"  # the default pin is kept
+
+
+def test_demo_stream_shards_over_ranks_as_one_stream_and_resumes():
+    """Under DDP / FSDP2 the demo's rank streams interleave into the single-process stream (nothing
+    drawn twice, nothing skipped), also from a resumed position; the data module picks each rank's
+    share, or the whole stream when the Trainer's use_distributed_sampler is off."""
+    from types import SimpleNamespace
+
+    from torch.utils.data.distributed import DistributedSampler
+
+    from lightning_snip.demo.lightning import ByteTextDataModule, WindowStream
+
+    whole = list(WindowStream(1000, seed=3, length=3 * WindowStream.CHUNK + 5))
+    for replicas in (2, 3):
+        shares = [list(WindowStream(1000, seed=3, length=len(whole), num_replicas=replicas, rank=r))
+                  for r in range(replicas)]
+        merged = [None] * len(whole)
+        for rank, share in enumerate(shares):
+            merged[rank::replicas] = share
+        assert merged == whole
+    assert list(WindowStream(1000, seed=3, start=4098, length=len(whole), num_replicas=2, rank=1)) == whole[4099::2]
+    with pytest.raises(ValueError, match="rank 2 is not in"):
+        WindowStream(10, seed=0, num_replicas=2, rank=2)
+
+    data = ByteTextDataModule(seq_len=32, batch_size=4, val_batches=1)
+    data.setup()
+    for use_distributed_sampler, share in ((True, (2, 1)), (False, (1, 0))):
+        data.trainer = SimpleNamespace(world_size=2, global_rank=1, global_step=5, accumulate_grad_batches=2,
+                                       _accelerator_connector=SimpleNamespace(use_distributed_sampler=use_distributed_sampler))
+        sampler = data.train_dataloader().sampler
+        assert isinstance(sampler, DistributedSampler)  # so Lightning does not wrap it
+        assert (sampler.num_replicas, sampler.rank) == share
+        assert sampler.start == 5 * 2 * 4 * share[0]  # steps x accumulation x batch x ranks
