@@ -101,6 +101,7 @@ def main(out_dir: str, mode: str) -> None:
                    "invalid": [[fqn, fmt.value] for fqn, fmt in snip.invalid_formats],
                    "formats": {k: layer.format.value for k, layer in snip.layers.items()},
                    "rounds": [entry["divergence"] for entry in snip.history],
+                   "plans": [entry["plan"]["formats"] for entry in snip.history if "plan" in entry],
                    "restored_plan": restored.plan, "num_stats_rounds": snip.num_stats_rounds,
                    "weight_type": type(weight).__name__, "layer_type": type(module.model.layers[0].attn.q).__name__,
                    "loss": float(trainer.callback_metrics["train/loss"])}, f)

@@ -248,6 +248,27 @@ def test_plans_are_solved_on_the_aggregate_over_rounds(tmp_path):
     assert dict(snip.plan) == dict(expected_plan)
 
 
+def test_a_negative_aggregate_never_plans_a_format_below_high_precision():
+    """The aggregate keeps LD's signed values (averaging them is what cancels the first-order term's
+    noise); the planner sees each clamped at 0, high precision's value, so noise that came out
+    negative cannot make a low-precision format look better than bf16."""
+    from torch import nn
+
+    from lightning_snip.convert import convert_linears
+
+    snip = SNIPCallback(SNIPConfig(candidate_formats=["bf16", "fp8", "mxfp4"], pins={}))
+    snip.layers = convert_linears(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)))
+    snip._flops = {fqn: 1.0 for fqn in snip.layers}
+    snip.aggregate.update({"loss_divergence": {"0": {"fp8": 1e-3, "mxfp4": -5e-3}, "1": {"fp8": 2e-3, "mxfp4": 4e-3}},
+                           "weight_divergence": {"0": {"fp8": -1e-4, "mxfp4": 1e-3}, "1": {"fp8": 1e-4, "mxfp4": 1e-3}}})
+    assert snip.aggregate.values("loss_divergence")["0"]["mxfp4"] == pytest.approx(-5e-3)  # kept signed
+    cands = {c.fqn: c for c in snip._candidates()}
+    assert cands["0"].loss_divergence == {Format.BF16: 0.0, Format.FP8: pytest.approx(1e-3), Format.MXFP4: 0.0}
+    assert cands["0"].weight_divergence == {Format.BF16: 0.0, Format.FP8: 0.0, Format.MXFP4: pytest.approx(1e-3)}
+    assert cands["1"].loss_divergence[Format.MXFP4] == pytest.approx(4e-3)
+    assert all(v >= 0.0 for c in cands.values() for d in (c.loss_divergence, c.weight_divergence) for v in d.values())
+
+
 def test_plan_agreement_is_logged(tmp_path):
     snip = SNIPCallback(_snip())
     _fit(tmp_path, snip, max_steps=8)

@@ -30,8 +30,8 @@ def _max_relative_difference(a: dict, b: dict) -> float:
 def test_fsdp2_two_processes_plan_like_one_process_and_resume_the_plan(tmp_path):
     """FSDP2 through ModelParallelStrategy: layers converted after fully_shard (in place, their weights
     DTensors), statistics from sharded weights and optimizer state (shard-local sums, all-reduced),
-    the same plan on both ranks, and the same divergences as one process on the same data up to float
-    rounding (round 0, before any stochastically rounded training step makes the runs differ).
+    the same plan on both ranks, and the same divergences and plan as one process on the same data up to
+    float rounding (round 0, before any stochastically rounded training step makes the runs differ).
     Then a resumed run restores the plan from the distributed checkpoint."""
     pytest.importorskip("torch.distributed.fsdp")
     single, = _run(tmp_path, "single")
@@ -45,6 +45,8 @@ def test_fsdp2_two_processes_plan_like_one_process_and_resume_the_plan(tmp_path)
     assert ranks[0]["rounds"] == ranks[1]["rounds"]  # reduced: identical on both ranks
     # Sums over shards + one all-reduce = the unsharded sums (float rounding: measured 2e-7).
     assert _max_relative_difference(single["rounds"][0], ranks[0]["rounds"][0]) < 1e-5
+    # ... so the plan solved from round 0 is one process's plan.
+    assert ranks[0]["plans"][0] == ranks[1]["plans"][0] == single["plans"][0]
     resumed = _run(tmp_path, "resume")
     for rank in resumed:
         assert rank["restored_plan"] == ranks[0]["plan"]

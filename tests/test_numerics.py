@@ -481,3 +481,30 @@ def test_loss_divergence_parts_match_the_loss_change(fmt):
     plus, minus, zero = (float(loss_of_first(y1 + s * dy1)) for s in (1.0, -1.0, 0.0))
     assert first == pytest.approx((plus - minus) / 2, rel=0.05)
     assert second == pytest.approx((plus + minus - 2 * zero) / 2, rel=0.05)
+
+
+def test_gradient_noise_ratio_matches_brute_force():
+    """The gradient-noise guard's ratio ||G^T X|| / ||Q(G)^T Q(X) - G^T X|| (issue 12), per layer and
+    FP4 format, against the weight gradient and its quantized-operand error formed here in float64
+    (operands quantized along the tokens, the wgrad's contraction axis; round-to-nearest so that one
+    value is exact); the callback's ratio is the best FP4 candidate's."""
+    from lightning_snip.callback import SNIPCallback
+    from lightning_snip.config import SNIPConfig
+
+    model, layers, opt, x, target = _trained_two_layer()
+    stats = collect_stats(model, lambda: nn.functional.mse_loss(model(x), target), layers=layers, optimizer=opt)
+    fp4 = [Format.MXFP4, Format.NVFP4]
+    result = estimate_divergence(stats, [Format.FP8, *fp4], recipe=RTN, noise_draws=0)
+    stats.release()
+    expected = {}
+    for fmt in fp4:
+        _, errors, _, grads = _brute_force_wd(model, opt, x, target, fmt)
+        for fqn in ("first", "second"):
+            name = f"{fqn}.weight"
+            expected[fqn, fmt] = float(grads[name].double().norm() / errors[fqn][name].norm())
+            assert 1.0 / result.layers[fqn].rel_error_wgrad[fmt] == pytest.approx(expected[fqn, fmt], rel=1e-4), (fqn, fmt)
+    assert len({round(v, 3) for v in expected.values()}) == len(expected)  # distinct: a swapped value would show
+    snip = SNIPCallback(SNIPConfig(candidate_formats=["fp8", "mxfp4", "nvfp4"], pins={}))
+    snip.layers = layers
+    ratios = snip._grad_noise_ratios(result)
+    assert ratios == pytest.approx({fqn: max(expected[fqn, f] for f in fp4) for fqn in ("first", "second")}, rel=1e-4)
