@@ -1,7 +1,10 @@
 """Fidelity of the divergence estimates out of sample (../SNIP_METHOD.md section 9).
 
 For each model (the 4-block demo model on the stdlib corpus; an 8-block model of the same
-architecture on a second corpus, the prose of Python's own documentation, pydoc_data/topics.py):
+architecture on a second corpus, the prose of Python's own documentation, pydoc_data/topics.py;
+with ``--models hf``, Hugging Face transformers' LlamaForCausalLM, 6 blocks and 43 linears on the stdlib
+corpus: a module this project did not write, whose LD truth takes a whole forward pass per layer and
+format instead of the demo architecture's block-cached one):
 train briefly in high precision, then at that checkpoint (no optimizer step in between)
   - R statistics rounds, each on a different training batch (its first max_rows token rows, as the
     callback takes them), with the divergence estimates of lightning_snip.divergence; before each,
@@ -24,7 +27,7 @@ LD under every LossEstimator, one round and the mean of R rounds (what the callb
 from), and the local quantization error baselines, relative and absolute.
 
 Last lines, per model and format (the spearman values are rank correlations with the truth; a fifth
-field names the model, demo or deep):
+field names the model: demo, deep or hf):
     spearman_out <estimator> <format> <value>   (loss_divergence, weight_divergence, rel_error_vs_loss,
                                                  rel_error_vs_weights, abs_error_vs_loss,
                                                  abs_error_vs_weights, loss_divergence_<estimator>,
@@ -81,6 +84,43 @@ from lightning_snip.formats import Format, QuantRecipe
 from lightning_snip.stats import FirstOrderSampler, Propagation, collect_stats, slice_batch
 
 FORMATS = (Format.MXFP4, Format.NVFP4)
+
+
+@dataclass(frozen=True)
+class HFLlamaSpec:
+    """A Hugging Face transformers ``LlamaForCausalLM`` (a module this project did not write: its own
+    attention, RoPE, RMSNorm and grouped-query layout) with byte vocabulary, untied head."""
+
+    dim: int = 64
+    num_layers: int = 6
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    hidden_dim: int = 192
+    max_seq_len: int = 128
+
+
+class HFCausalLM(torch.nn.Module):
+    """``LlamaForCausalLM`` with the benchmark's ``loss(batch)``: next-byte cross-entropy."""
+
+    def __init__(self, spec: HFLlamaSpec):
+        super().__init__()
+        try:
+            from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+        except ImportError as err:  # a dev extra (pip install -e ".[dev]")
+            raise SystemExit(f"--models hf needs Hugging Face transformers ({err}); pip install transformers") from err
+        self.llama = LlamaForCausalLM(HFLlamaConfig(
+            vocab_size=256, hidden_size=spec.dim, intermediate_size=spec.hidden_dim, num_hidden_layers=spec.num_layers,
+            num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+            max_position_embeddings=spec.max_seq_len, tie_word_embeddings=False))
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = batch
+        logits = self.llama(input_ids=inputs).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def build_model(cfg: LlamaConfig | HFLlamaSpec) -> torch.nn.Module:
+    return HFCausalLM(cfg) if isinstance(cfg, HFLlamaSpec) else TinyLlama(cfg)
 DEFAULT_ESTIMATOR = LossEstimator(SNIPConfig().loss_estimator)  # what the callback uses
 
 
@@ -138,6 +178,8 @@ def loss_increase(model: TinyLlama, layers, batch, formats=FORMATS) -> dict:
 
 
 def _loss_increase(model: TinyLlama, layers, batch, formats) -> dict:
+    if not isinstance(model, TinyLlama):  # another architecture: a whole forward pass per (layer, format)
+        return _loss_increase_generic(model, layers, batch, formats)
     inputs, targets = batch
     T = inputs.shape[1]
     cos, sin = model.rope_cos[:T], model.rope_sin[:T]
@@ -155,6 +197,19 @@ def _loss_increase(model: TinyLlama, layers, batch, formats) -> dict:
                 continue
             layer.format, layer.backward_format = fmt, Format.BF16
             out[fqn, fmt] = forward_from(model, start, block_inputs[start], targets) - base
+        layer.format, layer.backward_format = Format.BF16, None
+    return out
+
+
+def _loss_increase_generic(model, layers, batch, formats) -> dict:
+    base = float(model.loss(batch))
+    out = {}
+    for fqn, layer in layers.items():
+        for fmt in formats:
+            if fmt not in layer.allowed_formats:
+                continue
+            layer.format, layer.backward_format = fmt, Format.BF16
+            out[fqn, fmt] = float(model.loss(batch)) - base
         layer.format, layer.backward_format = Format.BF16, None
     return out
 
@@ -217,7 +272,7 @@ def train_checkpoint(name: str, cfg: LlamaConfig, corpus: str | None, args, quic
     gen = torch.Generator().manual_seed(args.seed)
     data = batches(ByteWindows(train, seq_len), batch_size, gen)
     held = batches(ByteWindows(val, seq_len), batch_size, torch.Generator().manual_seed(args.seed + 1))
-    model = TinyLlama(cfg)
+    model = build_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     start = time.perf_counter()
     for _ in range(train_steps):
@@ -697,7 +752,9 @@ def batches_like(ck: Checkpoint):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small models, few batches (about 2 minutes)")
-    parser.add_argument("--models", nargs="+", choices=["demo", "deep"], default=["demo", "deep"])
+    parser.add_argument("--models", nargs="+", choices=["demo", "deep", "hf"], default=["demo", "deep"],
+                        help="demo: the 4-block demo model, stdlib corpus; deep: 8 blocks, pydoc's prose; hf: Hugging "
+                             "Face's LlamaForCausalLM, 6 blocks, stdlib corpus (needs transformers)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=4)
@@ -751,10 +808,12 @@ def main() -> None:
     models = {
         "demo": (LlamaConfig(), None),
         "deep": (LlamaConfig(dim=64, num_layers=8, hidden_dim=192), second_corpus()),
+        "hf": (HFLlamaSpec(), None),
     }
     if args.quick:
         models = {"demo": (LlamaConfig(dim=64, num_layers=2, hidden_dim=160), None),
-                  "deep": (LlamaConfig(dim=64, num_layers=3, hidden_dim=160), second_corpus())}
+                  "deep": (LlamaConfig(dim=64, num_layers=3, hidden_dim=160), second_corpus()),
+                  "hf": (HFLlamaSpec(num_layers=2, hidden_dim=160), None)}
     if args.curvature_noise_study:
         dump = json.loads(Path(args.curvature_noise_study).read_text())
         lines = []

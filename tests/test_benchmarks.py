@@ -95,3 +95,46 @@ def test_quality_summary_gaps_per_seed_and_headroom_capture():
     assert re.search(r"^headroom_capture 0.75 snip_gemm 0.97 ", lines, re.M), lines
     assert re.search(r"^gemm_vs_layer_snip 0.75 0.60 ", lines, re.M), lines
     assert re.search(r"^beats_every_baseline 0.75 snip yes ", lines, re.M), lines
+
+
+def _fidelity_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("divergence_fidelity", ROOT / "benchmarks" / "divergence_fidelity.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("divergence_fidelity", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fidelity_generic_truth_equals_the_block_cached_one_and_runs_on_hf_llama():
+    """The LD truth of a model the benchmark cannot cut into blocks (--models hf) is one whole forward
+    pass per (layer, format): on the demo architecture it must equal the block-cached truth, and it
+    must leave every layer in high precision afterwards."""
+    import torch
+
+    from lightning_snip.convert import convert_linears
+    from lightning_snip.demo.model import LlamaConfig, TinyLlama
+    from lightning_snip.formats import Format
+
+    fid = _fidelity_module()
+    torch.manual_seed(0)
+    model = TinyLlama(LlamaConfig(dim=64, num_layers=2, hidden_dim=160))
+    layers = convert_linears(model)
+    batch = (torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32)))
+    with torch.no_grad():
+        cached = fid._loss_increase(model, layers, batch, fid.FORMATS)
+        generic = fid._loss_increase_generic(model, layers, batch, fid.FORMATS)
+    assert cached.keys() == generic.keys() and len(cached) == 2 * len(layers)
+    assert max(abs(cached[k] - generic[k]) for k in cached) < 1e-5
+    assert max(abs(v) for v in generic.values()) > 1e-4  # the formats did change the loss
+    assert all(layer.format is Format.BF16 and layer.backward_format is None for layer in layers.values())
+
+    pytest.importorskip("transformers")
+    hf = fid.build_model(fid.HFLlamaSpec(dim=64, num_layers=2, hidden_dim=128))
+    hf_layers = convert_linears(hf)
+    assert len(hf_layers) == 2 * 7 + 1  # q, k, v, o, gate, up, down per block and the untied head
+    with torch.no_grad():
+        truth = fid.loss_increase(hf, hf_layers, batch)
+    assert len(truth) == 2 * len(hf_layers) and all(v == v for v in truth.values())
+    assert max(abs(v) for v in truth.values()) > 1e-4
