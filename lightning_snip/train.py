@@ -112,6 +112,46 @@ class ConfigError(ValueError):
     """A configuration the app cannot run; its message names the field."""
 
 
+def check_overrides(args: typing.Sequence[str]) -> None:
+    """The command line's overrides of the schema's fields, checked before Hydra composes them: an
+    unknown key (``snip.foo=1``; with ``+`` it reaches to_config) or a value of the wrong type
+    (``snip.noise_guard=maybe``) raises ConfigError naming the field, the value and what is allowed.
+    Hydra's own messages for these span several lines, name no allowed keys and exit 1. Overrides of
+    Hydra itself, config-group choices, deletions and what Hydra's grammar rejects are Hydra's to report.
+
+    Raises:
+        ConfigError: the first bad override.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        overrides = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
+    except Exception:  # noqa: BLE001 - a grammar error: Hydra reports it with its own pointer into the line
+        return
+    schema = OmegaConf.structured(TrainConfig)
+    _set_writable(schema)  # (frozen dataclasses: read-only nodes)
+    groups = typing.get_type_hints(TrainConfig)
+    for override in overrides:
+        group, _, name = override.key_or_group.partition(".")
+        if (override.is_hydra_override() or group not in groups or not name or override.is_delete()
+                or override.is_sweep_override()):
+            continue
+        hints = typing.get_type_hints(groups[group])
+        top = name.split(".")[0]
+        if top not in hints:
+            raise ConfigError(f"{group}.{top}: unknown key; allowed: {', '.join(sorted(hints))}")
+        if override.is_add():  # "+" on a key the schema has: Hydra's "already at" message says it
+            continue
+        value = override.value()
+        try:
+            OmegaConf.update(schema, override.key_or_group, value, merge=True)
+        except OmegaConfBaseException as err:
+            allowed = str(hints[top]).replace("typing.", "").replace("<class '", "").replace("'>", "")
+            raise ConfigError(f"{override.key_or_group}: {value!r} is not a valid value "
+                              f"({str(err).splitlines()[0]}); allowed: {allowed}") from None
+
+
 def to_config(cfg: DictConfig) -> TrainConfig:
     """Hydra's composed config -> the validated frozen dataclasses (runs every __post_init__).
 
@@ -135,6 +175,7 @@ def to_config(cfg: DictConfig) -> TrainConfig:
 
 def run(config: TrainConfig, *, output_folder: str | None = None) -> dict:
     """Train the demo with SNIPCallback; return the summary (also printed)."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -169,12 +210,18 @@ def run(config: TrainConfig, *, output_folder: str | None = None) -> dict:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=t.devices, tensor_parallel_size=1)
-    trainer = pl.Trainer(
-        max_steps=t.max_steps, accelerator=t.accelerator, devices=t.devices, strategy=strategy, precision=t.precision,
-        logger=tb, callbacks=[snip, checkpoint, progress], log_every_n_steps=t.log_every_n_steps,
-        val_check_interval=min(t.val_check_interval, t.max_steps), check_val_every_n_epoch=None,
-        enable_model_summary=False, enable_progress_bar=False,
-    )
+    try:
+        trainer = pl.Trainer(
+            max_steps=t.max_steps, accelerator=t.accelerator, devices=t.devices, strategy=strategy, precision=t.precision,
+            logger=tb, callbacks=[snip, checkpoint, progress], log_every_n_steps=t.log_every_n_steps,
+            val_check_interval=min(t.val_check_interval, t.max_steps), check_val_every_n_epoch=None,
+            enable_model_summary=False, enable_progress_bar=False,
+        )
+    except (ValueError, TypeError, MisconfigurationException) as err:
+        raise ConfigError(f"trainer.strategy / accelerator / devices / precision: Lightning rejects strategy="
+                          f"{t.strategy!r}, accelerator={t.accelerator!r}, devices={t.devices}, precision={t.precision!r}: "
+                          f"{' '.join(str(err).split())}; allowed: a combination Lightning supports on this "
+                          f"machine (trainer.strategy: auto, ddp, fsdp2, ...)") from err
     start = time.perf_counter()
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
@@ -316,5 +363,18 @@ def main(cfg: DictConfig) -> None:
         raise
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The app's entry point (``python -m lightning_snip.train``, ``snip-train``): the command line's
+    overrides checked (check_overrides), then Hydra's main."""
+    try:
+        check_overrides(sys.argv[1:])
+    except ConfigError as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {err}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
+        sys.exit(2)
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -54,6 +54,10 @@ def test_progress_plan_lines_clean_output_and_summary(tmp_path):
     (["data.path={empty}"], "data.path: '{empty}' holds 0 bytes; at least"),
     (["data.path={short}"], "data.path: '{short}' holds 100 bytes; at least 661 are needed"),
     (["+snip.foo=1"], "snip.foo: unknown key; allowed:"),
+    (["snip.formats=[fp8,int4]"], "snip.formats: unknown key; allowed: aggregate_decay, apply_delay, candidate_formats"),
+    (["snip.noise_guard=maybe"], "snip.noise_guard: 'maybe' is not a valid value (Value 'maybe' is not a valid bool"),
+    (["model.dim=1.5"], "model.dim: 1.5 is not a valid value"),
+    (["trainer.strategy=nonsense"], "Lightning rejects strategy='nonsense'"),
     (["snip.fp4_fraction=1.0"], "snip.fp4_fraction: 1.0 cannot be met"),
     (["trainer.ckpt_path=last"], "trainer.ckpt_path: 'last', but there is no checkpoint"),
     (["model.dim=48", "model.hidden_dim=96"], "snip.fp4_fraction: 0.6 cannot be met"),  # 48: no 32-block
