@@ -200,6 +200,8 @@ class SNIPCallback(Callback):
         self._sr_seed = torch.initial_seed()
         for layer in self.layers.values():
             layer.generator = self._sr_generator
+        if not trainer.is_global_zero:  # the run's setup lines once, not once per rank
+            return
         num_pinned = sum(1 for layer in self.layers.values() if layer.pinned is not None)
         logger.info("SNIP: %d switchable layers (%d pinned), initial format %s", len(self.layers), num_pinned,
                     cfg.initial_format)
@@ -218,7 +220,8 @@ class SNIPCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.plan is not None:  # given, or restored from a checkpoint
             apply_plan(pl_module, self.plan)
-            logger.info("SNIP: applied the plan held at train start (%d layers)", len(self.plan))
+            if trainer.is_global_zero:
+                logger.info("SNIP: applied the plan held at train start (%d layers)", len(self.plan))
         if self._restored_pending is not None:
             # The checkpoint was saved between a statistics round and its apply step: the round is in
             # the restored aggregate, so solving it again gives the plan the uninterrupted run applies.
@@ -604,8 +607,9 @@ class SNIPCallback(Callback):
                    "snip/plan_agreement": _plan_agreement(plan, before, self.layers)}
         log_to_loggers(trainer.loggers, step, scalars, plan)
         status = "" if plan.status is SolveStatus.OPTIMAL else f" ({plan.status.value})"
-        logger.info("SNIP plan applied at step %d: FP4 FLOPs fraction %.3f, %d of %d layers changed%s",
-                    step, plan.fp4_fraction, num_changed, len(self.layers), status)
+        if trainer.is_global_zero:  # every rank applied it; one line for the run
+            logger.info("SNIP plan applied at step %d: FP4 FLOPs fraction %.3f, %d of %d layers changed%s",
+                        step, plan.fp4_fraction, num_changed, len(self.layers), status)
 
 
 @contextlib.contextmanager

@@ -163,8 +163,10 @@ class Plan(Mapping[str, Format]):
                 mark = f"  (noise guard: no {kept_out}{' backward' if direction == BACKWARD else ''})"
             lines.append(f"{key:<{width}}  {fmt.value:<6}  {100 * self.flops[key] / total:10.2f}%" + mark)
         counts = ", ".join(f"{fmt.value} {self.count(fmt)}" for fmt in Format if self.count(fmt))
+        per_gemm = any(split_key(key)[1] is not None for key in self.formats)
         lines.append(
-            f"policy {self.policy} ({self.status.value}); layers: {counts}; FP4 FLOPs fraction "
+            f"policy {self.policy} ({self.status.value}); {'GEMM directions' if per_gemm else 'layers'}: {counts}; "
+            f"FP4 FLOPs fraction "
             f"{self.fp4_fraction:.3f}; relative GEMM cost {self.relative_gemm_cost:.3f}"
             + (f"; noise guard: {len(self.noise_guarded)} layer{'s' if len(self.noise_guarded) != 1 else ''}"
                if self.noise_guarded else "")

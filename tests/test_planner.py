@@ -232,6 +232,7 @@ def test_plan_json_round_trip_and_table():
     assert json.loads(plan.to_json())["formats"]["lm_head"] == "bf16"
     table = plan.table()
     assert "layers.1.down" in table and "FP4 FLOPs fraction" in table
+    assert "; layers: " in table.splitlines()[-1]
     assert 0.25 < plan.relative_gemm_cost < 1.0
 
 
@@ -398,6 +399,7 @@ def test_plan_json_keeps_noise_guarded_layers_and_the_table_marks_them():
     marked = [line for line in again.table().splitlines() if "noise guard" in line]
     assert len(marked) == 2 and marked[0].startswith(gemm_key("layers.0.up", BACKWARD))  # the row, and the totals
     assert "(noise guard: no mxfp4 backward)" in marked[0] and "noise guard: 1 layer" in marked[1]
+    assert "; GEMM directions: " in marked[1]  # a per-GEMM plan counts directions, not layers
     old = json.loads(plan.to_json())
     del old["noise_guarded"]  # a plan saved before the guard existed
     assert dict(Plan.from_json(json.dumps(old)).noise_guarded) == {}
