@@ -23,8 +23,8 @@ MODEL = LlamaConfig(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, hidden_di
 
 
 class ShardedLM(DemoLM):
-    def __init__(self, shard: bool):
-        super().__init__(MODEL)
+    def __init__(self, shard: bool, model: LlamaConfig = MODEL):
+        super().__init__(model)
         self.shard = shard
 
     def configure_model(self):
@@ -63,6 +63,39 @@ def _nan_on_rank_one() -> None:
     div.quantized_matmul = nan_for_down
 
 
+def _count_gathers_in_rounds() -> dict:
+    """Modes "gathers<L>": count, inside statistics rounds only, each FSDP2 parameter group's unshards
+    (the all-gather of a block's parameters) and the DTensor.full_tensor calls (an all-gather of one
+    tensor, e.g. a layer's weight for the round's GEMMs)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.tensor import DTensor
+
+    counts = {"in_round": False, "unshard": {}, "full_tensor": 0, "rounds": 0}
+    unshard, full_tensor, round_ = FSDPParamGroup.unshard, DTensor.full_tensor, SNIPCallback._statistics_round
+
+    def counted_unshard(self, *args, **kwargs):
+        if counts["in_round"]:
+            name = self._module_fqn or ""  # "" for the root group (embedding, norm, head)
+            counts["unshard"][name] = counts["unshard"].get(name, 0) + 1
+        return unshard(self, *args, **kwargs)
+
+    def counted_full_tensor(self, *args, **kwargs):
+        counts["full_tensor"] += counts["in_round"]
+        return full_tensor(self, *args, **kwargs)
+
+    def counted_round(self, *args, **kwargs):
+        counts["in_round"] = True
+        try:
+            return round_(self, *args, **kwargs)
+        finally:
+            counts["in_round"] = False
+            counts["rounds"] += 1
+
+    FSDPParamGroup.unshard, DTensor.full_tensor, SNIPCallback._statistics_round = (
+        counted_unshard, counted_full_tensor, counted_round)
+    return counts
+
+
 def main(out_dir: str, mode: str) -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0)
@@ -71,7 +104,10 @@ def main(out_dir: str, mode: str) -> None:
     if mode == "fault":
         _nan_on_rank_one()
     single = mode in ("single", "bf16_single")
-    module = ShardedLM(shard=not single)
+    gathers = _count_gathers_in_rounds() if mode.startswith("gathers") else None
+    model = MODEL if gathers is None else LlamaConfig(dim=64, num_layers=int(mode[len("gathers"):]), num_heads=4,
+                                                      num_kv_heads=2, hidden_dim=160)
+    module = ShardedLM(shard=not single, model=model)
     data = ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1, seed=0)  # the same data on both ranks
     snip = SNIPCallback(SNIPConfig(warmup_steps=2, interval=3, apply_delay=1, fp4_fraction=0.6, max_rows=128,
                                    noise_draws=1, wd_probes=4, initial_format="fp8"))
@@ -83,7 +119,7 @@ def main(out_dir: str, mode: str) -> None:
 
         strategy, devices = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), 2
     trainer = pl.Trainer(
-        max_steps=8 if mode == "resume" else 6, accelerator="cpu", devices=devices, strategy=strategy,
+        max_steps=8 if mode == "resume" else 4 if gathers is not None else 6, accelerator="cpu", devices=devices, strategy=strategy,
         precision="bf16-mixed" if mode.startswith("bf16") else "32-true",
         callbacks=[snip, restored], logger=False, enable_progress_bar=False, enable_model_summary=False,
         # Validation right before the rounds: FSDP2 leaves its root unsharded after a forward without
@@ -104,7 +140,10 @@ def main(out_dir: str, mode: str) -> None:
                    "plans": [entry["plan"]["formats"] for entry in snip.history if "plan" in entry],
                    "restored_plan": restored.plan, "num_stats_rounds": snip.num_stats_rounds,
                    "weight_type": type(weight).__name__, "layer_type": type(module.model.layers[0].attn.q).__name__,
-                   "loss": float(trainer.callback_metrics["train/loss"])}, f)
+                   "loss": float(trainer.callback_metrics["train/loss"]),
+                   "gathers": None if gathers is None else {
+                       "rounds": gathers["rounds"], "full_tensor": gathers["full_tensor"],
+                       "unshard": gathers["unshard"], "layers": len(snip.layers)}}, f)
 
 
 if __name__ == "__main__":

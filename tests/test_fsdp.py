@@ -13,7 +13,7 @@ def _run(tmp_path, mode):
     proc = subprocess.run([sys.executable, str(worker), str(tmp_path), mode], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = 1 if mode in ("single", "bf16_single") else 2  # fsdp, resume, fault, bf16_fsdp: 2
+    ranks = 1 if mode in ("single", "bf16_single") else 2  # fsdp, resume, fault, bf16_fsdp, gathers<L>: 2
     return [json.loads((tmp_path / f"{mode}_rank{r}.json").read_text()) for r in range(ranks)]
 
 
@@ -77,3 +77,24 @@ def test_fsdp2_under_bf16_mixed_plans_like_one_process(tmp_path):
     assert ranks[0]["plan"] == ranks[1]["plan"] and ranks[0]["rounds"] == ranks[1]["rounds"]
     assert "mxfp4" in ranks[0]["plan"].values()
     assert _max_relative_difference(single["rounds"][0], ranks[0]["rounds"][0]) < 1e-5
+
+
+def test_fsdp2_round_all_gathers_each_block_a_constant_number_of_times(tmp_path):
+    """Issue 11: a statistics round under FSDP2 all-gathers each block's parameters (an FSDP2 unshard)
+    and each layer's weight (DTensor.full_tensor) a number of times that does not grow with depth:
+    the same counts per block and per layer for 2 and 4 blocks (a round that re-gathered upstream
+    blocks per layer, as one vector-Jacobian product per layer does, would not)."""
+    pytest.importorskip("torch.distributed.fsdp")
+    counts = {}
+    for blocks in (2, 4):
+        ranks = _run(tmp_path, f"gathers{blocks}")
+        assert ranks[0]["gathers"] == ranks[1]["gathers"]  # the ranks run the same collectives
+        g = ranks[0]["gathers"]
+        assert g["rounds"] == 1 and g["layers"] == 7 * blocks + 1
+        # Every block's group the same number of times, and the root group (embedding, norm, head).
+        assert set(g["unshard"]) == {""} | {f"layers.{b}" for b in range(blocks)}
+        assert len({g["unshard"][f"layers.{b}"] for b in range(blocks)}) == 1
+        counts[blocks] = (g["unshard"]["layers.0"], g["unshard"][""], g["full_tensor"] / g["layers"])
+    assert counts[2][:2] == counts[4][:2], counts  # unshards per block and of the root: equal
+    assert counts[4][2] <= counts[2][2], counts  # single-tensor gathers per layer: not growing (measured 11.4 / 11.6)
+    assert counts[2][0] <= 20, counts  # a handful of passes: recording, curvature draws, probes, checks
