@@ -72,6 +72,7 @@ class TrainerConfig:
         check_field(self.max_steps > 0, "trainer.max_steps", self.max_steps, "an integer > 0")
         check_field(self.lr > 0, "trainer.lr", self.lr, "a number > 0")
         check_field(self.precision in _PRECISIONS, "trainer.precision", self.precision, ", ".join(_PRECISIONS))
+        check_field(self.val_check_interval > 0, "trainer.val_check_interval", self.val_check_interval, "an integer > 0")
         check_field(self.progress_seconds > 0, "trainer.progress_seconds", self.progress_seconds, "a number of seconds > 0")
         check_field(self.checkpoint_every_n_steps > 0, "trainer.checkpoint_every_n_steps",
                     self.checkpoint_every_n_steps, "an integer > 0")
@@ -146,7 +147,7 @@ def check_overrides(args: typing.Sequence[str]) -> None:
         value = override.value()
         try:
             OmegaConf.update(schema, override.key_or_group, value, merge=True)
-        except OmegaConfBaseException as err:
+        except (OmegaConfBaseException, ValueError, KeyError) as err:
             allowed = str(hints[top]).replace("typing.", "").replace("<class '", "").replace("'>", "")
             raise ConfigError(f"{override.key_or_group}: {value!r} is not a valid value "
                               f"({str(err).splitlines()[0]}); allowed: {allowed}") from None
@@ -218,10 +219,10 @@ def run(config: TrainConfig, *, output_folder: str | None = None) -> dict:
             enable_model_summary=False, enable_progress_bar=False,
         )
     except (ValueError, TypeError, MisconfigurationException) as err:
-        raise ConfigError(f"trainer.strategy / accelerator / devices / precision: Lightning rejects strategy="
-                          f"{t.strategy!r}, accelerator={t.accelerator!r}, devices={t.devices}, precision={t.precision!r}: "
-                          f"{' '.join(str(err).split())}; allowed: a combination Lightning supports on this "
-                          f"machine (trainer.strategy: auto, ddp, fsdp2, ...)") from err
+        raise ConfigError(f"trainer: Lightning rejects these trainer settings (strategy={t.strategy!r}, accelerator="
+                          f"{t.accelerator!r}, devices={t.devices}, precision={t.precision!r}): "
+                          f"{' '.join(str(err).split())}; allowed: what Lightning supports on this machine "
+                          f"(trainer.strategy: auto, ddp, fsdp2, ...)") from err
     start = time.perf_counter()
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)

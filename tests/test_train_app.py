@@ -57,7 +57,8 @@ def test_progress_plan_lines_clean_output_and_summary(tmp_path):
     (["snip.formats=[fp8,int4]"], "snip.formats: unknown key; allowed: aggregate_decay, apply_delay, candidate_formats"),
     (["snip.noise_guard=maybe"], "snip.noise_guard: 'maybe' is not a valid value (Value 'maybe' is not a valid bool"),
     (["model.dim=1.5"], "model.dim: 1.5 is not a valid value"),
-    (["trainer.strategy=nonsense"], "Lightning rejects strategy='nonsense'"),
+    (["trainer.strategy=nonsense"], "trainer: Lightning rejects these trainer settings (strategy='nonsense'"),
+    (["trainer.val_check_interval=-5"], "trainer.val_check_interval: invalid value -5; allowed: an integer > 0"),
     (["snip.fp4_fraction=1.0"], "snip.fp4_fraction: 1.0 cannot be met"),
     (["trainer.ckpt_path=last"], "trainer.ckpt_path: 'last', but there is no checkpoint"),
     (["model.dim=48", "model.hidden_dim=96"], "snip.fp4_fraction: 0.6 cannot be met"),  # 48: no 32-block
@@ -136,7 +137,8 @@ def test_demo_stream_shards_over_ranks_as_one_stream_and_resumes():
     data = ByteTextDataModule(seq_len=32, batch_size=4, val_batches=1)
     data.setup()
     for use_distributed_sampler, share in ((True, (2, 1)), (False, (1, 0))):
-        data.trainer = SimpleNamespace(world_size=2, global_rank=1, global_step=5, accumulate_grad_batches=2,
+        data.trainer = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": 1}, global_step=5,
+                                       accumulate_grad_batches=2,
                                        _accelerator_connector=SimpleNamespace(use_distributed_sampler=use_distributed_sampler))
         sampler = data.train_dataloader().sampler
         assert isinstance(sampler, DistributedSampler)  # so Lightning does not wrap it

@@ -127,11 +127,14 @@ class ByteTextDataModule(pl.LightningDataModule):
         # Under DDP / FSDP2 each rank takes its share of the stream, as Lightning's distributed sampler
         # would give it one (unless the Trainer's use_distributed_sampler=False: then every rank gets
         # the whole stream, the user's choice).
+        # The ranks that split the data are Lightning's (distributed_sampler_kwargs: under
+        # ModelParallelStrategy the data-parallel mesh, not every process).
         start, replicas, rank = 0, 1, 0
         trainer = self.trainer
         if trainer is not None:
-            if trainer.world_size > 1 and getattr(trainer._accelerator_connector, "use_distributed_sampler", True):
-                replicas, rank = trainer.world_size, trainer.global_rank
+            shard = trainer.distributed_sampler_kwargs
+            if shard and getattr(trainer._accelerator_connector, "use_distributed_sampler", True):
+                replicas, rank = shard["num_replicas"], shard["rank"]
             start = trainer.global_step * trainer.accumulate_grad_batches * self.batch_size * replicas
         sampler = WindowStream(len(self.train_set), seed=self.seed, start=start, num_replicas=replicas, rank=rank)
         return torch.utils.data.DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler)
