@@ -16,6 +16,7 @@ Policies at each FP4 fraction (candidates fp8 / mxfp4 / nvfp4; the fixed rules u
   random, random_gemm    FP4 layers (GEMM directions) in a random order
   min_rel_err            smallest relative local quantization error first (measured at the checkpoint)
   layer_type             MLP first, attention last ("FP4 MLP, FP8 attention")
+  layer_type_gemm        its per-GEMM version: every backward GEMM (MLP first) before any forward GEMM
   first_last             first and last blocks high, FP4 from the middle out
   industry_tail          the industry's rule: first two and last ~15% of blocks high (NVIDIA's NVFP4
                          recipe; torchtitan's tail rule), extended past its natural fraction
@@ -52,8 +53,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 CANDIDATES = ("fp8", "mxfp4", "nvfp4")
 PINS = {"*lm_head": "bf16"}
 FRACTION_POLICIES = ("snip", "snip_gemm", "oracle", "oracle_gemm", "random", "random_gemm", "min_rel_err",
-                     "layer_type", "first_last", "industry_tail")
-BASELINES = ("random", "random_gemm", "min_rel_err", "layer_type", "first_last", "industry_tail", "backward_only")
+                     "layer_type", "layer_type_gemm", "first_last", "industry_tail")
+BASELINES = ("random", "random_gemm", "min_rel_err", "layer_type", "layer_type_gemm", "first_last", "industry_tail",
+             "backward_only")
 PER_LAYER = ("random", "min_rel_err", "layer_type", "first_last", "industry_tail")
 FIXED_RULES = ("layer_type", "first_last", "industry_tail")
 SEARCH_POLICIES = ("oracle", "min_rel_err") + FIXED_RULES
@@ -235,8 +237,9 @@ def fixed_plan(policy: str, fraction: float, seed: int, module, s: Setup, measur
     if policy == "min_rel_err":
         rel_error = {c.fqn: measured["rel_error"].get(c.fqn, math.inf) for c in cands}  # the pinned head: none
         return planner.min_rel_err_plan(cands, rel_error, fp4_fraction=fraction, **kw)
-    if policy == "layer_type":
-        return planner.layer_type_plan(cands, fp4_fraction=fraction, **kw)
+    if policy in ("layer_type", "layer_type_gemm"):
+        return planner.layer_type_plan(cands, fp4_fraction=fraction,
+                                       granularity="gemm" if policy == "layer_type_gemm" else "layer", **kw)
     if policy == "first_last":
         return planner.first_last_plan(cands, fp4_fraction=fraction, **kw)
     if policy == "industry_tail":
