@@ -138,3 +138,20 @@ def test_fidelity_generic_truth_equals_the_block_cached_one_and_runs_on_hf_llama
         truth = fid.loss_increase(hf, hf_layers, batch)
     assert len(truth) == 2 * len(hf_layers) and all(v == v for v in truth.values())
     assert max(abs(v) for v in truth.values()) > 1e-4
+
+
+def test_quality_per_gemm_layer_type_baseline_fills_backward_gemms_first():
+    """layer_type_gemm (issue 12's per-GEMM layer-type baseline): at 0.75 every unpinned backward GEMM is in
+    the rule's FP4 format before any forward GEMM is, MLP forwards before attention ones."""
+    from lightning_snip.demo.lightning import DemoLM
+    from lightning_snip.formats import Format
+    from lightning_snip.plan import BACKWARD, split_key
+
+    cp = _compare_policies()
+    s = cp.SETTINGS["deep8"]
+    plan = cp.fixed_plan("layer_type_gemm", 0.75, 0, DemoLM(cp._model_config(s)), s, {})
+    assert plan.policy == "layer_type_gemm" and abs(plan.fp4_fraction - 0.75) < 0.02
+    unpinned = {k: f for k, f in plan.items() if not split_key(k)[0].endswith("lm_head")}
+    assert all(f is Format.NVFP4 for k, f in unpinned.items() if split_key(k)[1] == BACKWARD)
+    forward_fp4 = {split_key(k)[0].rsplit(".", 2)[-2] for k, f in unpinned.items() if split_key(k)[1] != BACKWARD and f.is_fp4}
+    assert forward_fp4 == {"mlp"}
