@@ -38,10 +38,10 @@ held-out batches no round saw; benchmarks/results/divergence_fidelity_*.md, firs
 curvature_signs_*.md), the method text's one-batch LD ranked layers at 0.31-0.72 (the demo and an
 8-block model, mxfp4 and nvfp4) and two of its rounds agreed at -0.04-0.48; ACCUMULATED ranks at
 0.62-0.92 per round, agrees at 0.59-0.91 between rounds, and the callback's aggregate of 4 rounds
-ranks at 0.75-0.96 (medians over 4 rounds, 3 seeds);
-on Hugging Face's LlamaForCausalLM (6 blocks, 3 seeds) one batch 0.44-0.69, ACCUMULATED 0.84-0.91 per
-round and 0.86-0.94 aggregated. MOMENTUM (the weight part taken from AdamW's first moment) ranked at only
-0.22-0.44 and is an option, not the default.
+ranks at 0.75-0.96 (medians over 4 rounds, 3 seeds); on Hugging Face's LlamaForCausalLM (6 blocks,
+3 seeds) one batch ranks at 0.44-0.69, ACCUMULATED at 0.84-0.91 per round and 0.86-0.94 aggregated.
+MOMENTUM (the weight part taken from AdamW's first moment) ranked at only 0.22-0.44 and is an option,
+not the default.
 """
 
 from __future__ import annotations

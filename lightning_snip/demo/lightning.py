@@ -124,11 +124,10 @@ class ByteTextDataModule(pl.LightningDataModule):
     def train_dataloader(self):
         # A resumed run continues the uninterrupted run's stream of windows: the sampler starts after
         # the windows the restored steps consumed (Lightning restarts a plain DataLoader from its start).
-        # Under DDP / FSDP2 each rank takes its share of the stream, as Lightning's distributed sampler
-        # would give it one (unless the Trainer's use_distributed_sampler=False: then every rank gets
-        # the whole stream, the user's choice).
-        # The ranks that split the data are Lightning's (distributed_sampler_kwargs: under
-        # ModelParallelStrategy the data-parallel mesh, not every process).
+        # Under DDP / FSDP2 each data-parallel rank takes its share of the stream, the ranks Lightning's
+        # distributed sampler would split it over (distributed_sampler_kwargs: under ModelParallelStrategy
+        # the data-parallel mesh, not every process); with the Trainer's use_distributed_sampler=False
+        # every rank gets the whole stream, the user's choice.
         start, replicas, rank = 0, 1, 0
         trainer = self.trainer
         if trainer is not None:
