@@ -856,7 +856,7 @@ def _error_probe_second_order(stats: Statistics, output_errors, formats, draws: 
             noise = {}
             for (fqn, f), signs, n in zip(keys, drawn.split(units), units):
                 dy = output_errors[fqn, f]
-                noise[fqn] = signs.to(dy.device).repeat_interleave(dy.shape[0] // n).unsqueeze(1) * dy
+                noise[fqn] = signs.repeat_interleave(dy.shape[0] // n).unsqueeze(1) * dy
             noisy = stats.output_grads_with_noise(noise)
             for fqn, f in keys:
                 delta_g = noisy[fqn].float() - stats.layers[fqn].g.float()

@@ -69,18 +69,19 @@ def test_fidelity_quick_prints_out_of_sample_lines_per_model_and_format(tmp_path
     assert all((float(n) == 0) == (v == "exact") for _, v, n, _, _ in rows)
 
 
-def _compare_policies():
+def _benchmark(name: str):
+    """benchmarks/<name>.py imported as module <name>."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("compare_policies", ROOT / "benchmarks" / "compare_policies.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("compare_policies", module)  # its dataclasses look their module up
+    sys.modules.setdefault(name, module)  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
 
 def test_quality_summary_gaps_per_seed_and_headroom_capture():
-    cp = _compare_policies()
+    cp = _benchmark("compare_policies")
     losses = {"all_bf16": (3.0, 3.1), "oracle": (3.01, 3.11), "snip": (3.02, 3.12), "layer_type": (3.05, 3.15),
               "random": (3.08, 3.16), "snip_gemm": (3.012, 3.112), "oracle_gemm": (3.011, 3.111)}
     rows = [{"policy": p, "fraction": 0.0 if p == "all_bf16" else 0.75, "seed": seed, "eval_loss": v[seed],
@@ -97,16 +98,6 @@ def test_quality_summary_gaps_per_seed_and_headroom_capture():
     assert re.search(r"^beats_every_baseline 0.75 snip yes ", lines, re.M), lines
 
 
-def _fidelity_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("divergence_fidelity", ROOT / "benchmarks" / "divergence_fidelity.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("divergence_fidelity", module)  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_fidelity_generic_truth_equals_the_block_cached_one_and_runs_on_hf_llama():
     """The LD truth of a model the benchmark cannot cut into blocks (--models hf) is one whole forward
     pass per (layer, format): on the demo architecture it must equal the block-cached truth, and it
@@ -117,7 +108,7 @@ def test_fidelity_generic_truth_equals_the_block_cached_one_and_runs_on_hf_llama
     from lightning_snip.demo.model import LlamaConfig, TinyLlama
     from lightning_snip.formats import Format
 
-    fid = _fidelity_module()
+    fid = _benchmark("divergence_fidelity")
     torch.manual_seed(0)
     model = TinyLlama(LlamaConfig(dim=64, num_layers=2, hidden_dim=160))
     layers = convert_linears(model)
@@ -147,7 +138,7 @@ def test_quality_per_gemm_layer_type_baseline_fills_backward_gemms_first():
     from lightning_snip.formats import Format
     from lightning_snip.plan import BACKWARD, split_key
 
-    cp = _compare_policies()
+    cp = _benchmark("compare_policies")
     s = cp.SETTINGS["deep8"]
     plan = cp.fixed_plan("layer_type_gemm", 0.75, 0, DemoLM(cp._model_config(s)), s, {})
     assert plan.policy == "layer_type_gemm" and abs(plan.fp4_fraction - 0.75) < 0.02
