@@ -442,13 +442,14 @@ def ordered_plan(
     *,
     fp4_fraction: float,
     policy: str,
-    low: Format = Format.MXFP4,
-    high: Format = Format.FP8,
+    low: Format | str = Format.MXFP4,
+    high: Format | str = Format.FP8,
 ) -> Plan:
     """Put layers in ``low`` in the given fqn order until ``fp4_fraction`` of FLOPs is FP4; the rest
     ``high``. Then trim the overshoot: walking the FP4 layers back from the last one added, return a
     layer to ``high`` wherever the target still holds without it, so every policy runs as close to
     the same fraction as layer sizes allow."""
+    low, high = _low_high(low, high)
     target, _ = _validate(layers, fp4_fraction, None, None, DEFAULT_RELATIVE_COST)
     by_fqn = {layer.fqn: layer for layer in layers}
     total = sum(layer.flops for layer in layers)
@@ -470,6 +471,15 @@ def ordered_plan(
             formats[fqn] = _pick(by_fqn[fqn], high, fp4=False)
             fp4 -= by_fqn[fqn].flops
     return _plan(layers, formats, policy)
+
+
+def _low_high(low: Format | str, high: Format | str) -> tuple[Format, Format]:
+    """The baselines' two formats, parsed (a name such as "nvfp4" is a Format; an unknown one is an
+    error naming the field, never a silent fallback to another candidate) and checked."""
+    low, high = Format.parse(low, field_name="low"), Format.parse(high, field_name="high")
+    if not low.is_fp4 or high.is_fp4:
+        raise ValueError(f"low / high: need an FP4 format and a non-FP4 one, got {low.value} / {high.value}")
+    return low, high
 
 
 def _pick(layer: LayerCandidates, preferred: Format, *, fp4: bool) -> Format | None:
@@ -600,9 +610,7 @@ def backward_only_plan(layers: Sequence[LayerCandidates], *, low: Format | str =
     and its forward in ``high``; FP4 share 2/3 of the unpinned layers' FLOPs. A layer without ``low``
     (or ``high``) as a candidate takes its first candidate of the same kind; pins hold both directions.
     """
-    low, high = Format.parse(low, field_name="low"), Format.parse(high, field_name="high")
-    if not low.is_fp4 or high.is_fp4:
-        raise ValueError(f"low / high: need an FP4 format and a non-FP4 one, got {low.value} / {high.value}")
+    low, high = _low_high(low, high)
     formats: dict[str, Format] = {}
     for layer in layers:
         forward = layer.pinned or _pick(layer, high, fp4=False)

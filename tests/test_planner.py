@@ -252,6 +252,24 @@ def test_ordered_baselines_trim_their_overshoot():
     assert plan.fp4_fraction == pytest.approx(12 / 14)
 
 
+def test_baselines_take_format_names_and_refuse_bad_ones():
+    """A format name is the format it names (it once fell back silently to the layer's first FP4
+    candidate, mxfp4, when "nvfp4" was asked for by name); a bad one is an error naming the field."""
+    from lightning_snip.planner import backward_only_plan, layer_type_plan, random_plan
+
+    four = (Format.BF16, Format.FP8, Format.MXFP4, Format.NVFP4)  # mxfp4 first: the old fallback
+    layers = [LayerCandidates(f"l{i}.mlp.up", 1, dict.fromkeys(four, 0.0), dict.fromkeys(four, 0.0)) for i in range(4)]
+    for plan in (random_plan(layers, fp4_fraction=0.5, seed=0, low="nvfp4", high="bf16"),
+                 layer_type_plan(layers, fp4_fraction=0.5, low="NVFP4", high="bf16", granularity="gemm"),
+                 backward_only_plan(layers, low="nvfp4", high="bf16")):
+        used = {f for _, f in plan.items()}
+        assert Format.NVFP4 in used and Format.MXFP4 not in used and Format.FP8 not in used, plan
+    with pytest.raises(ValueError, match=r"low: unknown format 'nvfp5'.*valid formats"):
+        random_plan(layers, fp4_fraction=0.5, seed=0, low="nvfp5")
+    with pytest.raises(ValueError, match=r"low / high: need an FP4 format and a non-FP4 one, got fp8 / nvfp4"):
+        layer_type_plan(layers, fp4_fraction=0.5, low="fp8", high="nvfp4")
+
+
 # ---------------------------------------------------------------- granularity "gemm" (pairs)
 
 
