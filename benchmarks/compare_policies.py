@@ -17,6 +17,8 @@ Policies at each FP4 fraction (candidates fp8 / mxfp4 / nvfp4; the fixed rules u
   min_rel_err            smallest relative local quantization error first (measured at the checkpoint)
   layer_type             MLP first, attention last ("FP4 MLP, FP8 attention")
   layer_type_gemm        its per-GEMM version: every backward GEMM (MLP first) before any forward GEMM
+  layer_type_edges_gemm  the same with first_last's rule added: the first and last blocks' forwards after
+                         every other block's, within a type the middle blocks first
   first_last             first and last blocks high, FP4 from the middle out
   industry_tail          the industry's rule: first two and last ~15% of blocks high (NVIDIA's NVFP4
                          recipe; torchtitan's tail rule), extended past its natural fraction
@@ -53,12 +55,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 CANDIDATES = ("fp8", "mxfp4", "nvfp4")
 PINS = {"*lm_head": "bf16"}
 FRACTION_POLICIES = ("snip", "snip_gemm", "oracle", "oracle_gemm", "random", "random_gemm", "min_rel_err",
-                     "layer_type", "layer_type_gemm", "first_last", "industry_tail")
-BASELINES = ("random", "random_gemm", "min_rel_err", "layer_type", "layer_type_gemm", "first_last", "industry_tail",
-             "backward_only")
+                     "layer_type", "layer_type_gemm", "layer_type_edges_gemm", "first_last", "industry_tail")
+BASELINES = ("random", "random_gemm", "min_rel_err", "layer_type", "layer_type_gemm", "layer_type_edges_gemm",
+             "first_last", "industry_tail", "backward_only")
 PER_LAYER = ("random", "min_rel_err", "layer_type", "first_last", "industry_tail")
-FIXED_RULES = ("layer_type", "first_last", "industry_tail")
-SEARCH_POLICIES = ("oracle", "min_rel_err") + FIXED_RULES
+FIXED_RULES = ("layer_type", "layer_type_gemm", "layer_type_edges_gemm", "first_last", "industry_tail")
+SEARCH_POLICIES = ("oracle", "oracle_gemm", "min_rel_err") + FIXED_RULES
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,10 @@ SETTINGS = {
     # MLP share of a block's linear FLOPs 2/3 (deep8: 3/4, which makes "MLP in FP4" exactly the 0.75 plan).
     "deep8_h128": Setup(dim=64, num_layers=8, hidden_dim=128, seq_len=128, batch_size=16, lr=3e-3,
                         pretrain_steps=300, continue_steps=60, snip_interval=20),
+    # Four times the pretraining and twice the continuation: features (and outliers) that a longer-trained
+    # model develops might make the layers differ more in their FP4 damage.
+    "deep8_long": Setup(dim=64, num_layers=8, hidden_dim=192, seq_len=128, batch_size=16, lr=3e-3,
+                        pretrain_steps=1200, continue_steps=120, snip_interval=40, truth_batches=64),
     "deep12": Setup(dim=64, num_layers=12, hidden_dim=192, seq_len=128, batch_size=16, lr=3e-3,
                     pretrain_steps=300, continue_steps=60, snip_interval=20),
     "quick": Setup(dim=64, num_layers=3, hidden_dim=192, seq_len=64, batch_size=8, lr=3e-3,
@@ -213,9 +219,14 @@ def _candidates(module, measured: dict | None):
     return out
 
 
-# The oracle's lambda: 1, as its runs of 2026-11-30 were made (before SNIP's default became 0.1, and not
-# re-run since: an oracle at 0.1 would choose other plans). The objective study prices plans the same way.
-ORACLE_LAMBDA = 1.0
+def _oracle_lambda(policy: str) -> float:
+    """The oracle is SNIP's ILP fed with truths: by default at SNIP's lambda (0.1), as SNIP's runs are;
+    "oracle@1" / "oracle_gemm@1" at another (the 2026-11-30 runs were made at 1, before SNIP's default
+    became 0.1)."""
+    from lightning_snip.planner import DEFAULT_WEIGHT_DIVERGENCE_WEIGHT
+
+    _, _, lam = policy.partition("@")
+    return float(lam) if lam else DEFAULT_WEIGHT_DIVERGENCE_WEIGHT
 
 
 def fixed_plan(policy: str, fraction: float, seed: int, module, s: Setup, measured: dict):
@@ -227,19 +238,19 @@ def fixed_plan(policy: str, fraction: float, seed: int, module, s: Setup, measur
     kw = {"low": low, "high": high}
     if policy in ("all_bf16", "all_fp8", "all_fp4"):
         return planner.uniform_plan(cands, {"all_bf16": "bf16", "all_fp8": "fp8", "all_fp4": s.low}[policy])
-    if policy == "oracle":
-        return planner.solve_plan(cands, fp4_fraction=fraction, weight_divergence_weight=ORACLE_LAMBDA)
-    if policy == "oracle_gemm":
-        return planner.solve_gemm_plan(cands, fp4_fraction=fraction, weight_divergence_weight=ORACLE_LAMBDA)
+    if policy.partition("@")[0] == "oracle":
+        return planner.solve_plan(cands, fp4_fraction=fraction, weight_divergence_weight=_oracle_lambda(policy))
+    if policy.partition("@")[0] == "oracle_gemm":
+        return planner.solve_gemm_plan(cands, fp4_fraction=fraction, weight_divergence_weight=_oracle_lambda(policy))
     if policy in ("random", "random_gemm"):
         return planner.random_plan(cands, fp4_fraction=fraction, seed=seed,
                                    granularity="gemm" if policy == "random_gemm" else "layer", **kw)
     if policy == "min_rel_err":
         rel_error = {c.fqn: measured["rel_error"].get(c.fqn, math.inf) for c in cands}  # the pinned head: none
         return planner.min_rel_err_plan(cands, rel_error, fp4_fraction=fraction, **kw)
-    if policy in ("layer_type", "layer_type_gemm"):
-        return planner.layer_type_plan(cands, fp4_fraction=fraction,
-                                       granularity="gemm" if policy == "layer_type_gemm" else "layer", **kw)
+    if policy in ("layer_type", "layer_type_gemm", "layer_type_edges_gemm"):
+        return planner.layer_type_plan(cands, fp4_fraction=fraction, granularity="gemm" if policy.endswith("_gemm") else "layer",
+                                       edges_last="_edges" in policy, **kw)
     if policy == "first_last":
         return planner.first_last_plan(cands, fp4_fraction=fraction, **kw)
     if policy == "industry_tail":
@@ -296,7 +307,8 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
         eval_loss = held_out_loss()  # the trained weights, evaluated in high precision (the headline)
     eval_loss_plan = held_out_loss()  # ... and with every forward GEMM in its plan's format (serving in it)
     plan = callback.plan
-    return {"policy": policy, "fraction": fraction, "seed": seed, "eval_loss": eval_loss, "eval_loss_plan": eval_loss_plan,
+    extra = {"oracle_lambda": _oracle_lambda(policy)} if base.startswith("oracle") else {}
+    return {"policy": policy, "fraction": fraction, "seed": seed, "eval_loss": eval_loss, "eval_loss_plan": eval_loss_plan, **extra,
             "achieved_fraction": plan.fp4_fraction if plan else 0.0, "seconds": seconds,
             "plans": callback.num_plans_applied, "plan": {k: f.value for k, f in plan.items()} if plan else {}}
 
@@ -340,16 +352,17 @@ def _key(row) -> str:
 
 
 def summarize(rows: list[dict], metric: str = "eval_loss") -> dict:
-    """{"<fraction>": {"<policy>": {"mean", "std", "seeds": [gap per seed, in seed order]}}}; gaps of
+    """{"<fraction>": {"<policy>": {"mean", "std", "seeds": [gap per seed, in seed order], "seed_ids"}}}; gaps of
     ``metric`` (eval_loss: high-precision eval; eval_loss_plan: forward GEMMs in the plan's formats) to
     the same seed's all_bf16 run."""
     bf16 = {r["seed"]: r[metric] for r in rows if r["policy"] == "all_bf16"}
     out: dict[str, dict] = {}
     for r in sorted(rows, key=lambda r: r["seed"]):
         if metric in r:
-            out.setdefault(_key(r), {}).setdefault(r["policy"], []).append(r[metric] - bf16[r["seed"]])
+            out.setdefault(_key(r), {}).setdefault(r["policy"], {})[r["seed"]] = r[metric] - bf16[r["seed"]]
     return {
-        frac: {name: {"mean": statistics.fmean(g), "std": statistics.stdev(g) if len(g) > 1 else 0.0, "seeds": g}
+        frac: {name: {"mean": statistics.fmean(g.values()), "std": statistics.stdev(g.values()) if len(g) > 1 else 0.0,
+                      "seeds": list(g.values()), "seed_ids": list(g)}
                for name, g in sorted(policies.items())}
         for frac, policies in sorted(out.items(), key=lambda kv: float(kv[0]))
     }
@@ -367,12 +380,19 @@ def verdicts(summary: dict) -> list[str]:
         best = base[best_name]["mean"]
         best_layer = min((p for p in PER_LAYER if p in pol), key=lambda p: pol[p]["mean"], default=None)
         rules = {p: pol[p] for p in FIXED_RULES if p in pol}
-        if rules and "oracle" in pol:
-            rule = min(rules, key=lambda p: rules[p]["mean"])
-            sd = math.hypot(pol["oracle"]["std"], rules[rule]["std"])
-            lines.append(f"oracle_headroom {frac} {best - pol['oracle']['mean']:+.5f} over best baseline {best_name}; "
-                         f"over best fixed rule {rule}: {rules[rule]['mean'] - pol['oracle']['mean']:+.5f} "
-                         f"({(rules[rule]['mean'] - pol['oracle']['mean']) / sd if sd else float('inf'):.1f} std)")
+        for oracle in ("oracle", "oracle_gemm"):
+            if rules and oracle in pol:
+                rule = min(rules, key=lambda p: rules[p]["mean"])
+                diff = rules[rule]["mean"] - pol[oracle]["mean"]
+                sd = math.hypot(pol[oracle]["std"], rules[rule]["std"])
+                # Paired by seed too: a seed's data order is shared by both runs.
+                theirs = dict(zip(pol[oracle]["seed_ids"], pol[oracle]["seeds"]))
+                pairs = [g - theirs[i] for i, g in zip(rules[rule]["seed_ids"], rules[rule]["seeds"]) if i in theirs]
+                t = (statistics.fmean(pairs) / (statistics.stdev(pairs) / math.sqrt(len(pairs)))
+                     if len(pairs) > 1 and statistics.stdev(pairs) > 0 else float("nan"))
+                lines.append(f"oracle_headroom {frac} {oracle} {best - pol[oracle]['mean']:+.5f} over best baseline "
+                             f"{best_name}; over best fixed rule {rule}: {diff:+.5f} "
+                             f"({diff / sd if sd else float('inf'):.1f} std; paired over seeds t {t:.1f}; target > 2 std at 0.75)")
         # Per granularity: snip / oracle against the per-layer baselines, the gemm pair against all.
         for snip, oracle, ref_name in (("snip", "oracle", best_layer), ("snip_gemm", "oracle_gemm", best_name)):
             if snip in pol and oracle in pol and ref_name is not None:
@@ -413,11 +433,17 @@ def run_jobs(s: Setup, ckpt, measured, jobs, work: Path, workers: int) -> list[d
     """Runs the jobs not yet in ``work``/rows.jsonl (appending each finished row there); returns the
     rows of all the jobs."""
     done_path = work / "rows.jsonl"
-    done = {}
+    done, stale = {}, 0
     if done_path.exists():
         for line in done_path.read_text().splitlines():
             row = json.loads(line)
+            # An oracle run made at another lambda (the default changed from 1 to SNIP's 0.1) is not this job.
+            if row["policy"].startswith("oracle") and row.get("oracle_lambda") != _oracle_lambda(row["policy"]):
+                stale += 1
+                continue
             done[row["policy"], row["fraction"], row["seed"]] = row
+    if stale:
+        print(f"# {stale} cached oracle runs made at another lambda than this code's: run again", flush=True)
     rows = [done[job] for job in jobs if job in done]
     jobs = [job for job in jobs if job not in done]
     if rows:
@@ -452,7 +478,7 @@ def objective_study(rows: list[dict], measured: dict) -> list[str]:
     priced by its last plan (its earlier plans held for part of the run)."""
     from scipy.stats import spearmanr
 
-    truths = measured["truths"]
+    truths, lam = measured["truths"], _oracle_lambda("oracle")
     bf16 = {m: {r["seed"]: r[m] for r in rows if r["policy"] == "all_bf16" and m in r} for m in ("eval_loss", "eval_loss_plan")}
 
     def objective(plan: dict) -> float:
@@ -464,7 +490,7 @@ def objective_study(rows: list[dict], measured: dict) -> list[str]:
             if direction in ("", "forward"):
                 total += max(0.0, truths["loss_divergence"].get(f"{fqn}|{fmt}", 0.0))  # as the oracle's ILP
             if direction in ("", "backward"):
-                total += ORACLE_LAMBDA * max(0.0, truths["weight_divergence"].get(f"{fqn}|{fmt}", 0.0))
+                total += lam * max(0.0, truths["weight_divergence"].get(f"{fqn}|{fmt}", 0.0))
         return total
 
     lines = []
@@ -476,7 +502,138 @@ def objective_study(rows: list[dict], measured: dict) -> list[str]:
             x = [objective(r["plan"]) for r in runs]
             y = [r[metric] - bf16[metric][r["seed"]] for r in runs]
             lines.append(f"objective_vs_gap {frac:g} {metric} {spearmanr(x, y).statistic:.2f} over {len(runs)} runs "
-                         f"(the ILP objective priced with the truths vs the run's gap)")
+                         f"(the ILP objective priced with the truths at lambda {lam:g} vs the run's gap)")
+    return lines
+
+
+# The classes of FP4 GEMMs the structure study fits a gap on: (name, direction, which GEMMs, by the
+# layer's fqn, block and the first and last block). A class after the first of its direction is an
+# excess over it (its GEMMs count in that first class too). FP4 formats are not told apart: only the
+# SNIP and oracle runs mix mxfp4 in, so a format column would price those policies, not the format.
+STRUCTURE_FEATURES = (
+    ("forward FP4", "forward", lambda fqn, block, first, last: True),
+    ("+ attention (forward)", "forward", lambda fqn, block, first, last: ".attn." in fqn),
+    ("+ first block (forward)", "forward", lambda fqn, block, first, last: block == first),
+    ("+ last block (forward)", "forward", lambda fqn, block, first, last: block == last and last != first),
+    ("backward FP4", "backward", lambda fqn, block, first, last: True),
+)
+_FP4_TOTAL = (0, 4)  # the columns that together hold a plan's whole FP4 share
+
+
+def plan_shares(plan: dict, flops: dict[str, float]) -> list[float]:
+    """A run's plan as the shares of the unpinned linear FLOPs (6 x in x out per layer: forward 1/3,
+    backward 2/3) in FP4 in each of STRUCTURE_FEATURES' classes."""
+    from lightning_snip.planner import block_index
+
+    total = sum(flops.values())
+    blocks = [b for b in map(block_index, flops) if b is not None]
+    first, last = (min(blocks), max(blocks)) if blocks else (None, None)
+    out = [0.0] * len(STRUCTURE_FEATURES)
+    for key, fmt in plan.items():
+        fqn, _, direction = key.partition(":")
+        if fqn not in flops or fmt not in ("mxfp4", "nvfp4"):
+            continue
+        block = block_index(fqn)
+        for d in ((direction,) if direction else ("forward", "backward")):
+            share = flops[fqn] * (1 / 3 if d == "forward" else 2 / 3) / total
+            for i, (_, where, member) in enumerate(STRUCTURE_FEATURES):
+                out[i] += share if where == d and member(fqn, block, first, last) else 0.0
+    return out
+
+
+def structure_study(rows: list[dict], s: Setup) -> list[str]:
+    """What kind of choice moves the gap? Least squares of the fixed-plan runs' gaps on their plans'
+    FP4 FLOP shares per class (STRUCTURE_FEATURES), with one offset per seed (a seed's data order is
+    shared by its runs). SNIP's runs change plans every interval: they stay out of the fit, and their
+    residual (priced by their last plan) is what SNIP gained (negative) or lost against the classes of
+    the plan it ended with; a fixed policy's mean residual is what its choices within the classes
+    gained or lost. If the classes explain the gaps down to the seed noise, plans that agree on the
+    classes are equivalent, and a rule that orders the classes right leaves an oracle little headroom."""
+    import numpy as np
+
+    from lightning_snip.demo.lightning import DemoLM
+
+    flops = {c.fqn: c.flops for c in _candidates(DemoLM(_model_config(s)), None) if c.pinned is None}
+    names = [n for n, _, _ in STRUCTURE_FEATURES]
+    lines = []
+    for metric in ("eval_loss", "eval_loss_plan"):
+        bf16 = {r["seed"]: r[metric] for r in rows if r["policy"] == "all_bf16" and metric in r}
+        seeds = sorted(bf16)
+        # all_bf16's gap is 0 by construction: not a measurement.
+        runs = [r for r in rows if r.get("plan") and r["policy"] != "all_bf16" and metric in r and r["seed"] in bf16]
+        fixed = [r for r in runs if not r["policy"].startswith("snip")]
+        if not runs:  # no run measured this metric
+            continue
+
+        def design(rs):
+            return np.array([plan_shares(r["plan"], flops) + [float(r["seed"] == seed) for seed in seeds] for r in rs])
+
+        x = design(fixed).reshape(len(fixed), len(names) + len(seeds))
+        rank = int(np.linalg.matrix_rank(x)) if len(fixed) else 0
+        if len(fixed) <= x.shape[1] or rank < x.shape[1]:
+            lines.append(f"structure {metric}: not fitted: {len(fixed)} fixed-plan runs, design rank {rank} of "
+                         f"{len(names) + len(seeds)} (needs runs at several fractions, e.g. the uniform ones)")
+            continue
+        y = np.array([r[metric] - bf16[r["seed"]] for r in fixed])
+        coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+        resid = y - x @ coef
+        r2 = 1 - float(resid @ resid) / float(((y - y.mean()) ** 2).sum())
+        lines.append(f"structure {metric}: R2 {r2:.2f} over {len(fixed)} fixed-plan runs, residual std "
+                     f"{resid.std(ddof=x.shape[1]):.5f}; gap per unit FLOP share in FP4: "
+                     + ", ".join(f"{n} {c:+.4f}" for n, c in zip(names, coef)))
+        all_resid = np.array([r[metric] - bf16[r["seed"]] for r in runs]) - design(runs) @ coef
+        by_policy: dict[str, list[float]] = {}
+        for r, e in zip(runs, all_resid):
+            by_policy.setdefault(r["policy"], []).append(float(e))
+        lines.append(f"structure {metric} mean residual by policy (n; snip* out of the fit, by their last plan): " + ", ".join(
+            f"{p} {statistics.fmean(v):+.5f} ({len(v)})" for p, v in sorted(by_policy.items(), key=lambda kv: statistics.fmean(kv[1]))))
+        offset = float(np.mean(coef[len(names):]))
+        lines += _structural_headroom(fixed, y, coef[:len(names)], offset, flops, metric)
+    return lines
+
+
+def _structural_headroom(runs: list[dict], gaps, coef, offset: float, flops: dict[str, float], metric: str) -> list[str]:
+    """Under the fit: the best plan with the best fixed rule's FP4 share (per layer and per GEMM: FP4
+    to the GEMMs the fit prices lowest per FLOP, fractionally at the margin: the exact minimum of the
+    fitted cost at that share, each GEMM's cost clamped at 0) against the fitted gap of that rule's own plan, both with the mean seed
+    offset, the difference in units of the hypot of two of the rule's seed stds (as oracle_headroom
+    compares an oracle with a rule). It is the fit's answer, within the fit's own residual error."""
+    lines = []
+    for frac in sorted({r["fraction"] for r in runs if 0 < r["fraction"] < 1}):
+        here = [(r, g) for r, g in zip(runs, gaps) if r["fraction"] == frac]
+        rules = {p: [g for r, g in here if r["policy"] == p] for p in FIXED_RULES}
+        rules = {p: g for p, g in rules.items() if len(g) > 1}
+        if not rules:
+            continue
+        rule = min(rules, key=lambda p: statistics.fmean(rules[p]))
+        shares = plan_shares(next(r["plan"] for r, _ in here if r["policy"] == rule), flops)
+        fitted_rule = offset + sum(c * x for c, x in zip(coef, shares))
+        total, clamped = sum(flops.values()), 0
+        parts = {}
+        for granularity, directions in (("layer", ("",)), ("gemm", (":forward", ":backward"))):
+            items = []
+            for fqn in flops:
+                for d in directions:
+                    share = flops[fqn] * {"": 1.0, ":forward": 1 / 3, ":backward": 2 / 3}[d] / total
+                    cost = sum(c * x for c, x in zip(coef, plan_shares({fqn + d: "nvfp4"}, flops)))
+                    clamped += cost < 0
+                    # A GEMM whose FP4 the fit prices below 0 is priced 0: FP4 is not taken to help.
+                    items.append((max(cost, 0.0) / share, share))
+            need, best = sum(shares[i] for i in _FP4_TOTAL), offset
+            for per_share, share in sorted(items):
+                take = min(share, need)
+                best, need = best + per_share * take, need - take
+                if need <= 1e-12:
+                    break
+            parts[granularity] = best
+        sd = math.sqrt(2) * statistics.stdev(rules[rule])
+        best = min(parts.values())
+        lines.append(f"structure {metric} headroom {frac:g}: the fit's best plan at {rule}'s FP4 share "
+                     f"{sum(shares[i] for i in _FP4_TOTAL):.3f} of the unpinned FLOPs (layer {parts['layer']:+.5f}, "
+                     f"gemm {parts['gemm']:+.5f}) vs {rule}'s plan fitted {fitted_rule:+.5f} (measured "
+                     f"{statistics.fmean(rules[rule]):+.5f}): {fitted_rule - best:+.5f} = "
+                     f"{(fitted_rule - best) / sd if sd else float('inf'):.1f} std (hypot of two of the rule's seed stds)"
+                     + (f"; {clamped} GEMM items the fit prices below 0 priced 0" if clamped else ""))
     return lines
 
 
@@ -489,7 +646,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.75, 0.9])
     parser.add_argument("--lambdas", type=float, nargs="+", default=[],
-                        help="also run snip and snip_gemm at these weight_divergence_weight values (policies snip@<lambda>)")
+                        help="also run snip, snip_gemm, oracle and oracle_gemm at these weight_divergence_weight "
+                             "values (policies snip@<lambda>, oracle@<lambda>, ...)")
     parser.add_argument("--policies", nargs="+",
                         help="run only these policies (all_bf16 always runs: the gaps are to it)")
     parser.add_argument("--natural-seeds", type=int, help="seeds of the runs at the rules' natural fractions (default --seeds)")
@@ -497,10 +655,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--objective-study", type=Path, metavar="RUNS_JSON",
                         help="from a compare_policies_v2_runs.json: the objective-vs-gap correlation, then exit")
+    parser.add_argument("--structure-study", type=Path, metavar="RUNS_JSON",
+                        help="from a compare_policies_v2_runs.json: each run's gap fitted on its plan's FLOP shares "
+                             "in a few classes (forward/backward FP4, block 0, the last block, mxfp4), then exit")
     args = parser.parse_args()
     if args.objective_study:
         data = json.loads(args.objective_study.read_text())
         print("\n".join(objective_study(data["rows"], data["measured"])))
+        return
+    if args.structure_study:
+        data = json.loads(args.structure_study.read_text())
+        print("\n".join(structure_study(data["rows"], Setup(**data["setting"]))))
         return
     work = Path(os.environ.get("SNIP_BENCH_DIR", "/tmp/snip_compare_v2"))
     date = datetime.date.today().isoformat()
@@ -537,7 +702,7 @@ def main() -> None:
             jobs = jobs_for(args.fractions, 1 if args.quick else args.seeds, natural=natural_fractions(s),
                             natural_seeds=args.natural_seeds)
             jobs += [(f"{p}@{lam:g}", f, seed) for seed in range(1 if args.quick else args.seeds)
-                     for f in args.fractions for lam in args.lambdas for p in ("snip", "snip_gemm")]
+                     for f in args.fractions for lam in args.lambdas for p in ("snip", "snip_gemm", "oracle", "oracle_gemm")]
         if args.policies:
             unknown = set(args.policies) - {j[0] for j in jobs}
             if unknown:
@@ -557,7 +722,7 @@ def main() -> None:
                  f"{statistics.stdev(bf16) if len(bf16) > 1 else 0.0:.5f}", ""] + table(summary) + [""]
         lines += [f"    {v}" for v in verdicts(summary)] + [""]
         if not args.search:
-            lines += [f"    {v}" for v in objective_study(rows, measured)] + [""]
+            lines += [f"    {v}" for v in objective_study(rows, measured) + structure_study(rows, s)] + [""]
         if summary_plan:
             lines += ["The same runs evaluated with every forward GEMM in its plan's format (the model served as it "
                       "trained; the oracle's LD truth is this loss's first-order change):", ""]
@@ -578,7 +743,8 @@ def main() -> None:
     if args.quick:
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    suffix = "study_" if args.policies else "search_" if args.search else ""
+    # A --policies study is named by its policies: two studies of a day do not overwrite each other.
+    suffix = f"study_{'-'.join(args.policies)}_" if args.policies else "search_" if args.search else ""
     (args.out / f"compare_policies_v2_{suffix}{date}.md").write_text("\n".join(report) + "\n")
 
 

@@ -517,20 +517,26 @@ def min_rel_err_plan(layers: Sequence[LayerCandidates], relative_error: Mapping[
 
 def layer_type_plan(
     layers: Sequence[LayerCandidates], *, fp4_fraction: float, type_order: Sequence[str] = DEFAULT_LAYER_TYPE_ORDER,
-    granularity: Granularity | str = Granularity.LAYER, **kw
+    granularity: Granularity | str = Granularity.LAYER, edges_last: bool = False, **kw
 ) -> Plan:
     """FP4 first for layer types early in ``type_order`` (the fqn's last component); unknown types last.
     Granularity gemm: every backward GEMM (in type order) before any forward GEMM (in type order),
-    the fixed rule behind "FP4 backward barely hurts" (issue 12)."""
+    the fixed rule behind "FP4 backward barely hurts" (issue 12). Within a type, layers in model
+    order. ``edges_last`` adds first_last's rule (policy "layer_type_edges"): in each direction the
+    first and last blocks' layers come after every other block's, and within a type the blocks fill
+    from the middle outwards."""
     rank = {t: i for i, t in enumerate(type_order)}
+    edge = _distance_to_edge(layers) if edges_last else {}
 
     def key(item_fqn: str):
         fqn, direction = split_key(item_fqn)
-        return (direction == FORWARD, rank.get(fqn.rsplit(".", 1)[-1], len(rank)))
+        distance = edge.get(fqn, 1.0)
+        return (direction == FORWARD, distance <= 0, rank.get(fqn.rsplit(".", 1)[-1], len(rank)), -distance)
 
     items = _items(layers, granularity)
     order = sorted((item.fqn for item in items), key=key)
-    return ordered_plan(items, order, fp4_fraction=fp4_fraction, policy=_policy("layer_type", granularity), **kw)
+    name = "layer_type_edges" if edges_last else "layer_type"
+    return ordered_plan(items, order, fp4_fraction=fp4_fraction, policy=_policy(name, granularity), **kw)
 
 
 def block_index(fqn: str) -> int | None:
@@ -539,17 +545,22 @@ def block_index(fqn: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _distance_to_edge(layers: Sequence[LayerCandidates]) -> dict[str, float]:
+    """fqn -> blocks to the nearer of the first and last block; -inf outside any block."""
+    blocks = [b for b in (block_index(layer.fqn) for layer in layers) if b is not None]
+    lo, hi = (min(blocks), max(blocks)) if blocks else (0, 0)
+    out = {}
+    for layer in layers:
+        b = block_index(layer.fqn)
+        out[layer.fqn] = -math.inf if b is None else min(b - lo, hi - b)
+    return out
+
+
 def first_last_plan(layers: Sequence[LayerCandidates], *, fp4_fraction: float, **kw) -> Plan:
     """Keep the first and last blocks high: FP4 fills from the middle block outwards; layers outside
     any block (embeddings, heads) go last."""
-    blocks = [b for b in (block_index(layer.fqn) for layer in layers) if b is not None]
-    lo, hi = (min(blocks), max(blocks)) if blocks else (0, 0)
-
-    def distance_to_edge(fqn: str) -> float:
-        b = block_index(fqn)
-        return -math.inf if b is None else min(b - lo, hi - b)
-
-    order = sorted((layer.fqn for layer in layers), key=distance_to_edge, reverse=True)
+    edge = _distance_to_edge(layers)
+    order = sorted((layer.fqn for layer in layers), key=edge.__getitem__, reverse=True)
     return ordered_plan(layers, order, fp4_fraction=fp4_fraction, policy="first_last", **kw)
 
 

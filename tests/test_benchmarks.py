@@ -146,3 +146,124 @@ def test_quality_per_gemm_layer_type_baseline_fills_backward_gemms_first():
     assert all(f is Format.NVFP4 for k, f in unpinned.items() if split_key(k)[1] == BACKWARD)
     forward_fp4 = {split_key(k)[0].rsplit(".", 2)[-2] for k, f in unpinned.items() if split_key(k)[1] != BACKWARD and f.is_fp4}
     assert forward_fp4 == {"mlp"}
+    assert "model.layers.0.mlp.gate:forward" in {k for k, f in unpinned.items() if f.is_fp4}  # model order: block 0 first
+
+    # layer_type_edges_gemm: the same with first_last's rule: no forward of the first or last block, and
+    # within a type the middle blocks first (11 MLP forwards: up in blocks 1-6, then gate in 3, 4, 2, 5 and,
+    # of the equally central 1 and 6, the earlier). layer_type_gemm's are up and gate of blocks 0-2, up of 3-7.
+    edges = cp.fixed_plan("layer_type_edges_gemm", 0.75, 0, DemoLM(cp._model_config(s)), s, {})
+    assert edges.policy == "layer_type_edges_gemm" and abs(edges.fp4_fraction - 0.75) < 0.02
+    forward = {split_key(k)[0].split(".", 2)[2] for k, f in edges.items() if split_key(k)[1] != BACKWARD and f.is_fp4}
+    assert forward == {f"{b}.mlp.up" for b in range(1, 7)} | {f"{b}.mlp.gate" for b in range(1, 6)}, forward
+    assert all(f is Format.NVFP4 for k, f in edges.items() if split_key(k)[1] == BACKWARD and "lm_head" not in k)
+
+
+def test_quality_oracle_plans_at_snips_lambda_unless_named():
+    """The oracle is SNIP's ILP fed with truths: at SNIP's default lambda unless the policy names one
+    ("oracle@1"). Synthetic truths where the lambda decides: at 0.1 the MLP layers (GEMMs: attention backwards)
+    go to FP4 first, at 1 the attention layers (GEMMs: MLP forwards)."""
+    from lightning_snip import planner
+    from lightning_snip.demo.lightning import DemoLM
+
+    cp = _benchmark("compare_policies")
+    s = cp.SETTINGS["quick"]
+    module = DemoLM(cp._model_config(s))
+    fqns = [c.fqn for c in cp._candidates(module, None) if not c.fqn.endswith("lm_head")]
+    truths = {"loss_divergence": {}, "weight_divergence": {}}
+    for i, fqn in enumerate(fqns):
+        mlp = ".mlp." in fqn
+        for fmt in cp.CANDIDATES:
+            scale = 0.01 if fmt == "fp8" else 1.0
+            truths["loss_divergence"][f"{fqn}|{fmt}"] = scale * (0.1 if mlp else 1.0) * (1 + 0.01 * i)
+            truths["weight_divergence"][f"{fqn}|{fmt}"] = scale * (5.0 if mlp else 0.5) * (1 + 0.01 * i)
+    measured = {"truths": truths}
+    for policy, solve in (("oracle", planner.solve_plan), ("oracle_gemm", planner.solve_gemm_plan)):
+        cands = cp._candidates(module, truths)
+        default = cp.fixed_plan(policy, 0.5, 0, module, s, measured)
+        assert dict(default.items()) == dict(solve(cands, fp4_fraction=0.5,
+                                                   weight_divergence_weight=planner.DEFAULT_WEIGHT_DIVERGENCE_WEIGHT).items())
+        at_one = cp.fixed_plan(f"{policy}@1", 0.5, 0, module, s, measured)
+        assert dict(at_one.items()) == dict(solve(cands, fp4_fraction=0.5, weight_divergence_weight=1.0).items())
+        assert dict(at_one.items()) != dict(default.items())  # the truths were built so that lambda decides
+
+
+def test_quality_structure_study_recovers_known_costs_and_bounds_the_headroom():
+    """Gaps made from known per-class costs per unit FLOP share (forward FP4 1, attention forwards 2
+    more, the first block's 3 more, the last block's 0.5 more, backward 0.1) plus a per-seed offset: the
+    fit recovers the costs; at the best fixed rule's own FP4 share r (the rules run at 0.47 of all FLOPs;
+    the head is pinned, so r > 0.5 of the unpinned ones)
+    the best plan it implies is every backward GEMM at 0.1 per GEMM, and per layer the inner block's
+    MLP (0.4 per share), the last block's MLP (1.5 / 3 + 0.2 / 3), then a fraction of the inner block's
+    attention (3 / 3 + 0.2 / 3)."""
+    import numpy as np
+
+    from lightning_snip import planner
+    from lightning_snip.demo.lightning import DemoLM
+
+    cp = _benchmark("compare_policies")
+    s = cp.SETTINGS["quick"]  # 3 blocks: first 0, inner 1, last 2; MLP 3/4 of a block's FLOPs
+    cands = cp._candidates(DemoLM(cp._model_config(s)), None)
+    flops = {c.fqn: c.flops for c in cands if c.pinned is None}
+    truth = np.array([1.0, 2.0, 3.0, 0.5, 0.1])
+    offset = {seed: 0.01 * seed for seed in range(4)}
+    rows = [{"policy": "all_bf16", "fraction": 0.0, "seed": seed, "eval_loss": 3.0, "plan": {}} for seed in offset]
+
+    # The classes by block: first (0), inner (1), last (2); a per-layer key counts both directions.
+    up = {b: cp.plan_shares({f"model.layers.{b}.mlp.up": "nvfp4"}, flops) for b in range(3)}
+    assert [[v > 0 for v in up[b]] for b in range(3)] == [[True, False, True, False, True], [True, False, False, False, True],
+                                                          [True, False, False, True, True]]
+    assert up[1][4] == pytest.approx(2 * up[1][0])
+
+    def row(policy, plan, seed, fraction=0.47):
+        plan = {k: f.value for k, f in plan.items()}
+        gap = float(truth @ np.array(cp.plan_shares(plan, flops))) + offset[seed]
+        return {"policy": policy, "fraction": fraction, "seed": seed, "eval_loss": 3.0 + gap, "plan": plan}
+
+    for seed in offset:
+        for i, granularity in enumerate(("layer", "gemm", "gemm")):
+            for fraction in (0.25, 0.47, 0.75):  # fractions apart: forward and backward costs separate
+                plan = planner.random_plan(cands, fp4_fraction=fraction, seed=10 * seed + i, granularity=granularity,
+                                           low=("nvfp4", "mxfp4")[(seed + i) % 2], high="fp8")
+                rows.append(row("random", plan, seed, fraction))
+        rows.append(row("layer_type", planner.layer_type_plan(cands, fp4_fraction=0.47, low="nvfp4", high="fp8"), seed))
+        rule = planner.layer_type_plan(cands, fp4_fraction=0.47, low="nvfp4", high="fp8", granularity="gemm")
+        rows.append(row("layer_type_gemm", rule, seed))
+        rows.append(row("snip", rule, seed))  # a SNIP run stays out of the fit: its gap is off by 1
+        rows[-1]["eval_loss"] += 1.0
+    lines = "\n".join(cp.structure_study(rows, s))
+    fit = re.search(r"^structure eval_loss: R2 ([0-9.]+) over 44 fixed-plan runs.*in FP4: forward FP4 ([-+0-9.]+), "
+                    r"\+ attention \(forward\) ([-+0-9.]+), \+ first block \(forward\) ([-+0-9.]+), "
+                    r"\+ last block \(forward\) ([-+0-9.]+), backward FP4 ([-+0-9.]+)$", lines, re.M)
+    assert fit and float(fit[1]) > 0.999, lines
+    assert [float(v) for v in fit.groups()[1:]] == pytest.approx(list(truth), abs=2e-4)
+    assert re.search(r"mean residual by policy.*snip \+1\.00000 \(4\)", lines), lines
+    shares = cp.plan_shares({k: f.value for k, f in rule.items()}, flops)
+    r = shares[0] + shares[4]
+    mean_offset = float(np.mean(list(offset.values())))
+    per_layer = 0.25 * (1 / 3 + 0.2 / 3) + 0.25 * (1.5 / 3 + 0.2 / 3) + (r - 0.5) * (3 / 3 + 0.2 / 3)
+    # The margin is a fraction of the inner block's attention (whose layers' shares are multiples of 1/72).
+    assert 0.5 < r < 0.5 + 0.25 / 3 and abs((r - 0.5) * 72 - round((r - 0.5) * 72)) > 0.1
+    head = re.search(r"^structure eval_loss headroom 0.47: the fit's best plan at layer_type_gemm's FP4 share ([0-9.]+) "
+                     r"of the unpinned FLOPs \(layer ([-+0-9.]+), gemm ([-+0-9.]+)\) vs layer_type_gemm's plan fitted "
+                     r"([-+0-9.]+)", lines, re.M)
+    assert head, lines
+    assert float(head[1]) == pytest.approx(r, abs=1e-3)
+    assert [float(v) for v in head.groups()[1:]] == pytest.approx(
+        [mean_offset + per_layer, mean_offset + 0.1 * r, mean_offset + float(truth @ np.array(shares))], abs=2e-5)
+
+
+def test_quality_oracle_headroom_pairs_runs_by_seed():
+    """oracle_headroom: the oracle against the best fixed rule, unpaired (means over hypot of the stds)
+    and paired by seed id; a seed the oracle lacks is left out of the pairs, not shifted into them."""
+    cp = _benchmark("compare_policies")
+    gaps = {"layer_type_gemm": {0: 0.05, 1: 0.07, 2: 0.02}, "layer_type": {0: 0.09, 1: 0.09, 2: 0.1},
+            "oracle": {1: 0.01, 2: 0.0}}
+    rows = [{"policy": "all_bf16", "fraction": 0.0, "seed": seed, "eval_loss": 3.0, "achieved_fraction": 0.0} for seed in range(3)]
+    rows += [{"policy": p, "fraction": 0.75, "seed": seed, "eval_loss": 3.0 + g, "achieved_fraction": 0.75}
+             for p, by_seed in gaps.items() for seed, g in by_seed.items()]
+    summary = cp.summarize(rows)
+    assert summary["0.75"]["oracle"]["seed_ids"] == [1, 2]
+    lines = "\n".join(cp.verdicts(summary))
+    # unpaired: (0.04667 - 0.005) / hypot(0.02517, 0.00707) = 1.6; paired: 0.06, 0.02 -> t = 0.04 / (0.02828 / sqrt 2) = 2.0
+    assert re.search(r"^oracle_headroom 0.75 oracle \+0.04167 over best baseline layer_type_gemm; over best fixed rule "
+                     r"layer_type_gemm: \+0.04167 \(1.6 std; paired over seeds t 2.0;", lines, re.M), lines

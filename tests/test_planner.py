@@ -252,6 +252,24 @@ def test_ordered_baselines_trim_their_overshoot():
     assert plan.fp4_fraction == pytest.approx(12 / 14)
 
 
+def test_layer_type_edges_last_fills_inner_blocks_from_the_middle_out():
+    """edges_last: in each direction the first and last blocks come after every other block, and
+    within a type the blocks fill from the middle outwards (model order would take blocks 0 and 1)."""
+    from lightning_snip.planner import layer_type_plan
+    from lightning_snip.plan import BACKWARD, split_key
+
+    layers = [layer(f"layers.{b}.{kind}", 1, (0, 0, 0)) for b in range(7) for kind in ("mlp.up", "attn.q")]
+    fp4 = lambda plan: {k for k, f in plan.items() if f.is_fp4}  # noqa: E731
+    assert fp4(layer_type_plan(layers, fp4_fraction=2 / 14)) == {"layers.0.mlp.up", "layers.1.mlp.up"}
+    assert fp4(layer_type_plan(layers, fp4_fraction=2 / 14, edges_last=True)) == {"layers.3.mlp.up", "layers.2.mlp.up"}
+    # 6 of 14: every up of blocks 1-5 (not the edges'), then the q of the middle block.
+    assert fp4(layer_type_plan(layers, fp4_fraction=6 / 14, edges_last=True)) == (
+        {f"layers.{b}.mlp.up" for b in range(1, 6)} | {"layers.3.attn.q"})
+    gemm = layer_type_plan(layers, fp4_fraction=0.68, edges_last=True, granularity="gemm")
+    forward = {split_key(k)[0] for k in fp4(gemm) if split_key(k)[1] != BACKWARD}
+    assert gemm.policy == "layer_type_edges_gemm" and forward == {"layers.3.mlp.up"}  # 2/3 backward + one forward (1/42)
+
+
 def test_baselines_take_format_names_and_refuse_bad_ones():
     """A format name is the format it names (it once fell back silently to the layer's first FP4
     candidate, mxfp4, when "nvfp4" was asked for by name); a bad one is an error naming the field."""
