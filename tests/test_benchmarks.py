@@ -267,3 +267,34 @@ def test_quality_oracle_headroom_pairs_runs_by_seed():
     # unpaired: (0.04667 - 0.005) / hypot(0.02517, 0.00707) = 1.6; paired: 0.06, 0.02 -> t = 0.04 / (0.02828 / sqrt 2) = 2.0
     assert re.search(r"^oracle_headroom 0.75 oracle \+0.04167 over best baseline layer_type_gemm; over best fixed rule "
                      r"layer_type_gemm: \+0.04167 \(1.6 std; paired over seeds t 2.0;", lines, re.M), lines
+
+
+def test_quality_pooled_oracle_plans_from_class_means():
+    """oracle_pooled: each truth replaced by the mean of its class (layer type x first / inner / last
+    block x format), LD and WD apart; its plan is the ILP's on those means."""
+    from lightning_snip import planner
+    from lightning_snip.demo.lightning import DemoLM
+
+    cp = _benchmark("compare_policies")
+    truths = {"loss_divergence": {}, "weight_divergence": {}}
+    for b in range(4):
+        for t in ("q", "up"):
+            for fmt in cp.CANDIDATES:
+                truths["loss_divergence"][f"model.layers.{b}.x.{t}|{fmt}"] = float(b + 10 * (t == "up"))
+                truths["weight_divergence"][f"model.layers.{b}.x.{t}|{fmt}"] = float(-b)
+    pooled = cp.pooled_truths(truths)
+    ld = pooled["loss_divergence"]
+    assert ld["model.layers.0.x.q|fp8"] == 0.0 and ld["model.layers.3.x.up|nvfp4"] == 13.0  # first, last: alone
+    assert ld["model.layers.1.x.q|mxfp4"] == ld["model.layers.2.x.q|mxfp4"] == 1.5  # inner blocks 1, 2 pooled
+    assert ld["model.layers.1.x.up|fp8"] == 11.5 and pooled["weight_divergence"]["model.layers.2.x.up|fp8"] == -1.5
+
+    s = cp.SETTINGS["deep8"]  # 6 inner blocks per class: pooling changes the plan
+    module = DemoLM(cp._model_config(s))
+    real = {m: {f"{c.fqn}|{fmt}": (1.0 + (37 * i) % 11) * (0.1 if fmt == "fp8" else 1.0)
+                for i, c in enumerate(cp._candidates(module, None)) if c.pinned is None for fmt in cp.CANDIDATES}
+            for m in truths}
+    plan = cp.fixed_plan("oracle_pooled_gemm", 0.5, 0, module, s, {"truths": real})
+    expected = planner.solve_gemm_plan(cp._candidates(module, cp.pooled_truths(real)), fp4_fraction=0.5,
+                                       weight_divergence_weight=planner.DEFAULT_WEIGHT_DIVERGENCE_WEIGHT)
+    assert dict(plan.items()) == dict(expected.items())
+    assert dict(plan.items()) != dict(cp.fixed_plan("oracle_gemm", 0.5, 0, module, s, {"truths": real}).items())
