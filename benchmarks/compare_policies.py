@@ -235,8 +235,8 @@ def _oracle_lambda(policy: str) -> float:
 def pooled_truths(truths: dict) -> dict:
     """The truths averaged over each class of layers: (layer type, first / inner / last block, format),
     for LD and WD apart. A single layer's truth is noisy (at deep8 16 of 56 layers' LD truth per FP4
-    format comes out <= 0, which the clamp makes free: the ILP takes those first, the optimizer's
-    curse); a class mean is not. The oracle_pooled policies plan from these."""
+    format comes out <= 0, which the clamp makes free for the ILP); a class mean much less so. The
+    oracle_pooled policies plan from these: do they beat the oracle, i.e. was its loss the noise?"""
     from lightning_snip.planner import block_index
 
     blocks = [block_index(k.partition("|")[0]) for m in truths.values() for k in m]
@@ -411,9 +411,9 @@ def verdicts(summary: dict) -> list[str]:
         best = base[best_name]["mean"]
         best_layer = min((p for p in PER_LAYER if p in pol), key=lambda p: pol[p]["mean"], default=None)
         rules = {p: pol[p] for p in FIXED_RULES if p in pol}
+        rule = min(rules, key=lambda p: rules[p]["mean"]) if rules else None
         for oracle in ("oracle", "oracle_gemm", "oracle_pooled", "oracle_pooled_gemm"):
-            if rules and oracle in pol:
-                rule = min(rules, key=lambda p: rules[p]["mean"])
+            if rule is not None and oracle in pol:
                 diff = rules[rule]["mean"] - pol[oracle]["mean"]
                 sd = math.hypot(pol[oracle]["std"], rules[rule]["std"])
                 # Paired by seed too: a seed's data order is shared by both runs.
@@ -548,12 +548,20 @@ STRUCTURE_FEATURES = (
     ("+ last block (forward)", "forward", lambda fqn, block, first, last: block == last and last != first),
     ("backward FP4", "backward", lambda fqn, block, first, last: True),
 )
-_FP4_TOTAL = (0, 4)  # the columns that together hold a plan's whole FP4 share
+# The columns that together hold a plan's whole FP4 share: the first class of each direction.
+_FP4_TOTAL = tuple(i for i, (name, _, _) in enumerate(STRUCTURE_FEATURES) if not name.startswith("+"))
+
+
+def _direction_share(direction: str) -> float:
+    """A GEMM direction's share of its layer's FLOPs ("" = the whole layer), as the planner splits them."""
+    from lightning_snip.planner import FORWARD_SHARE
+
+    return {"": 1.0, "forward": FORWARD_SHARE, "backward": 1.0 - FORWARD_SHARE}[direction]
 
 
 def plan_shares(plan: dict, flops: dict[str, float]) -> list[float]:
     """A run's plan as the shares of the unpinned linear FLOPs (6 x in x out per layer: forward 1/3,
-    backward 2/3) in FP4 in each of STRUCTURE_FEATURES' classes."""
+    backward 2/3, planner.FORWARD_SHARE) in FP4 in each of STRUCTURE_FEATURES' classes."""
     from lightning_snip.planner import block_index
 
     total = sum(flops.values())
@@ -566,7 +574,7 @@ def plan_shares(plan: dict, flops: dict[str, float]) -> list[float]:
             continue
         block = block_index(fqn)
         for d in ((direction,) if direction else ("forward", "backward")):
-            share = flops[fqn] * (1 / 3 if d == "forward" else 2 / 3) / total
+            share = flops[fqn] * _direction_share(d) / total
             for i, (_, where, member) in enumerate(STRUCTURE_FEATURES):
                 out[i] += share if where == d and member(fqn, block, first, last) else 0.0
     return out
@@ -626,9 +634,22 @@ def structure_study(rows: list[dict], s: Setup) -> list[str]:
 def _structural_headroom(runs: list[dict], gaps, coef, offset: float, flops: dict[str, float], metric: str) -> list[str]:
     """Under the fit: the best plan with the best fixed rule's FP4 share (per layer and per GEMM: FP4
     to the GEMMs the fit prices lowest per FLOP, fractionally at the margin: the exact minimum of the
-    fitted cost at that share, each GEMM's cost clamped at 0) against the fitted gap of that rule's own plan, both with the mean seed
-    offset, the difference in units of the hypot of two of the rule's seed stds (as oracle_headroom
-    compares an oracle with a rule). It is the fit's answer, within the fit's own residual error."""
+    fitted cost at that share, each GEMM's cost clamped at 0) against the fitted gap of that rule's own
+    plan, both with the mean seed offset, the difference in units of the hypot of two of the rule's
+    seed stds (as oracle_headroom compares an oracle with a rule). It is the fit's answer, within the
+    fit's own residual error."""
+    total, clamped = sum(flops.values()), 0
+    items = {}  # granularity -> (fitted cost per unit share, share), cheapest first
+    for granularity, directions in (("layer", ("",)), ("gemm", ("forward", "backward"))):
+        priced = []
+        for fqn in flops:
+            for d in directions:
+                share = flops[fqn] * _direction_share(d) / total
+                cost = sum(c * x for c, x in zip(coef, plan_shares({f"{fqn}:{d}" if d else fqn: "nvfp4"}, flops)))
+                clamped += cost < 0
+                # A GEMM whose FP4 the fit prices below 0 is priced 0: FP4 is not taken to help.
+                priced.append((max(cost, 0.0) / share, share))
+        items[granularity] = sorted(priced)
     lines = []
     for frac in sorted({r["fraction"] for r in runs if 0 < r["fraction"] < 1}):
         here = [(r, g) for r, g in zip(runs, gaps) if r["fraction"] == frac]
@@ -639,19 +660,10 @@ def _structural_headroom(runs: list[dict], gaps, coef, offset: float, flops: dic
         rule = min(rules, key=lambda p: statistics.fmean(rules[p]))
         shares = plan_shares(next(r["plan"] for r, _ in here if r["policy"] == rule), flops)
         fitted_rule = offset + sum(c * x for c, x in zip(coef, shares))
-        total, clamped = sum(flops.values()), 0
         parts = {}
-        for granularity, directions in (("layer", ("",)), ("gemm", (":forward", ":backward"))):
-            items = []
-            for fqn in flops:
-                for d in directions:
-                    share = flops[fqn] * {"": 1.0, ":forward": 1 / 3, ":backward": 2 / 3}[d] / total
-                    cost = sum(c * x for c, x in zip(coef, plan_shares({fqn + d: "nvfp4"}, flops)))
-                    clamped += cost < 0
-                    # A GEMM whose FP4 the fit prices below 0 is priced 0: FP4 is not taken to help.
-                    items.append((max(cost, 0.0) / share, share))
+        for granularity, priced in items.items():
             need, best = sum(shares[i] for i in _FP4_TOTAL), offset
-            for per_share, share in sorted(items):
+            for per_share, share in priced:
                 take = min(share, need)
                 best, need = best + per_share * take, need - take
                 if need <= 1e-12:
@@ -687,8 +699,8 @@ def main() -> None:
     parser.add_argument("--objective-study", type=Path, metavar="RUNS_JSON",
                         help="from a compare_policies_v2_runs.json: the objective-vs-gap correlation, then exit")
     parser.add_argument("--structure-study", type=Path, metavar="RUNS_JSON",
-                        help="from a compare_policies_v2_runs.json: each run's gap fitted on its plan's FLOP shares "
-                             "in a few classes (forward/backward FP4, block 0, the last block, mxfp4), then exit")
+                        help="from a compare_policies_v2_runs.json: each fixed-plan run's gap fitted on its plan's FP4 "
+                             "FLOP shares per GEMM class (forward, attention, first / last block, backward), then exit")
     args = parser.parse_args()
     if args.objective_study:
         data = json.loads(args.objective_study.read_text())
