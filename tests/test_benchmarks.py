@@ -127,8 +127,13 @@ def test_fidelity_generic_truth_equals_the_block_cached_one_and_runs_on_hf_llama
     assert len(hf_layers) == 2 * 7 + 1  # q, k, v, o, gate, up, down per block and the untied head
     with torch.no_grad():
         truth = fid.loss_increase(hf, hf_layers, batch)
+        generic = fid._loss_increase_generic(hf, hf_layers, batch, fid.FORMATS)
     assert len(truth) == 2 * len(hf_layers) and all(v == v for v in truth.values())
     assert max(abs(v) for v in truth.values()) > 1e-4
+    # Hugging Face's Llama replays each decoder layer's recorded input (SmolLM2's 30 blocks): the same
+    # truth as a whole forward per (layer, format), every layer back in high precision
+    assert truth.keys() == generic.keys() and max(abs(truth[k] - generic[k]) for k in truth) < 1e-5
+    assert all(layer.format is Format.BF16 and layer.backward_format is None for layer in hf_layers.values())
 
 
 def test_quality_per_gemm_layer_type_baseline_fills_backward_gemms_first():

@@ -2,22 +2,89 @@
 
 from __future__ import annotations
 
+import math
+
 import lightning.pytorch as pl
 import torch
+import torch.nn.functional as F
 
 from lightning_snip.demo.data import ByteWindows, load_corpus, min_corpus_bytes, split_corpus
 from lightning_snip.demo.model import LlamaConfig, TinyLlama
+from lightning_snip.linear import SNIPLinear
+from lightning_snip.stats import high_precision
+
+
+def lr_factor(step: int, *, warmup_steps: int = 0, cosine_steps: int | None = None, min_lr_ratio: float = 0.1) -> float:
+    """The learning rate's multiplier at ``step``: linear warmup over ``warmup_steps``, then (if
+    ``cosine_steps``) cosine decay to ``min_lr_ratio`` at step ``cosine_steps``, constant after."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if cosine_steps is None:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, cosine_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class CausalLM(pl.LightningModule):
+    """Continued pretraining of a Hugging Face causal LM (``model(input_ids=...)`` returning
+    ``.logits``, e.g. lightning_snip.hf.load_smollm2's): next-token cross-entropy on (inputs,
+    targets) windows, AdamW, linear warmup then cosine decay to ``min_lr_ratio * lr`` at the
+    Trainer's ``max_steps``.
+
+    Logged: ``train/loss``; ``val/loss``, the held-out loss in high precision (every SNIPLinear in
+    bf16, i.e. the run's own precision, as in the SNIP paper's evaluation) and ``val/loss_plan``, the
+    same batches in the formats of the plan in force.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, lr: float = 3e-4, weight_decay: float = 0.1, warmup_steps: int = 0,
+                 cosine: bool = True, min_lr_ratio: float = 0.1):
+        super().__init__()
+        self.model = model
+        self.lr, self.weight_decay = lr, weight_decay
+        self.warmup_steps, self.cosine, self.min_lr_ratio = warmup_steps, cosine, min_lr_ratio
+
+    def snip_loss(self, batch) -> torch.Tensor:
+        inputs, targets = batch
+        logits = self.model(input_ids=inputs, use_cache=False).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+    def training_step(self, batch, batch_idx):
+        loss = self.snip_loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss_plan = self.snip_loss(batch)
+        with high_precision({name: m for name, m in self.model.named_modules() if isinstance(m, SNIPLinear)}):
+            loss = self.snip_loss(batch)
+        self.log("val/loss", loss, sync_dist=True)
+        self.log("val/loss_plan", loss_plan, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, betas=(0.9, 0.95))
+        total = self.trainer.max_steps if self.cosine and self.trainer.max_steps > 0 else None
+        warmup, floor = self.warmup_steps, self.min_lr_ratio
+
+        def factor(step: int) -> float:  # a closure, so a resumed run keeps this run's schedule
+            return lr_factor(step, warmup_steps=warmup, cosine_steps=total, min_lr_ratio=floor)
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 class DemoLM(pl.LightningModule):
     def __init__(self, model: LlamaConfig = LlamaConfig(), *, lr: float = 3e-3, weight_decay: float = 0.1,
-                 lr_decay_start: int | None = None, lr_decay_steps: int = 1):
+                 lr_decay_start: int | None = None, lr_decay_steps: int = 1, warmup_steps: int = 0,
+                 cosine: bool = False, min_lr_ratio: float = 0.1):
         """``lr_decay_start``/``lr_decay_steps``: linear decay of the learning rate to 0 over these
-        steps (None: constant), e.g. to end a benchmark's continuation at a low-noise final iterate."""
+        steps (None: constant), e.g. to end a benchmark's continuation at a low-noise final iterate.
+        ``warmup_steps``, ``cosine``, ``min_lr_ratio``: as CausalLM's (lr_factor)."""
         super().__init__()
         self.model = TinyLlama(model)
         self.lr, self.weight_decay = lr, weight_decay
         self.lr_decay_start, self.lr_decay_steps = lr_decay_start, max(1, lr_decay_steps)
+        self.warmup_steps, self.cosine, self.min_lr_ratio = warmup_steps, cosine, min_lr_ratio
 
     def configure_model(self) -> None:
         """Under FSDP2 (Lightning's ModelParallelStrategy; the app's ``trainer.strategy=fsdp2``):
@@ -48,12 +115,24 @@ class DemoLM(pl.LightningModule):
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, betas=(0.9, 0.95))
         start, length = self.lr_decay_start, self.lr_decay_steps
+        total = self.trainer.max_steps if self.cosine and self.trainer.max_steps > 0 else None
+        warmup, floor = self.warmup_steps, self.min_lr_ratio
 
         def factor(step: int) -> float:  # a closure, so a resumed run keeps this run's schedule
-            return 1.0 if start is None or step < start else max(0.0, 1.0 - (step - start) / length)
+            shape = lr_factor(step, warmup_steps=warmup, cosine_steps=total, min_lr_ratio=floor)
+            return shape * (1.0 if start is None or step < start else max(0.0, 1.0 - (step - start) / length))
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _line_pieces(text: str, size: int):
+    start = 0
+    while start < len(text):
+        end = text.find("\n", start + size)
+        end = len(text) if end < 0 else end + 1
+        yield text[start:end]
+        start = end
 
 
 class WindowStream(torch.utils.data.distributed.DistributedSampler):
@@ -97,21 +176,40 @@ class WindowStream(torch.utils.data.distributed.DistributedSampler):
 
 
 class ByteTextDataModule(pl.LightningDataModule):
-    """Windows of a byte corpus: shuffled training windows, a fixed held-out tail for validation."""
+    """Windows of a text corpus, as bytes or as the tokens of ``tokenizer`` (a Hugging Face
+    tokenizer: the model's own, for a pretrained model): shuffled training windows, a fixed held-out
+    tail for validation."""
 
     def __init__(self, path: str | None = None, *, seq_len: int = 128, batch_size: int = 16,
-                 val_fraction: float = 0.05, val_batches: int = 8, seed: int = 0):
+                 val_fraction: float = 0.05, val_batches: int = 8, seed: int = 0, tokenizer=None):
         super().__init__()
         self.path, self.seq_len, self.batch_size = path, seq_len, batch_size
         self.val_fraction, self.val_batches, self.seed = val_fraction, val_batches, seed
+        self.tokenizer = tokenizer
+        self._corpus: torch.Tensor | None = None  # tokenized once (load() before fit, then setup())
 
     def load(self) -> torch.Tensor:
-        """The corpus, checked to be long enough for one window in each split (ValueError naming
-        data.path, the file's size and what is needed)."""
+        """The corpus (bytes, or token ids with a tokenizer), checked to be long enough for one
+        window in each split (ValueError naming data.path, its size and what is needed)."""
+        if self._corpus is not None:
+            return self._corpus
         need = min_corpus_bytes(self.seq_len, self.val_fraction)
-        return load_corpus(self.path, min_bytes=need, why=(
-            f" (one window of data.seq_len + 1 = {self.seq_len + 1} bytes in the validation split, "
-            f"data.val_fraction = {self.val_fraction}, and in the training split)"))
+        unit = "bytes" if self.tokenizer is None else "tokens"
+        why = (f" (one window of data.seq_len + 1 = {self.seq_len + 1} {unit} in the validation split, "
+               f"data.val_fraction = {self.val_fraction}, and in the training split)")
+        if self.tokenizer is None:
+            self._corpus = load_corpus(self.path, min_bytes=need, why=why)
+            return self._corpus
+        text = bytes(load_corpus(self.path).numpy()).decode("utf-8", errors="replace")
+        # In pieces of whole lines (a tokenizer warns of, and some truncate, a text longer than the
+        # model's context); BPE pre-tokenizes at whitespace, so the ids are the whole text's.
+        pieces = [piece for piece in _line_pieces(text, 8192)]
+        ids = [i for piece in self.tokenizer(pieces, add_special_tokens=False)["input_ids"] for i in piece]
+        if len(ids) < need:
+            name = repr(self.path) if self.path else "the default corpus"
+            raise ValueError(f"data.path: {name} holds {len(ids)} tokens; at least {need} are needed{why}")
+        self._corpus = torch.tensor(ids, dtype=torch.int32)
+        return self._corpus
 
     def setup(self, stage: str | None = None) -> None:
         train, val = split_corpus(self.load(), self.val_fraction)

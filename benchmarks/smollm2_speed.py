@@ -1,0 +1,167 @@
+"""Speed of SNIP on SmolLM2-135M-Instruct (30 blocks, 211 linears), side by side in one process.
+
+One training batch of the stdlib corpus in SmolLM2's tokens (``--batch`` x ``--seq-len``), AdamW
+state in place, every switchable linear converted (the LM head pinned in bf16, as the app pins it).
+Interleaved over ``--repeats`` (the machine is shared), medians of:
+- a training step (forward, backward, AdamW) in high precision (every SNIPLinear in bf16, i.e. the
+  run's own precision: fp32 GEMMs under 32-true) and with every unpinned layer in fp8, mxfp4, nvfp4
+  (emulated on a CPU: quantize, dequantize, a high-precision GEMM);
+- a held-out evaluation forward in high precision (the quality benchmark's eval, per batch);
+- a statistics round as the callback runs it (collect_stats + estimate_divergence, candidates fp8
+  and mxfp4) at the app preset's settings (``model=smollm2``: max_rows 256) and at SNIPConfig()'s
+  (max_rows 1024), in high-precision steps;
+- peak memory: the process's peak RSS in each phase (VmHWM reset before it), and its RSS at rest.
+From these, the continuation that fits a 2-core session for the quality benchmark (issue 32): the
+steps per run at this batch for ``--runs`` runs in ``--session-minutes`` of compute, given a plan
+run's step (75% of FLOPs in mxfp4, 25% in fp8: their times weighted so), ``--evals`` evaluations of
+``--eval-batches`` batches, and ``--rounds`` statistics rounds per SNIP run.
+
+    python benchmarks/smollm2_speed.py [--batch 4] [--seq-len 128] [--repeats 3] [--threads 2]
+
+Prints ``step <format> <seconds> <x hp>``, ``eval_batch <seconds>``, ``round <setting> <seconds>
+<hp steps>``, ``peak_rss_mib <phase> <MiB>``, and ``continuation ...`` lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stats_cost import _reset_peak, _rss_mib  # noqa: E402 - the RSS readers of the stats-cost benchmark
+
+from lightning_snip.config import SNIPConfig  # noqa: E402
+from lightning_snip.convert import convert_linears  # noqa: E402
+from lightning_snip.demo.lightning import ByteTextDataModule, CausalLM  # noqa: E402
+from lightning_snip.divergence import estimate_divergence  # noqa: E402
+from lightning_snip.formats import Format  # noqa: E402
+from lightning_snip.hf import load_smollm2  # noqa: E402
+from lightning_snip.stats import collect_stats, high_precision, slice_batch  # noqa: E402
+
+FORMATS = (Format.BF16, Format.FP8, Format.MXFP4, Format.NVFP4)
+ROUND_SETTINGS = {"preset": SNIPConfig(max_rows=256), "default": SNIPConfig()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", default="preset,default", help="round settings to time: preset, default")
+    parser.add_argument("--runs", type=int, default=51, help="quality runs per session (16 policies x 3 seeds + 3 bf16)")
+    parser.add_argument("--session-minutes", type=float, default=150.0)
+    parser.add_argument("--evals", type=int, default=2, help="held-out evaluations per quality run")
+    parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--snip-rounds", type=int, default=2, help="statistics rounds per SNIP run")
+    args = parser.parse_args()
+    rounds = [r for r in args.rounds.split(",") if r]
+    for r in rounds:
+        if r not in ROUND_SETTINGS:
+            raise SystemExit(f"--rounds: {r!r} is not a setting; allowed: {', '.join(ROUND_SETTINGS)}")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    start = time.perf_counter()
+    model, tokenizer = load_smollm2()
+    load_seconds = time.perf_counter() - start
+    rest_before = _rss_mib()[0]
+    data = ByteTextDataModule(seq_len=args.seq_len, batch_size=args.batch, tokenizer=tokenizer)
+    data.setup()
+    loader = iter(data.train_dataloader())
+    batch, held_out = next(loader), next(loader)
+    module = CausalLM(model)
+    layers = convert_linears(model, pins={"*lm_head": "bf16"})
+    unpinned = [layer for layer in layers.values() if layer.pinned is None]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.1, betas=(0.9, 0.95))
+
+    def step(fmt: Format) -> None:
+        for layer in unpinned:
+            layer.format = fmt
+        optimizer.zero_grad(set_to_none=True)
+        module.snip_loss(batch).backward()
+        optimizer.step()
+
+    def evaluate() -> None:
+        with torch.no_grad(), high_precision(layers):
+            module.snip_loss(held_out)
+
+    def statistics_round(cfg: SNIPConfig) -> None:
+        for layer in unpinned:
+            layer.format = Format.FP8
+        sliced = slice_batch(batch, cfg.max_rows)
+        stats = collect_stats(model, lambda: module.snip_loss(sliced), layers=layers, optimizer=optimizer)
+        try:
+            estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
+                                noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator, probes=cfg.wd_probes,
+                                curvature_probe=cfg.curvature_probe, generator=torch.Generator().manual_seed(0))
+        finally:
+            stats.release()
+
+    peaks: dict[str, float] = {}
+
+    def timed(name: str, fn) -> float:
+        _reset_peak()
+        t0 = time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - t0
+        peaks[name] = max(peaks.get(name, 0.0), _rss_mib()[1])
+        return seconds
+
+    # warm-up: Adam state, every quantizer kernel compiled once
+    for fmt in FORMATS:
+        step(fmt)
+    evaluate()
+    rest = _rss_mib()[0]
+    times: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        for fmt in FORMATS:
+            times.setdefault(f"step_{fmt.value}", []).append(timed(f"step_{fmt.value}", lambda: step(fmt)))
+        times.setdefault("eval", []).append(timed("eval", evaluate))
+        for r in rounds:
+            times.setdefault(f"round_{r}", []).append(timed(f"round_{r}", lambda: statistics_round(ROUND_SETTINGS[r])))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    hp = med["step_bf16"]
+
+    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.machine()} python "
+          f"{platform.python_version()} torch {torch.__version__}; {args.threads} thread(s); SmolLM2-135M-Instruct "
+          f"(loaded in {load_seconds:.1f} s), {len(layers)} switchable linears (lm_head pinned bf16); batch "
+          f"{args.batch}x{args.seq_len} tokens; median of {args.repeats} interleaved repeat(s)")
+    for fmt in FORMATS:
+        key = f"step_{fmt.value}"
+        print(f"step {fmt.value if fmt is not Format.BF16 else 'hp'} {med[key]:.2f} {med[key] / hp:.2f} "
+              f"(all: {', '.join(f'{t:.2f}' for t in times[key])})")
+    print(f"eval_batch {med['eval']:.2f} {med['eval'] / hp:.2f}")
+    for r in rounds:
+        cfg = ROUND_SETTINGS[r]
+        print(f"round {r} {med[f'round_{r}']:.1f} {med[f'round_{r}'] / hp:.1f} (max_rows {cfg.max_rows}, noise_draws "
+              f"{cfg.noise_draws}, wd_probes {cfg.wd_probes}, candidates {'/'.join(cfg.candidate_formats)})")
+    print(f"peak_rss_mib rest {rest:.0f} (model and tokenizer loaded: {rest_before:.0f})")
+    for name, peak in peaks.items():
+        print(f"peak_rss_mib {name} {peak:.0f}")
+
+    plan_step = 0.75 * med["step_mxfp4"] + 0.25 * med["step_fp8"]
+    eval_seconds = args.evals * args.eval_batches * med["eval"]
+    snip_round = med[f"round_{rounds[0]}"] if rounds else 0.0
+    budget = args.session_minutes * 60
+    tokens = args.batch * args.seq_len
+    # every run: load_seconds (a fresh process per run, or one load shared) is counted once per run
+    per_run_fixed = eval_seconds + load_seconds
+    # a third of the runs are SNIP/oracle runs that add their rounds (a conservative share)
+    round_share = args.snip_rounds * snip_round / 3
+    steps = max(0, int((budget / args.runs - per_run_fixed - round_share) / plan_step))
+    print(f"continuation plan_step {plan_step:.2f} s; per run fixed {per_run_fixed:.0f} s (load {load_seconds:.0f}, "
+          f"eval {eval_seconds:.0f}); rounds {args.snip_rounds} x {snip_round:.0f} s on a third of the runs")
+    print(f"continuation fits {args.runs} runs in {args.session_minutes:.0f} min: {steps} steps x {tokens} tokens "
+          f"= {steps * tokens} tokens per run ({steps * tokens * args.runs} in all)")
+
+
+if __name__ == "__main__":
+    main()

