@@ -459,7 +459,7 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
     wd_fqns = [f for f in fqns if any(fnmatch.fnmatchcase(f, g) for g in args.wd_include or ("*",))]
     wd_layers = {f: layers[f] for f in wd_fqns}
     dev_batches = [update_deviation(model, opt, wd_layers, next(held), sr_seeds) for _ in range(wd_batches)]
-    wd_in_sample = update_deviation(model, opt, wd_layers, slices[0], 1)
+    wd_in_sample = {} if args.no_wd_in_sample else update_deviation(model, opt, wd_layers, slices[0], 1)
     print(f"# [{name}] WD truth: {len(wd_fqns)} of {len(fqns)} layers, {wd_batches} held-out batches x {sr_seeds} "
           f"seeds in {time.perf_counter() - start:.0f} s", flush=True)
 
@@ -543,7 +543,8 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
         lines.append(f"# [{name}] {fmt.value}: in sample (truth on the round-0 slice itself): "
                      f"loss_divergence_batch {spearman(ld(0, LossEstimator.BATCH), in_sample_truth):.3f}, "
                      f"loss_divergence {spearman(ld(0), in_sample_truth):.3f}, weight_divergence "
-                     f"{spearman(wd(0), [wd_in_sample[f, fmt][0] for f in wd_fqns]):.3f}; held-out truth vs in-sample truth "
+                     f"{spearman(wd(0), [wd_in_sample[f, fmt][0] for f in wd_fqns]) if wd_in_sample else float('nan'):.3f}; "
+                     f"held-out truth vs in-sample truth "
                      f"{spearman(truth, in_sample_truth):.3f}; layers whose |first-order| < its standard error: "
                      f"{noisy}/{len(fqns)}; negative batch LD: {negative}/{len(fqns)}")
         for est in LossEstimator:
@@ -572,7 +573,8 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
         "wd_fqns": wd_fqns,  # the layers of update_deviation (all, unless --wd-include)
         "loss_increase": {fmt.value: [[b[f, fmt] for f in fqns] for b in per_batch] for fmt in FORMATS},
         "update_deviation": {fmt.value: [[b[f, fmt] for f in wd_fqns] for b in dev_batches] for fmt in FORMATS},
-        "update_deviation_in_sample": {fmt.value: [wd_in_sample[f, fmt] for f in wd_fqns] for fmt in FORMATS},
+        "update_deviation_in_sample": {fmt.value: [wd_in_sample[f, fmt] for f in wd_fqns] for fmt in FORMATS}
+                                      if wd_in_sample else {},
         "round_loss": [res.loss for res in results],
         # the rounds' (settings study); estimate_divergence's default curvature probe
         "setting": {"probes": args.probes, "noise_draws": args.noise_draws, "curvature_probe": CurvatureProbe.ERROR.value,
@@ -864,6 +866,8 @@ def main() -> None:
     parser.add_argument("--wd-include", nargs="+",
                         help="fqn globs of the layers whose WD truth is measured (one step per layer, format, batch "
                              "and seed: a subset on a large model); WD's correlations are over them")
+    parser.add_argument("--no-wd-in-sample", action="store_true",
+                        help="skip WD's in-sample truth (an aside; a step per layer and format)")
     parser.add_argument("--no-exact", action="store_true",
                         help="skip the rounds with WD's exact propagated term (quadratic in depth)")
     parser.add_argument("--threads", type=int, default=1)

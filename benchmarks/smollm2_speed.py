@@ -9,7 +9,7 @@ Interleaved over ``--repeats`` (the machine is shared), medians of:
 - a held-out evaluation forward in high precision (the quality benchmark's eval, per batch);
 - a statistics round as the callback runs it (collect_stats + estimate_divergence, candidates fp8
   and mxfp4) at the app preset's settings (``model=smollm2``: max_rows 256) and at SNIPConfig()'s
-  (max_rows 1024), in high-precision steps;
+  (max_rows 1024: the whole batch where it holds fewer rows), in high-precision steps;
 - peak memory: the process's peak RSS in each phase (VmHWM reset before it), and its RSS at rest.
 From these, the continuation that fits a 2-core session for the quality benchmark (issue 32): the
 steps per run at this batch for ``--runs`` runs in ``--session-minutes`` of compute, given a plan
@@ -141,7 +141,8 @@ def main() -> None:
     print(f"eval_batch {med['eval']:.2f} {med['eval'] / hp:.2f}")
     for r in rounds:
         cfg = ROUND_SETTINGS[r]
-        print(f"round {r} {med[f'round_{r}']:.1f} {med[f'round_{r}'] / hp:.1f} (max_rows {cfg.max_rows}, noise_draws "
+        rows = min(cfg.max_rows, args.batch * args.seq_len)
+        print(f"round {r} {med[f'round_{r}']:.1f} {med[f'round_{r}'] / hp:.1f} ({rows} rows: max_rows {cfg.max_rows}, noise_draws "
               f"{cfg.noise_draws}, wd_probes {cfg.wd_probes}, candidates {'/'.join(cfg.candidate_formats)})")
     print(f"peak_rss_mib rest {rest:.0f} (model and tokenizer loaded: {rest_before:.0f})")
     for name, peak in peaks.items():

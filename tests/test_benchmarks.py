@@ -303,3 +303,28 @@ def test_quality_pooled_oracle_plans_from_class_means():
                                        weight_divergence_weight=planner.DEFAULT_WEIGHT_DIVERGENCE_WEIGHT)
     assert dict(plan.items()) == dict(expected.items())
     assert dict(plan.items()) != dict(cp.fixed_plan("oracle_gemm", 0.5, 0, module, s, {"truths": real}).items())
+
+
+def test_smollm2_profile_class_rule_fit():
+    """The profile's class rule (layer type x first/inner/last block): damage that is a function of
+    the class is explained in full; one layer off its class (a massive-activation down_proj) is the
+    largest residual and lowers the share explained."""
+    profile = _benchmark("smollm2_profile")
+    fqns = [f"llama.model.layers.{b}.{kind}" for b in range(6)
+            for kind in ("self_attn.q_proj", "self_attn.k_proj", "mlp.up_proj", "mlp.down_proj")]
+    cost = {"q_proj": 1e-3, "k_proj": 2e-3, "up_proj": 5e-4, "down_proj": 4e-4}
+
+    def value(fqn):
+        block = int(fqn.split(".")[3])
+        return cost[fqn.rsplit(".", 1)[1]] * (3.0 if block == 0 else 2.0 if block == 5 else 1.0)
+
+    exact = profile.class_fit(fqns, [value(f) for f in fqns], num_blocks=6)
+    assert abs(exact["variance_explained"] - 1) < 1e-12 and abs(exact["variance_explained_log"] - 1) < 1e-12
+    assert exact["num_classes"] == 12 and exact["class_means_spearman"] > 0.99
+    outlier = "llama.model.layers.2.mlp.down_proj"
+    values = [value(f) * (50.0 if f == outlier else 1.0) for f in fqns]
+    fit = profile.class_fit(fqns, values, num_blocks=6)
+    assert fit["largest_residuals"][0][0] == outlier and fit["largest_residuals"][0][1] > 1.0
+    assert fit["variance_explained"] < 0.6 and fit["variance_explained_log"] < 0.95
+    assert profile.layer_class("llama.model.layers.0.mlp.down_proj", 30) == ("down_proj", "first")
+    assert profile.layer_class("llama.model.layers.29.self_attn.o_proj", 30) == ("o_proj", "last")
