@@ -457,6 +457,9 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
     start = time.perf_counter()
     # WD's truth on a subset where --wd-include names one (a step per layer, format, batch and seed)
     wd_fqns = [f for f in fqns if any(fnmatch.fnmatchcase(f, g) for g in args.wd_include or ("*",))]
+    if not wd_fqns:
+        raise SystemExit(f"--wd-include: {args.wd_include} matches none of the {len(fqns)} measured layers "
+                         f"(e.g. {fqns[0]})")
     wd_layers = {f: layers[f] for f in wd_fqns}
     dev_batches = [update_deviation(model, opt, wd_layers, next(held), sr_seeds) for _ in range(wd_batches)]
     wd_in_sample = {} if args.no_wd_in_sample else update_deviation(model, opt, wd_layers, slices[0], 1)
@@ -742,14 +745,15 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
         truth_ld = [sum(b[i] for b in raw["loss_increase"][fmt.value]) / len(raw["loss_increase"][fmt.value])
                     for i in range(len(fqns))]
         dev = raw["update_deviation"][fmt.value]
-        truth_wd = [sum(sum(b[i]) / len(b[i]) for b in dev) / len(dev) for i in range(len(fqns))]
+        wd_fqns = raw.get("wd_fqns", fqns)  # the layers of the WD truth (--wd-include)
+        truth_wd = [sum(sum(b[i]) / len(b[i]) for b in dev) / len(dev) for i in range(len(wd_fqns))]
         rows = {}
         for (probes, draws, k), res in results.items():
             def ld(r, clamp=True):  # the aggregate averages unclamped values and clamps after, as the callback
                 return [res[r].layers[f].loss_divergence_as(DEFAULT_ESTIMATOR, clamp=clamp)[fmt] for f in fqns]
 
             def wd(r):
-                return [res[r].layers[f].weight_divergence[fmt] for f in fqns]
+                return [res[r].layers[f].weight_divergence[fmt] for f in wd_fqns]
 
             # The aggregate the callback plans from, after each round from the 4th on (the last round
             # weighs half: one aggregate is not much steadier than one round): the median over them.
@@ -757,10 +761,10 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
             agg_ld, agg_wd = [], []
             for r in range(rounds):
                 agg.update({"loss_divergence": {f: {fmt.value: v} for f, v in zip(fqns, ld(r, clamp=False))},
-                            "weight_divergence": {f: {fmt.value: v} for f, v in zip(fqns, wd(r))}})
+                            "weight_divergence": {f: {fmt.value: v} for f, v in zip(wd_fqns, wd(r))}})
                 if r >= min(3, rounds - 1):
                     agg_ld.append(spearman([max(0.0, agg.values("loss_divergence")[f][fmt.value]) for f in fqns], truth_ld))
-                    agg_wd.append(spearman([agg.values("weight_divergence")[f][fmt.value] for f in fqns], truth_wd))
+                    agg_wd.append(spearman([agg.values("weight_divergence")[f][fmt.value] for f in wd_fqns], truth_wd))
             pairs = list(itertools.combinations(range(rounds), 2))
             row = [
                 statistics.median(seconds[probes, draws, k]) / hp_step,
@@ -800,6 +804,9 @@ def curvature_noise_study(name: str, cfg: LlamaConfig, corpus: str | None, args,
     check_dump_precision(raw, args)
     ck = train_checkpoint(name, cfg, corpus, args, args.quick)
     fqns = list(ck.layers)
+    if fqns != raw["fqns"]:
+        raise SystemExit(f"--curvature-noise-study: the dump measured other layers ({len(raw['fqns'])}) than these "
+                         f"({len(fqns)}): pass the dump's --include / --exclude")
     terms = FirstOrderTerms(FORMATS)
     sampler = FirstOrderSampler(ck.layers, args.first_order_rows, terms.add)
     rounds = len(raw["round_loss"])

@@ -138,7 +138,15 @@ def main() -> None:
     stream = fid.batches(ByteWindows(held, args.seq_len), args.batch, gen)
     outliers = outlier_stats(model, layers, [next(stream) for _ in range(args.batches)])
 
-    fqns, wd_fqns = raw["fqns"], raw.get("wd_fqns", raw["fqns"])
+    # the decoder layers' linears (a dump without --exclude '*lm_head' also holds the head: it has no class)
+    keep = [i for i, f in enumerate(raw["fqns"]) if re.search(r"\blayers\.\d+\.", f)]
+    fqns = [raw["fqns"][i] for i in keep]
+    raw["loss_increase"] = {fmt: [[b[i] for i in keep] for b in per_batch] for fmt, per_batch in raw["loss_increase"].items()}
+    wd_all = raw.get("wd_fqns", raw["fqns"])
+    wd_keep = [i for i, f in enumerate(wd_all) if re.search(r"\blayers\.\d+\.", f)]
+    wd_fqns = [wd_all[i] for i in wd_keep]
+    raw["update_deviation"] = {fmt: [[b[i] for i in wd_keep] for b in per_batch]
+                               for fmt, per_batch in raw["update_deviation"].items()}
     lines = [f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.machine()} python "
              f"{platform.python_version()} torch {torch.__version__}; SmolLM2-135M-Instruct, {len(fqns)} linears "
              f"profiled; outliers on {args.batches} held-out batches of {args.batch}x{args.seq_len} tokens; truths "
@@ -154,9 +162,11 @@ def main() -> None:
     for fmt, per_batch in raw["loss_increase"].items():
         truth = [sum(b[i] for b in per_batch) / len(per_batch) for i in range(len(fqns))]
         half = len(per_batch) // 2
-        first = [sum(b[i] for b in per_batch[:half]) / half for i in range(len(fqns))]
-        second = [sum(b[i] for b in per_batch[half:]) / (len(per_batch) - half) for i in range(len(fqns))]
-        ceiling = float(spearmanr(first, second).statistic)
+        ceiling = float("nan")  # (one batch: no halves)
+        if half:
+            first = [sum(b[i] for b in per_batch[:half]) / half for i in range(len(fqns))]
+            second = [sum(b[i] for b in per_batch[half:]) / (len(per_batch) - half) for i in range(len(fqns))]
+            ceiling = float(spearmanr(first, second).statistic)
         fit = class_fit(fqns, truth, num_blocks)
         fit["ceiling"] = ceiling
         profile["fits"][f"ld_{fmt}"] = fit

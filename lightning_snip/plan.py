@@ -152,25 +152,27 @@ class Plan(Mapping[str, Format]):
 
     def table(self, *, max_rows: int | None = None) -> str:
         """A fixed-width text table: one row per layer, then the totals. With more rows than
-        ``max_rows``, the rows in the plan's most common format are counted in one line instead
-        (a 211-layer model's plan shows the exceptions)."""
+        ``max_rows``, the rows in the plan's most common format (unless noise-guarded) are counted in
+        one line instead (a 211-layer model's plan shows the exceptions)."""
         width = max([len("layer")] + [len(f) for f in self.formats])
         total = self.total_flops or 1.0
         lines = [f"{'layer':<{width}}  format  flops share", f"{'-' * width}  ------  -----------"]
         common = None
         if max_rows is not None and len(self.formats) > max_rows:
             common = max(Format, key=lambda f: sum(v is f for v in self.formats.values()))
+        shown = []
         for key, fmt in self.formats.items():
-            if fmt is common:
-                continue
             fqn, direction = split_key(key)
             mark = ""
             if fqn in self.noise_guarded and direction != FORWARD:
                 kept_out = "/".join(f.value for f in self.noise_guarded[fqn])
                 mark = f"  (noise guard: no {kept_out}{' backward' if direction == BACKWARD else ''})"
+            if fmt is common and not mark:
+                continue
+            shown.append(key)
             lines.append(f"{key:<{width}}  {fmt.value:<6}  {100 * self.flops[key] / total:10.2f}%" + mark)
         if common is not None:
-            rows = [k for k, v in self.formats.items() if v is common]
+            rows = [k for k, v in self.formats.items() if v is common and k not in shown]
             share = sum(self.flops[k] for k in rows) / total
             lines.append(f"{f'(the other {len(rows)} rows)':<{width}}  {common.value:<6}  {100 * share:10.2f}%")
         counts = ", ".join(f"{fmt.value} {self.count(fmt)}" for fmt in Format if self.count(fmt))

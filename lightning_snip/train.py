@@ -93,7 +93,8 @@ class TrainerConfig:
         check_field(self.max_steps > 0, "trainer.max_steps", self.max_steps, "an integer > 0")
         check_field(self.lr > 0, "trainer.lr", self.lr, "a number > 0")
         check_field(self.lr_schedule in _LR_SCHEDULES, "trainer.lr_schedule", self.lr_schedule, ", ".join(_LR_SCHEDULES))
-        check_field(self.lr_warmup_steps >= 0, "trainer.lr_warmup_steps", self.lr_warmup_steps, "an integer >= 0")
+        check_field(0 <= self.lr_warmup_steps < self.max_steps or self.lr_warmup_steps == 0, "trainer.lr_warmup_steps",
+                    self.lr_warmup_steps, f"an integer >= 0 and < trainer.max_steps ({self.max_steps})")
         check_field(0 <= self.min_lr_ratio <= 1, "trainer.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
         check_field(self.precision in _PRECISIONS, "trainer.precision", self.precision, ", ".join(_PRECISIONS))
         check_field(self.val_check_interval > 0, "trainer.val_check_interval", self.val_check_interval, "an integer > 0")
@@ -227,16 +228,7 @@ def run(config: TrainConfig, *, output_folder: str | None = None, quiet: bool = 
         load_corpus(config.data.path)  # a missing or empty file fails before the model's ~25 s load
         try:
             logger.info("loading SmolLM2-135M-Instruct from %s", smollm2_gguf_path())
-            if quiet:  # transformers' GGUF dequantization bars and notes
-                from transformers.utils import logging as hf_logging
-
-                hf_logging.disable_progress_bar()
-                hf_logging.set_verbosity_error()
-                import functools
-
-                import transformers.modeling_gguf_pytorch_utils as gguf_utils  # its GGUF reader's bar is a
-                gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)  # plain tqdm, not hf_logging's
-            hf_model, tokenizer = load_smollm2()
+            hf_model, tokenizer = load_smollm2() if not quiet else load_smollm2(progress=False)
         except MissingPackageError as err:
             raise ConfigError(f"model.name: {err}") from None
         context = hf_model.config.max_position_embeddings
@@ -427,6 +419,10 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     try:
+        preset, name = HydraConfig.get().runtime.choices.get("model"), cfg.model.get("name")
+        if preset is not None and name != preset:  # the preset's data/trainer/snip values would be missing
+            raise ConfigError(f"model.name: {name!r} with the model preset {preset!r}; allowed: choose the model "
+                              f"with model={name} (its preset sizes data, trainer and snip)")
         run(to_config(cfg), output_folder=HydraConfig.get().runtime.output_dir, quiet=True)
     except ValueError as err:
         if isinstance(err, ConfigError) or _FIELD_ERROR.match(str(err)):

