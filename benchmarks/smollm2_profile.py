@@ -73,10 +73,33 @@ def class_fit(fqns: list[str], values: list[float], num_blocks: int) -> dict:
     share, fitted = explained(values)
     share_log, fitted_log = explained(logs)
     residual = sorted(((lv - fl, f) for f, lv, fl in zip(fqns, logs, fitted_log)), key=lambda t: -abs(t[0]))
+    # Out of sample: each layer predicted by its class's other members (classes of one layer, such as
+    # the first and last block's when few blocks are measured, are fitted exactly in sample and left
+    # out here), share of the log variance of those layers explained.
+    loo_pred, loo_true = [], []
+    for i, c in enumerate(classes):
+        others = [logs[j] for j, d in enumerate(classes) if d == c and j != i]
+        if others:
+            loo_pred.append(sum(others) / len(others))
+            loo_true.append(logs[i])
+    loo = float("nan")
+    if len(loo_true) > 2:
+        mean = sum(loo_true) / len(loo_true)
+        total = sum((v - mean) ** 2 for v in loo_true)
+        loo = 1 - sum((v - p) ** 2 for v, p in zip(loo_true, loo_pred)) / total if total > 0 else float("nan")
     return {"variance_explained": share, "variance_explained_log": share_log,
+            "loo_variance_explained_log": loo, "loo_layers": len(loo_true),
+            "loo_class_means_spearman": float(spearmanr(loo_pred, loo_true).statistic) if len(loo_true) > 2 else float("nan"),
             "class_means_spearman": float(spearmanr(fitted, values).statistic),
             "largest_residuals": [[f, round(r, 3)] for r, f in residual[:8]],
             "num_classes": len(set(classes))}
+
+
+def _ranks(values: list[float]) -> list[float]:
+    """1 = the largest (average ranks for ties)."""
+    from scipy.stats import rankdata
+
+    return list(rankdata([-v for v in values]))
 
 
 def outlier_stats(model, layers, batches_) -> dict:
@@ -120,6 +143,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the fidelity run's seed (its held-out split)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="write the per-layer profile to this file")
+    parser.add_argument("--outlier-ratio", type=float, default=100.0,
+                        help="max/rms above which a layer's input counts as a massive activation")
     args = parser.parse_args()
     raw = json.loads(Path(args.truths).read_text())
     if "smollm2" not in raw:
@@ -178,9 +203,37 @@ def main() -> None:
                      f"ceiling {ceiling:.3f}; spearman with max/rms {rank_ratio:.3f}")
         lines.append(f"class_rule ld {fmt} variance_explained {fit['variance_explained']:.3f} log "
                      f"{fit['variance_explained_log']:.3f} class_means_spearman {fit['class_means_spearman']:.3f} "
-                     f"(ceiling {ceiling:.3f}; {fit['num_classes']} classes)")
+                     f"(ceiling {ceiling:.3f}; {fit['num_classes']} classes); out of sample: log "
+                     f"{fit['loo_variance_explained_log']:.3f} spearman {fit['loo_class_means_spearman']:.3f} "
+                     f"({fit['loo_layers']} layers)")
         lines.append(f"# ld {fmt} largest log10 residuals from the class means: "
                      + ", ".join(f"{f} {r:+.2f}" for f, r in fit["largest_residuals"]))
+        # Where SNIP's LD misranks (the mean of the dump's rounds, what the aggregate approaches):
+        # the massive-activation layers (max/rms > --outlier-ratio) against the rest
+        if raw.get("rounds"):
+            estimate = [statistics.mean(r[f]["loss_divergence"][fmt] for r in raw["rounds"]) for f in fqns]
+            rank_t = _ranks(truth)
+            rank_e = _ranks(estimate)
+            heavy = [i for i, f in enumerate(fqns) if outliers[f]["max_over_rms"] > args.outlier_ratio]
+            rest = [i for i in range(len(fqns)) if i not in heavy]
+
+            def sub(idx):
+                return float(spearmanr([estimate[i] for i in idx], [truth[i] for i in idx]).statistic) \
+                    if len(idx) > 2 else float("nan")
+
+            classes = [layer_class(f, num_blocks) for f in fqns]
+            shared = [i for i, c in enumerate(classes) if classes.count(c) > 1]  # the class rule's out-of-sample layers
+            shared_ceiling = float(spearmanr([first[i] for i in shared], [second[i] for i in shared]).statistic) \
+                if half else float("nan")
+            lines.append(f"ld_estimate {fmt} on the class rule's out-of-sample layers({len(shared)}) {sub(shared):.3f} "
+                         f"(class rule {profile['fits'][f'ld_{fmt}']['loo_class_means_spearman']:.3f}; truth ceiling "
+                         f"on them {shared_ceiling:.3f})")
+            worst = sorted(range(len(fqns)), key=lambda i: -abs(rank_e[i] - rank_t[i]))[:8]
+            lines.append(f"ld_estimate {fmt} spearman_all {float(spearmanr(estimate, truth).statistic):.3f} "
+                         f"outliers({len(heavy)}) {sub(heavy):.3f} rest({len(rest)}) {sub(rest):.3f} "
+                         f"(ceiling {ceiling:.3f}; mean of {len(raw['rounds'])} rounds)")
+            lines.append(f"# ld {fmt} most misranked (estimate rank / truth rank of {len(fqns)}, max/rms): " + ", ".join(
+                f"{fqns[i]} {rank_e[i]:.0f}/{rank_t[i]:.0f} ({outliers[fqns[i]]['max_over_rms']:.0f})" for i in worst))
     for fmt, per_batch in raw["update_deviation"].items():
         truth = [sum(sum(b[i]) / len(b[i]) for b in per_batch) / len(per_batch) for i in range(len(wd_fqns))]
         fit = class_fit(wd_fqns, truth, num_blocks)
@@ -196,7 +249,9 @@ def main() -> None:
         lines.append(f"wd_truth {fmt} median {statistics.median(truth):.2e} max {max(truth):.2e} "
                      f"({wd_fqns[truth.index(max(truth))]}); {len(wd_fqns)} layers; ceiling {fit.get('ceiling', float('nan')):.3f}")
         lines.append(f"class_rule wd {fmt} variance_explained {fit['variance_explained']:.3f} log "
-                     f"{fit['variance_explained_log']:.3f} class_means_spearman {fit['class_means_spearman']:.3f}")
+                     f"{fit['variance_explained_log']:.3f} class_means_spearman {fit['class_means_spearman']:.3f}; "
+                     f"out of sample: log {fit['loo_variance_explained_log']:.3f} spearman "
+                     f"{fit['loo_class_means_spearman']:.3f} ({fit['loo_layers']} layers)")
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps(profile, indent=1))

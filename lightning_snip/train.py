@@ -93,8 +93,8 @@ class TrainerConfig:
         check_field(self.max_steps > 0, "trainer.max_steps", self.max_steps, "an integer > 0")
         check_field(self.lr > 0, "trainer.lr", self.lr, "a number > 0")
         check_field(self.lr_schedule in _LR_SCHEDULES, "trainer.lr_schedule", self.lr_schedule, ", ".join(_LR_SCHEDULES))
-        check_field(0 <= self.lr_warmup_steps < self.max_steps or self.lr_warmup_steps == 0, "trainer.lr_warmup_steps",
-                    self.lr_warmup_steps, f"an integer >= 0 and < trainer.max_steps ({self.max_steps})")
+        # (a warmup as long as the run is allowed: shortened runs of a preset keep its warmup)
+        check_field(self.lr_warmup_steps >= 0, "trainer.lr_warmup_steps", self.lr_warmup_steps, "an integer >= 0")
         check_field(0 <= self.min_lr_ratio <= 1, "trainer.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
         check_field(self.precision in _PRECISIONS, "trainer.precision", self.precision, ", ".join(_PRECISIONS))
         check_field(self.val_check_interval > 0, "trainer.val_check_interval", self.val_check_interval, "an integer > 0")

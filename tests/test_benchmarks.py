@@ -326,5 +326,9 @@ def test_smollm2_profile_class_rule_fit():
     fit = profile.class_fit(fqns, values, num_blocks=6)
     assert fit["largest_residuals"][0][0] == outlier and fit["largest_residuals"][0][1] > 1.0
     assert fit["variance_explained"] < 0.6 and fit["variance_explained_log"] < 0.95
+    # out of sample each layer is predicted by its class's others: exact for class-structured damage,
+    # and the outlier is missed (singleton classes are left out)
+    assert abs(exact["loo_variance_explained_log"] - 1) < 1e-12 and exact["loo_layers"] == 16
+    assert fit["loo_variance_explained_log"] < exact["loo_variance_explained_log"] - 0.05
     assert profile.layer_class("llama.model.layers.0.mlp.down_proj", 30) == ("down_proj", "first")
     assert profile.layer_class("llama.model.layers.29.self_attn.o_proj", 30) == ("o_proj", "last")
