@@ -154,6 +154,6 @@ def test_corpus_tokenized_in_pieces_equals_the_whole_text(smollm2):
     tokenizer = smollm2[1]
     text = default_corpus_bytes()[:40_000].decode("utf-8", errors="replace")
     pieces = list(_line_pieces(text, 2000))
-    assert len(pieces) > 10 and "".join(pieces) == text
+    assert len(pieces) > 5 and "".join(pieces) == text
     whole = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert [i for p in tokenizer(pieces, add_special_tokens=False)["input_ids"] for i in p] == whole

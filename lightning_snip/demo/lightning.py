@@ -135,12 +135,12 @@ def _line_pieces(text: str, size: int):
     start = 0
     while start < len(text):
         match = _PIECE_END.search(text, start + size)
-        end = len(text) if match is None else match.end()
+        end = len(text) if match is None else match.start()
         yield text[start:end]
         start = end
 
 
-_PIECE_END = re.compile(r"\n(?=\S)")
+_PIECE_END = re.compile(r"(?<=\S)\n")  # a piece ends before a newline that ends a line of text
 
 
 class WindowStream(torch.utils.data.distributed.DistributedSampler):
@@ -210,8 +210,9 @@ class ByteTextDataModule(pl.LightningDataModule):
             return self._corpus
         text = bytes(load_corpus(self.path).numpy()).decode("utf-8", errors="replace")
         # In pieces of whole lines (a tokenizer warns of, and some truncate, a text longer than the
-        # model's context), cut after a newline that a non-space character follows: byte-level BPE's
-        # pre-tokenizer ends a whitespace run there, so the ids are the whole text's.
+        # model's context), cut just before a newline that follows a non-space character: byte-level
+        # BPE's pre-tokenizer splits there anyway, so the ids are the whole text's (a cut after the
+        # newline would merge "\n\n" at a piece's end into one token that the whole text splits).
         pieces = [piece for piece in _line_pieces(text, 8192)]
         ids = [i for piece in self.tokenizer(pieces, add_special_tokens=False)["input_ids"] for i in piece]
         if len(ids) < need:
