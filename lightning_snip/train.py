@@ -209,6 +209,25 @@ def to_config(cfg: DictConfig) -> TrainConfig:
     return config
 
 
+def _load_pretrained(config: TrainConfig, *, quiet: bool):
+    """model=smollm2: (the Hugging Face model, its tokenizer), checked against the config; a missing
+    package or a too long data.seq_len is a ConfigError."""
+    from lightning_snip.demo.data import load_corpus
+    from lightning_snip.hf import MissingPackageError, load_smollm2, smollm2_gguf_path
+
+    load_corpus(config.data.path)  # a missing or empty file fails before the model's ~25 s load
+    try:
+        logger.info("loading SmolLM2-135M-Instruct from %s", smollm2_gguf_path())
+        hf_model, tokenizer = load_smollm2(progress=not quiet)
+    except MissingPackageError as err:
+        raise ConfigError(f"model.name: {err}") from None
+    context = hf_model.config.max_position_embeddings
+    if config.data.seq_len > context:
+        raise ConfigError(f"data.seq_len: {config.data.seq_len} exceeds SmolLM2's context of {context} tokens; "
+                          f"allowed: at most {context}")
+    return hf_model, tokenizer
+
+
 def run(config: TrainConfig, *, output_folder: str | None = None, quiet: bool = False) -> dict:
     """Train the configured model with SNIPCallback; return the summary (also printed). ``quiet``:
     the app's, silences third-party progress bars."""
@@ -220,21 +239,7 @@ def run(config: TrainConfig, *, output_folder: str | None = None, quiet: bool = 
     from lightning_snip.demo.lightning import ByteTextDataModule, CausalLM, DemoLM
 
     t = config.trainer
-    tokenizer = hf_model = None
-    if config.model.name == "smollm2":
-        from lightning_snip.demo.data import load_corpus
-        from lightning_snip.hf import MissingPackageError, load_smollm2, smollm2_gguf_path
-
-        load_corpus(config.data.path)  # a missing or empty file fails before the model's ~25 s load
-        try:
-            logger.info("loading SmolLM2-135M-Instruct from %s", smollm2_gguf_path())
-            hf_model, tokenizer = load_smollm2() if not quiet else load_smollm2(progress=False)
-        except MissingPackageError as err:
-            raise ConfigError(f"model.name: {err}") from None
-        context = hf_model.config.max_position_embeddings
-        if config.data.seq_len > context:
-            raise ConfigError(f"data.seq_len: {config.data.seq_len} exceeds SmolLM2's context of {context} tokens; "
-                              f"allowed: at most {context}")
+    hf_model, tokenizer = _load_pretrained(config, quiet=quiet) if config.model.name == "smollm2" else (None, None)
     data = ByteTextDataModule(config.data.path, seq_len=config.data.seq_len, batch_size=config.data.batch_size,
                               val_fraction=config.data.val_fraction, val_batches=config.data.val_batches, seed=t.seed,
                               tokenizer=tokenizer)

@@ -98,7 +98,7 @@ def test_app_trains_smollm2_with_a_plan_and_resumes(smollm2, tmp_path, monkeypat
     from lightning_snip.train import run, to_config
 
     model, tokenizer = smollm2
-    monkeypatch.setattr(hf, "load_smollm2", lambda: (copy.deepcopy(model), tokenizer))
+    monkeypatch.setattr(hf, "load_smollm2", lambda **kwargs: (copy.deepcopy(model), tokenizer))
     include = "[" + ",".join(f"'{g}'" for g in INCLUDE) + "]"
     overrides = ["model=smollm2", "trainer.max_steps=4", "data.seq_len=16", "data.batch_size=2", "data.val_batches=1",
                  "trainer.val_check_interval=4", "trainer.lr_warmup_steps=1", f"trainer.output_dir={tmp_path}/runs",
