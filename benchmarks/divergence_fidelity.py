@@ -799,7 +799,7 @@ def curvature_noise_study(name: str, cfg: LlamaConfig, corpus: str | None, args,
     noise = the rms deviation from "exact" over layers, relative to exact's spread over layers (median
     over rounds and seeds); LD vs truth and agreement: medians over rounds (pairs) and seeds."""
     from lightning_snip.divergence import _error_probe_second_order, _operands
-    from lightning_snip.linear import mm_fp32, quantized_matmul
+    from lightning_snip.gemm import mm_fp32, quantized_matmul
     from lightning_snip.stats import RoundPrecision
 
     check_dump_precision(raw, args)

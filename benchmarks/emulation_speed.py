@@ -2,7 +2,7 @@
 
 Measured side by side in one process, configurations interleaved in each repeat (the machine is
 shared and noisy); the median over repeats of each configuration's mean step time. Quantizer modes
-(lightning_snip.fused.quantizer_mode): ``compiled`` (the default, "fast"), ``reference`` (torchao's
+(lightning_snip.kernels.quantizer_mode): ``compiled`` (the default, "fast"), ``reference`` (torchao's
 quantizers composed, what lightning_snip ran before, "eager"). Both give identical numbers.
 
 Models: the demo model (width 128, 4 blocks, batch 16 x 128 tokens) and a 1024-wide model (2
@@ -32,7 +32,7 @@ import time
 import torch
 from torch import nn
 
-from lightning_snip import fused
+from lightning_snip import kernels
 from lightning_snip.convert import convert_linears
 from lightning_snip.demo.model import LlamaConfig, TinyLlama
 from lightning_snip.formats import Format
@@ -158,7 +158,7 @@ def main() -> None:
     if not args.quick:
         for (impl, fmt), ratio in peer_layer_ratios(args.repeats).items():
             print(f"layer_ratio {impl} {fmt} {ratio:.2f}")
-    for (kernel, device), seconds in sorted(fused.compile_seconds.items()):
+    for (kernel, device), seconds in sorted(kernels.compile_seconds.items()):
         print(f"compile_seconds {kernel} {device} {seconds:.1f}")
 
 

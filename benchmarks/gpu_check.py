@@ -41,9 +41,9 @@ import time
 
 import torch
 
-from lightning_snip import fused
+from lightning_snip import kernels
 from lightning_snip.formats import Format, QuantRecipe
-from lightning_snip.linear import Kernel, kernel_for, quantized_matmul
+from lightning_snip.gemm import Kernel, kernel_for, quantized_matmul
 
 FORMATS = (Format.FP8, Format.MXFP8, Format.MXFP4, Format.NVFP4)
 
@@ -93,7 +93,8 @@ def fused_vs_reference(device, lines):
 
 
 def _fused_vs_reference_on(device, x, name, lines):
-    from lightning_snip.formats import Rounding, fake_quantize, reference_fake_quantize
+    from lightning_snip.formats import Rounding
+    from lightning_snip.quantize import fake_quantize, reference_fake_quantize
 
     for fmt in FORMATS:
         for rounding in ((Rounding.NEAREST, Rounding.STOCHASTIC) if fmt.is_fp4 else (Rounding.NEAREST,)):
@@ -158,7 +159,7 @@ def speed(device, sizes, repeats, lines):
             t_mm = timed(lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), repeats)
             line += f" fp8_scaled_mm_only/bf16 {t_mm / t_bf16:.3f}"
         lines.append(line)
-    for (kernel, dev), seconds in sorted(fused.compile_seconds.items()):
+    for (kernel, dev), seconds in sorted(kernels.compile_seconds.items()):
         lines.append(f"compile_seconds {kernel} {dev} {seconds:.1f}")
 
 

@@ -24,7 +24,7 @@ from lightning_snip.convert import apply_plan, convert_linears, glob_filter, lay
 from lightning_snip.divergence import (DivergenceResult, FirstOrderTerms, LayerDivergence, LossEstimator,
                                        estimate_divergence)
 from lightning_snip.formats import Format
-from lightning_snip.linear import describe_kernels
+from lightning_snip.gemm import describe_kernels
 from lightning_snip.plan import Granularity, Plan, SolveStatus, split_key
 from lightning_snip.planner import (LayerCandidates, PlanInfeasibleError, check_target, gemm_items, keep_out_of_fp4,
                                     max_fp4_fraction, min_relative_cost, solve_plan)

@@ -9,8 +9,9 @@ from collections.abc import Callable, Mapping, Sequence
 from torch import nn
 
 from lightning_snip.formats import Format, QuantRecipe
-from lightning_snip.linear import SNIPLinear
+from lightning_snip.linear import SNIPLinear, is_fsdp_composed
 from lightning_snip.plan import BACKWARD, FORWARD, Granularity, gemm_key, split_key
+from lightning_snip.sharding import is_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -101,10 +102,7 @@ def convert_linears(
 
 def _held_by_identity(linear: nn.Linear) -> bool:
     """FSDP2-managed (DTensor parameters, or a class fully_shard composed): converted in place."""
-    from lightning_snip.linear import _is_fsdp_composed
-    from lightning_snip.stats import is_sharded
-
-    return _is_fsdp_composed(type(linear)) or any(is_sharded(p) for p in linear.parameters(recurse=False))
+    return is_fsdp_composed(type(linear)) or any(is_sharded(p) for p in linear.parameters(recurse=False))
 
 
 def switchable_layers(model: nn.Module) -> dict[str, SNIPLinear]:

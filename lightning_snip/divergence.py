@@ -56,10 +56,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_snip.formats import Format, QuantRecipe, fake_quantize
-from lightning_snip.linear import mm_fp32, quantized_matmul
-from lightning_snip.stats import (AdamState, LayerStats, Propagation, RoundPrecision, Statistics, all_reduce_sum,
-                                  dense, from_local_parts, is_sharded, local_part)
+from lightning_snip.adamw import AdamState
+from lightning_snip.formats import Format, QuantRecipe
+from lightning_snip.gemm import mm_fp32, quantized_matmul
+from lightning_snip.quantize import fake_quantize
+from lightning_snip.sharding import all_reduce_sum, dense, from_local_parts, is_sharded, local_part
+from lightning_snip.stats import LayerStats, Propagation, RoundPrecision, Statistics
 
 logger = logging.getLogger(__name__)
 

@@ -8,12 +8,11 @@ contraction axis (../SNIP_METHOD.md section 1):
     wgrad  dW = Q(G)^T Q(X)      contraction over N (tokens)
 
 Forward operands round to nearest; gradient operands of FP4 GEMMs round stochastically (recipe).
-Every GEMM is ``quantized_matmul(a, b)`` = a @ b^T with the contraction along dim 1 of both.
+Every GEMM is ``gemm.quantized_matmul(a, b)`` = a @ b^T with the contraction along dim 1 of both.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Iterable
 
@@ -21,226 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_snip.formats import Format, QuantRecipe, Rounding, fake_quantize
+from lightning_snip.formats import Format, QuantRecipe
+from lightning_snip.gemm import quantized_matmul
 
 logger = logging.getLogger(__name__)
-
-
-class Kernel(enum.Enum):
-    """How a format's GEMMs run on a device."""
-
-    EMULATED = "emulated"  # fused fake quantization (lightning_snip.fused), then a high-precision matmul
-    TORCHAO_FP8 = "native torchao kernel"  # torchao.float8's training tensors: its scales, torch._scaled_mm
-    # torchao.prototype.mx_formats' MXTensor / NVFP4Tensor: cuBLAS / CUTLASS block-scaled GEMMs
-    TORCHAO_BLOCK = "native torchao block-scaled kernel"
-
-
-def kernel_for(fmt: Format, device: torch.device) -> Kernel:
-    """The kernel a format's GEMMs use on ``device``.
-
-    FP8: torchao.float8's training path (torch._scaled_mm) on CUDA GPUs with FP8 tensor cores
-    (compute capability 8.9 and up: Ada, Hopper, Blackwell). MXFP8, MXFP4, NVFP4: torchao's
-    block-scaled GEMMs (torchao_block_mm) on compute capability 10.x (B200/GB200/B300, the GPUs
-    torchao's MX and NVFP4 GEMMs are built for); emulated elsewhere. A GEMM whose shapes or operand
-    types the native kernel does not take is emulated (quantized_matmul).
-    """
-    device = torch.device(device)
-    if fmt is not Format.BF16 and device.type == "cuda" and torch.cuda.is_available():
-        capability = torch.cuda.get_device_capability(device)
-        if fmt is Format.FP8 and capability >= (8, 9):
-            return Kernel.TORCHAO_FP8
-        if fmt in _BLOCK_FORMATS and capability[0] == 10:
-            return Kernel.TORCHAO_BLOCK
-    return Kernel.EMULATED
-
-
-_BLOCK_FORMATS = (Format.MXFP8, Format.MXFP4, Format.NVFP4)
-
-
-def describe_kernels(formats: Iterable[Format], device: torch.device) -> str:
-    """One line for the setup log, e.g. "fp8: native torchao kernel; mxfp4: emulated (cuda:0); a GEMM
-    runs natively when ..." (the shape rules, named whenever a format has a native kernel)."""
-    kernels = {f: kernel_for(f, device) for f in formats if f is not Format.BF16}
-    line = "; ".join(f"{f.value}: {k.value}" for f, k in kernels.items()) + f" ({torch.device(device)})"
-    if any(k is not Kernel.EMULATED for k in kernels.values()):
-        # quantized_matmul's per-GEMM rules: say so once, or a run whose GEMMs all fall back reads as native
-        line += ("; a GEMM runs natively when its dimensions are multiples of 16 (fp8) / 32 (block-scaled, "
-                 "bf16/fp32 operands, E4M3 MXFP8 gradients), otherwise emulated")
-    return line
-
-
-_MM_OUT_DTYPE_WORKS: dict[str, bool] = {}
-
-
-def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b^T accumulated and returned in fp32, the operands in their own dtype.
-
-    bf16/fp16 operands on a CUDA device run torch.mm's ``out_dtype=float32`` form: tensor-core
-    GEMMs whose products are exact and whose sums are fp32, the arithmetic of an fp32 GEMM on the
-    same (bf16-valued) operands, at bf16 speed (on an H200 an fp32 GEMM is about 15x slower). Where
-    that form is missing (CPU builds have no aten::mm.dtype kernel) or for fp32 operands, both are
-    upcast and multiplied in fp32: the same products and sums."""
-    if a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16) and a.device.type == "cuda":
-        if _MM_OUT_DTYPE_WORKS.get(a.device.type, True):
-            try:
-                return torch.mm(a, b.t(), out_dtype=torch.float32)
-            # Only "this torch has no such form" (an unknown keyword, a missing kernel); any other error
-            # (out of memory) propagates. Said once: the round is then correct but runs fp32 GEMMs.
-            except (TypeError, NotImplementedError) as err:
-                _MM_OUT_DTYPE_WORKS[a.device.type] = False
-                logger.warning("lightning_snip: torch.mm(out_dtype=float32) is unavailable on %s (%s); statistics "
-                               "rounds multiply bf16 operands upcast to fp32 (same numbers, slower GEMMs)",
-                               a.device.type, str(err).splitlines()[0][:200])
-    return a.float() @ b.float().t()
-
-
-def quantized_matmul(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    fmt: Format,
-    *,
-    recipe: QuantRecipe,
-    a_is_grad: bool = False,
-    b_is_grad: bool = False,
-    generator: torch.Generator | None = None,
-    kernel: Kernel | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """Return Q(a) @ Q(b)^T, both operands quantized along dim 1 (the contraction axis).
-
-    ``generator``: the random source of stochastic rounding (the global one when None).
-    ``kernel``: None chooses by device (kernel_for); tests force TORCHAO_FP8 on a CPU, where
-    torch._scaled_mm exists too. ``out_dtype``: None returns a's dtype (training's GEMMs);
-    torch.float32 returns the fp32 accumulation itself (mm_fp32: the statistics round measures the
-    quantization error, not the output's bf16 rounding; native kernels' outputs are upcast)."""
-    if out_dtype not in (None, torch.float32):
-        raise ValueError(f"out_dtype: invalid value {out_dtype!r}; allowed: None or torch.float32")
-    if fmt is Format.BF16:
-        return mm_fp32(a, b) if out_dtype is not None else a @ b.t()
-    kernel = kernel_for(fmt, a.device) if kernel is None else kernel
-    # torch._scaled_mm needs every dimension a multiple of 16; other shapes are emulated.
-    if kernel is Kernel.TORCHAO_FP8 and a.shape[1] % 16 == 0 and a.shape[0] % 16 == 0 and b.shape[0] % 16 == 0:
-        if out_dtype is not None:  # torchao returns its operands' dtype: fp32 operands (the same FP8 casts,
-            a, b = a.float(), b.float()  # scales from the same amax) give the fp32 output of torch._scaled_mm
-        return torchao_fp8_mm(a, b, recipe, a_is_grad, b_is_grad)
-    if kernel is Kernel.TORCHAO_BLOCK and block_native_supported(a, b, fmt, recipe, a_is_grad, b_is_grad):
-        out = torchao_block_mm(a, b, fmt, recipe, a_is_grad, b_is_grad, generator)
-        return out if out_dtype is None else out.to(out_dtype)
-    qa = fake_quantize(a, fmt, axis=1, rounding=_rounding(fmt, recipe, a_is_grad), recipe=recipe, is_grad=a_is_grad,
-                       generator=generator)
-    qb = fake_quantize(b, fmt, axis=1, rounding=_rounding(fmt, recipe, b_is_grad), recipe=recipe, is_grad=b_is_grad,
-                       generator=generator)
-    return mm_fp32(qa, qb) if out_dtype is not None else qa @ qb.t()
-
-
-def _rounding(fmt: Format, recipe: QuantRecipe, is_grad: bool) -> Rounding:
-    return recipe.fp4_grad_rounding if (is_grad and fmt.is_fp4) else Rounding.NEAREST
-
-
-def torchao_fp8_mm(a, b, recipe: QuantRecipe, a_is_grad: bool, b_is_grad: bool, *, emulate: bool = False) -> torch.Tensor:
-    """Q(a) @ Q(b)^T through torchao.float8's training tensors, as Float8Linear's GEMMs run: its
-    dynamic scales (rowwise: per row of each operand along the contraction axis, rounded down to a
-    power of two; tensorwise: one amax scale), its saturated casts and its torch.mm dispatch to
-    torch._scaled_mm (``emulate=True``: its fp32 emulation instead). The output has a's dtype."""
-    from torchao.float8.config import ScalingGranularity
-    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
-    from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig, ScaledMMConfig
-
-    from lightning_snip.formats import Fp8Scaling
-
-    mm_config = ScaledMMConfig(emulate=emulate, use_fast_accum=False, fp8_output=False, pad_inner_dim=False)
-    linear_mm_config = LinearMMConfig(mm_config, mm_config, mm_config)
-    rowwise = recipe.fp8_scaling is Fp8Scaling.ROWWISE
-    granularity = ScalingGranularity.AXISWISE if rowwise else ScalingGranularity.TENSORWISE
-
-    def cast(t, is_grad, role, axiswise_dim):
-        dtype = recipe.fp8_grad_dtype.torch_dtype if is_grad else torch.float8_e4m3fn
-        return hp_tensor_to_float8_dynamic(t, dtype, linear_mm_config, gemm_input_role=role,
-                                           scaling_granularity=granularity,
-                                           axiswise_dim=axiswise_dim if rowwise else None,
-                                           round_scales_to_power_of_2=rowwise)
-
-    qa = cast(a.contiguous(), a_is_grad, GemmInputRole.INPUT, -1)
-    # b^T (k x n) is scaled along its dim 0, the contraction axis, as torchao scales a weight.
-    qb_t = cast(b.t(), b_is_grad, GemmInputRole.WEIGHT, 0)
-    return torch.mm(qa, qb_t)
-
-
-def block_native_supported(a: torch.Tensor, b: torch.Tensor, fmt: Format, recipe: QuantRecipe, a_is_grad: bool,
-                           b_is_grad: bool) -> bool:
-    """Whether torchao's block-scaled GEMM takes this GEMM: every dimension a multiple of 32 (the MX
-    block; the cuBLAS/CUTLASS tile constraints and FP4's two-per-byte packing), bf16 or fp32
-    operands, and for MXFP8 E4M3 elements (torchao's MX GEMM has no E5M2 gradient operands)."""
-    if fmt not in _BLOCK_FORMATS or a.dim() != 2 or b.dim() != 2:
-        return False
-    if any(d % 32 for d in (a.shape[0], a.shape[1], b.shape[0])):
-        return False
-    if a.dtype not in (torch.float32, torch.bfloat16) or b.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    e5m2_grads = fmt is Format.MXFP8 and recipe.fp8_grad_dtype.torch_dtype is torch.float8_e5m2
-    return not (e5m2_grads and (a_is_grad or b_is_grad))
-
-
-def torchao_block_mm(a: torch.Tensor, b: torch.Tensor, fmt: Format, recipe: QuantRecipe, a_is_grad: bool,
-                     b_is_grad: bool, generator: torch.Generator | None = None, *, emulate: bool = False
-                     ) -> torch.Tensor:
-    """Q(a) @ Q(b)^T through torchao.prototype.mx_formats' tensors: MXTensor (mxfp8, mxfp4) or
-    NVFP4Tensor, whose torch.mm dispatch runs torch._scaled_mm / F.scaled_mm with block scales
-    (cuBLAS / CUTLASS on compute capability 10.x). ``emulate=True`` takes torchao's emulated GEMM
-    instead (dequantize, then a high-precision matmul): the same operands on any device, which is
-    how the CPU tests check them. Both operands are quantized along dim 1; the output has a's dtype.
-
-    Round-to-nearest operands are cast by torchao itself (RCEIL MX scales; NVFP4's per-tensor and
-    E4M3 block scales): what the emulation restates, bit for bit. torchao's casts round to nearest
-    only, so stochastically rounded FP4 gradient operands are built here from the emulation's own
-    parts, the rounded E2M1 codes and the scales they were rounded with
-    (formats.mxfp4_stochastic_parts / nvfp4_stochastic_parts, drawing the same random bits), packed
-    into torchao's tensors. Operands are drawn a first, then b, as the emulation draws them.
-
-    Numerics of the native kernels (not run here: no such GPU): torchao's MX GEMM returns bf16 (cast
-    to a's dtype after), so an fp32 run gets bf16-rounded MX GEMM outputs; NVFP4 operands are wrapped
-    as fp32 on the native path, so that torchao applies the product of the two per-tensor scales in
-    fp32 rather than rounded to bf16 (a whole-output bias of up to 2^-8 otherwise).
-    """
-    from torchao.prototype.mx_formats.config import ScaleCalculationMode
-    from torchao.prototype.mx_formats.kernels import f32_to_f4_unpacked, pack_uint4
-    from torchao.prototype.mx_formats.mx_tensor import MXTensor
-    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, QuantizeTensorToNVFP4Kwargs
-    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
-
-    from lightning_snip.formats import mxfp4_stochastic_parts, nvfp4_per_tensor_scale, nvfp4_stochastic_parts
-
-    preference = KernelPreference.EMULATED if emulate else KernelPreference.AUTO
-
-    def cast(t: torch.Tensor, is_grad: bool):
-        t = t.contiguous()
-        stochastic = _rounding(fmt, recipe, is_grad) is Rounding.STOCHASTIC
-        if fmt is Format.NVFP4:
-            t32 = t.float()
-            # act_quant_kwargs=None makes NVFP4Tensor's mm dequantize (torchao's emulation); set, it
-            # runs torch._scaled_mm. Both operands are pre-quantized, so its fields are unused.
-            kwargs = None if emulate else QuantizeTensorToNVFP4Kwargs()
-            orig_dtype = t.dtype if emulate else torch.float32
-            if stochastic:
-                codes, scales, per_tensor_scale = nvfp4_stochastic_parts(t32, generator)
-                qdata = pack_uint4(f32_to_f4_unpacked(codes))
-            else:
-                per_tensor_scale = nvfp4_per_tensor_scale(t32)
-                out = NVFP4Tensor.to_nvfp4(t32, per_tensor_scale=per_tensor_scale)
-                qdata, scales = out.qdata, out.scale
-            return NVFP4Tensor(qdata, scales, 16, orig_dtype, per_tensor_scale=per_tensor_scale,
-                               act_quant_kwargs=kwargs)
-        if stochastic:  # MXFP4 gradient operand
-            codes, scales = mxfp4_stochastic_parts(t.float(), generator)
-            qdata = pack_uint4(f32_to_f4_unpacked(codes))
-            return MXTensor(qdata, scales.view(torch.float8_e8m0fnu), torch.float4_e2m1fn_x2, 32, t.dtype,
-                            preference, None, False)
-        elem = torch.float4_e2m1fn_x2 if fmt is Format.MXFP4 else torch.float8_e4m3fn
-        return MXTensor.to_mx(t, elem, 32, scaling_mode=ScaleCalculationMode.RCEIL, kernel_preference=preference)
-
-    qa = cast(a, a_is_grad)
-    qb = cast(b, b_is_grad)
-    return torch.mm(qa, qb.t()).to(a.dtype)
 
 
 class _SNIPLinearFunction(torch.autograd.Function):
@@ -396,7 +179,7 @@ def _switchable_class(linear_cls: type) -> type:
     nn.Linear)``), the same wrapper composed with SNIPLinear."""
     if linear_cls is nn.Linear or issubclass(linear_cls, SNIPLinear):
         return SNIPLinear if linear_cls is nn.Linear else linear_cls
-    if _is_fsdp_composed(linear_cls):
+    if is_fsdp_composed(linear_cls):
         if linear_cls not in _SWITCHABLE_CLASSES:
             extra = {k: v for k, v in vars(linear_cls).items() if k == "__deepcopy__"}
             name = linear_cls.__name__.replace("Linear", "") + "SNIPLinear"
@@ -405,7 +188,7 @@ def _switchable_class(linear_cls: type) -> type:
     return SNIPLinear
 
 
-def _is_fsdp_composed(linear_cls: type) -> bool:
+def is_fsdp_composed(linear_cls: type) -> bool:
     """``class FSDPLinear(FSDPModule, nn.Linear)``: what FSDP2's fully_shard makes of a sharded linear."""
     bases = linear_cls.__bases__
     if len(bases) != 2 or bases[1] is not nn.Linear:

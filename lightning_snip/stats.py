@@ -11,7 +11,6 @@ per layer on the recording pass's retained graph (Propagation.EXACT).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import enum
 import logging
 from collections.abc import Callable, Mapping
@@ -20,126 +19,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_snip import fused
+from lightning_snip.adamw import AdamState, read_adam_state
 from lightning_snip.formats import Format
-from lightning_snip.linear import SNIPLinear, mm_fp32
+from lightning_snip.gemm import mm_fp32
+from lightning_snip.linear import SNIPLinear
+from lightning_snip.sharding import is_sharded
 
 logger = logging.getLogger(__name__)
 
 LossFn = Callable[[], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class AdamState:
-    """AdamW's state for one weight: its moments (views of the optimizer's tensors, valid until the
-    next optimizer step; the statistics round uses them before that) and its group's hyper-parameters."""
-
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    step: int  # steps taken (0: none yet, zero moments)
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-
-    def coefficients(self) -> torch.Tensor:
-        """The compiled update maps' hyper-parameters (lightning_snip.fused's AdamW section) for the
-        next step t = step + 1: beta1, 1 - beta1, beta2, 1 - beta2, 1 - beta2^t, eps, lr / (1 - beta1^t),
-        computed in double and stored as one fp32 tensor on the moments' device."""
-        b1, b2, t = self.beta1, self.beta2, self.step + 1
-        values = [b1, 1 - b1, b2, 1 - b2, 1 - b2**t, self.eps, self.lr / (1 - b1**t)]
-        return torch.tensor(values, dtype=torch.float32).to(self.exp_avg.device, non_blocking=True)
-
-    def preconditioner(self) -> torch.Tensor:
-        """A = 1 / (sqrt(v_hat) + eps), the elementwise scale AdamW applies to a gradient change."""
-        v_hat = self.exp_avg_sq.float() / (1 - self.beta2**self.step)
-        return 1.0 / (v_hat.sqrt() + self.eps)
-
-    def update(self) -> torch.Tensor:
-        """AdamW's step (without weight decay): lr * m_hat / (sqrt(v_hat) + eps)."""
-        return self.lr * self.exp_avg.float() / (1 - self.beta1**self.step) * self.preconditioner()
-
-    def after(self, grad: torch.Tensor | None) -> "AdamState":
-        """The state after one more step with gradient ``grad`` (None: unchanged moments, step + 1).
-
-        The update that a gradient error perturbs is the *next* one, whose moments already hold the
-        step's own gradient: v grows with an unusually large gradient, which damps both the update's
-        sensitivity and (through m) enlarges the update the deviation is measured against."""
-        if grad is None:
-            return dataclasses.replace(self, step=self.step + 1)
-        g = grad.float()
-        return dataclasses.replace(
-            self,
-            exp_avg=self.beta1 * self.exp_avg.float() + (1 - self.beta1) * g,
-            exp_avg_sq=self.beta2 * self.exp_avg_sq.float() + (1 - self.beta2) * g * g,
-            step=self.step + 1,
-        )
-
-    def update_deviation(self, grad: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """How far AdamW's next update (no weight decay) moves when this step's gradient ``grad``
-        becomes ``grad + delta``: exact per element, not linearized. ``delta`` may carry leading
-        batch dimensions.
-
-        Linearizing, delta * lr (1 - beta1) / (1 - beta1^t) / (sqrt(v_hat) + eps), breaks where v is
-        about 0 (an embedding row or element whose gradients were all 0 so far): there 1/eps (1e8)
-        multiplies the error, while AdamW's real update moves by at most about lr, because the error
-        also enters v. Written as a difference that does not cancel: u2 - u1 =
-        c (dm / (s2 + eps) - m1 (s2 - s1) / ((s1 + eps)(s2 + eps))), s = sqrt(v_hat)."""
-        return fused.run_kernel("_adam_deviation_kernel", self.exp_avg, self.exp_avg_sq, grad, delta, self.coefficients())
-
-    def next_update_energy(self, grad: torch.Tensor | None) -> torch.Tensor:
-        """||u||^2 of AdamW's next update (no weight decay) after this step's gradient ``grad``, the
-        same as ``after(grad).update().pow(2).sum()`` in one pass (a 0-d fp32 tensor)."""
-        if grad is None:
-            return self.after(None).update().pow(2).sum()
-        return fused.run_kernel("_adam_update_energy_kernel", self.exp_avg, self.exp_avg_sq, grad, self.coefficients())
-
-    def update_sensitivity(self, grad: torch.Tensor | None) -> torch.Tensor:
-        """dD/d(delta) at delta = 0, per element: the linear map that update_deviation becomes for
-        small gradient errors (the forward-mode probes of WD's propagated term need a linear map).
-
-        With m1, v1 the moments after this step's gradient g and s1 = sqrt(v1 / (1 - beta2^t)):
-        lr / (1 - beta1^t) * ((1 - beta1) / (s1 + eps) - m1 (1 - beta2) g / ((1 - beta2^t) s1 (s1 + eps)^2)).
-        Taken after the step, v1 >= (1 - beta2) g^2, so an element that has a gradient now is not
-        scaled by 1/eps (the failure of the before-step linearization in the method text)."""
-        g = torch.zeros_like(self.exp_avg, dtype=torch.float32) if grad is None else grad
-        return fused.run_kernel("_adam_sensitivity_kernel", self.exp_avg, self.exp_avg_sq, g, self.coefficients())
-
-    def local(self) -> "AdamState":
-        """This rank's shard of the moments (FSDP2: DTensors -> their local tensors)."""
-        if not is_sharded(self.exp_avg):
-            return self
-        return dataclasses.replace(self, exp_avg=self.exp_avg.to_local(), exp_avg_sq=self.exp_avg_sq.to_local())
-
-    def gradient_gain(self) -> float:
-        """lr * (1 - beta1) / (1 - beta1^t): how much of a gradient change reaches this step's update."""
-        return self.lr * (1 - self.beta1) / (1 - self.beta1**self.step)
-
-
-def read_adam_state(optimizer: torch.optim.Optimizer | None, weight: nn.Parameter) -> AdamState | None:
-    """AdamState of ``weight`` if ``optimizer`` keeps Adam-style moments for it, else None."""
-    if optimizer is None:
-        return None
-    group = next((g for g in optimizer.param_groups if any(p is weight for p in g["params"])), None)
-    if group is None:
-        return None
-    state = optimizer.state.get(weight, {})
-    if "exp_avg" not in state or "exp_avg_sq" not in state:
-        if "betas" not in group or state:
-            return None
-        # An Adam-family optimizer before its first step (snip.warmup_steps=0): zero moments, step 0.
-        state = {"exp_avg": torch.zeros_like(weight), "exp_avg_sq": torch.zeros_like(weight), "step": 0}
-    beta1, beta2 = group.get("betas", (0.9, 0.999))
-    step = int(state["step"]) if "step" in state else 1
-    return AdamState(
-        exp_avg=state["exp_avg"].detach(),
-        exp_avg_sq=state["exp_avg_sq"].detach(),
-        step=step,
-        lr=float(group["lr"]),
-        beta1=float(beta1),
-        beta2=float(beta2),
-        eps=float(group.get("eps", 1e-8)),
-    )
 
 
 class RoundPrecision(enum.Enum):
@@ -148,7 +36,7 @@ class RoundPrecision(enum.Enum):
     TRAINING: the dtype the layer's GEMMs ran in during the recording pass (LayerStats.compute_dtype)
         when it is bf16: X, G and W cast to bf16 (SNIPLinear casts the fp32 master weight to the autocast
         dtype before quantizing, so these are the operands the training GEMMs see), quantized in bf16 and
-        multiplied with fp32 sums (linear.mm_fp32: bf16 tensor cores on a GPU, where an fp32 GEMM is
+        multiplied with fp32 sums (gemm.mm_fp32: bf16 tensor cores on a GPU, where an fp32 GEMM is
         about 15x slower). fp32 and fp16 layers (an fp16 G without its loss scale underflows) run as FP32.
     FP32: every operand upcast to fp32 and the fp32 master weight quantized (the round before
         2026-11-30 night, kept to measure the difference side by side: benchmarks/stats_cost.py).
@@ -194,52 +82,6 @@ class LayerStats:
         if RoundPrecision(precision) is RoundPrecision.TRAINING and self.compute_dtype == torch.bfloat16:
             return torch.bfloat16
         return torch.float32
-
-
-def is_sharded(tensor) -> bool:
-    """Whether ``tensor`` is a DTensor (a parameter or optimizer state sharded by FSDP2)."""
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
-def dense(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: a DTensor all-gathered (a collective: every rank must call it in the same
-    order), anything else as it is."""
-    return tensor.full_tensor() if is_sharded(tensor) else tensor
-
-
-def local_part(full: torch.Tensor, like) -> torch.Tensor:
-    """The part of ``full`` (a whole-parameter-shaped tensor of this rank) that this rank's shard of
-    ``like`` (a DTensor) holds; ``full`` itself when ``like`` is not sharded."""
-    if not is_sharded(like):
-        return full
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
-    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-
-
-def from_local_parts(local: torch.Tensor, like) -> torch.Tensor:
-    """The whole tensor whose shards (one per rank, as ``like`` is sharded) are every rank's
-    ``local``: one all-gather. ``local`` itself when ``like`` is not sharded."""
-    if not is_sharded(like):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local.contiguous(), like.device_mesh, like.placements, shape=like.shape,
-                              stride=like.stride()).full_tensor()
-
-
-def all_reduce_sum(values: torch.Tensor, like) -> torch.Tensor:
-    """``values`` summed over the ranks that shard ``like`` (unchanged when it is not sharded)."""
-    if not is_sharded(like):
-        return values
-    import torch.distributed as dist
-
-    out = values.clone()
-    dist.all_reduce(out, group=like.device_mesh.get_group())
-    return out
 
 
 class Propagation(enum.Enum):

@@ -6,7 +6,7 @@ import torch
 
 torch.set_num_threads(1)
 
-# The quantizer kernels run uncompiled in tests (same code, same numbers; test_fused.py checks both
+# The quantizer kernels run uncompiled in tests (same code, same numbers; test_kernels.py checks both
 # modes bit for bit against the reference): compiling them costs ~5-10 s per kernel in every test
 # process and subprocess, which doubled the suite's time. Tests marked ``compiled_quantizers`` run
 # with the default, compiled kernels, end to end.

@@ -101,7 +101,7 @@ def test_switching_mid_training_keeps_optimizer_state_and_learns():
 
 def test_per_gemm_plan_runs_each_direction_in_its_format():
     from lightning_snip.formats import QuantRecipe
-    from lightning_snip.linear import quantized_matmul
+    from lightning_snip.gemm import quantized_matmul
     from lightning_snip.plan import BACKWARD, FORWARD, gemm_key
 
     torch.manual_seed(0)

@@ -8,10 +8,12 @@ from torch import nn
 
 from lightning_snip.convert import convert_linears
 from lightning_snip.divergence import DivergenceResult, estimate_divergence
-from lightning_snip.formats import Format, fake_quantize
-from lightning_snip.linear import quantized_matmul
+from lightning_snip.formats import Format
+from lightning_snip.quantize import fake_quantize
+from lightning_snip.gemm import quantized_matmul
 from lightning_snip.formats import QuantRecipe
-from lightning_snip.stats import Propagation, collect_stats, read_adam_state, slice_batch
+from lightning_snip.adamw import read_adam_state
+from lightning_snip.stats import Propagation, collect_stats, slice_batch
 
 
 class TwoLayer(nn.Module):
@@ -436,13 +438,13 @@ def test_probed_propagated_term_agrees_with_the_exact_one_within_its_stated_erro
 
 @pytest.mark.parametrize("kernels", ["eager", "compiled"])
 def test_update_sensitivity_is_the_derivative_of_the_update_deviation(kernels, monkeypatch):
-    monkeypatch.setenv("LIGHTNING_SNIP_QUANTIZERS", kernels)  # fused's AdamW maps, both modes
+    monkeypatch.setenv("LIGHTNING_SNIP_QUANTIZERS", kernels)  # adamw's maps, both modes
     torch.manual_seed(0)
     state = read_adam_state(None, nn.Parameter(torch.zeros(3)))
     assert state is None
     m, v = torch.randn(1000) * 1e-3, torch.rand(1000) * 1e-6
     v[:10] = 0.0  # never a gradient before: only this step's enters v
-    from lightning_snip.stats import AdamState
+    from lightning_snip.adamw import AdamState
 
     adam = AdamState(exp_avg=m, exp_avg_sq=v, step=7, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8)
     grad = torch.randn(1000, dtype=torch.float64).float() * 1e-3
@@ -717,7 +719,7 @@ def test_round_precision_follows_the_training_dtype_and_keeps_the_estimates(auto
 
 
 def test_mm_fp32_is_the_fp32_product_of_the_operands():
-    from lightning_snip.linear import mm_fp32
+    from lightning_snip.gemm import mm_fp32
 
     a, b = torch.randn(40, 64).bfloat16(), torch.randn(24, 64).bfloat16()
     out = mm_fp32(a, b)

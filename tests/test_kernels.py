@@ -1,367 +1,265 @@
-"""Kernel choice per format and device (capability mocked); torchao.float8's native GEMM path,
-which runs on a CPU too (torch._scaled_mm has a CPU implementation); torchao's block-scaled
-(MX, NVFP4) path, whose GEMM has no CPU kernel: its operands are checked bit for bit through
-torchao's emulated GEMM, and its dispatch up to torch's block-scaled GEMM call."""
+"""The fused quantizers (lightning_snip.kernels) against the torchao reference, bit for bit."""
 
 from __future__ import annotations
+
+import itertools
+import logging
 
 import pytest
 import torch
 
-from lightning_snip import linear as linear_mod
-from lightning_snip.formats import Format, QuantRecipe, fake_quantize
-from lightning_snip.linear import (Kernel, SNIPLinear, describe_kernels, kernel_for, quantized_matmul,
-                                  torchao_block_mm)
+from lightning_snip import grid, kernels
+from lightning_snip.formats import Format, QuantRecipe, Rounding
+from lightning_snip.quantize import fake_quantize, reference_fake_quantize
+
+FORMATS = (Format.FP8, Format.MXFP8, Format.MXFP4, Format.NVFP4)
+RECIPES = {
+    "rowwise_e4m3": QuantRecipe(),
+    "tensorwise_e5m2": QuantRecipe(fp8_scaling="tensorwise", fp8_grad_dtype="e5m2"),
+}
 
 
-def _mock_gpu(monkeypatch, capability):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-
-
-@pytest.mark.parametrize("capability,fp8_native,block_native", [
-    ((8, 0), False, False), ((8, 6), False, False), ((8, 9), True, False), ((9, 0), True, False),
-    ((10, 0), True, True), ((10, 3), True, True), ((12, 0), True, False)])
-def test_kernel_choice_by_capability(monkeypatch, capability, fp8_native, block_native):
-    _mock_gpu(monkeypatch, capability)
-    cuda = torch.device("cuda", 0)
-    assert kernel_for(Format.FP8, cuda) is (Kernel.TORCHAO_FP8 if fp8_native else Kernel.EMULATED)
-    for fmt in (Format.MXFP8, Format.MXFP4, Format.NVFP4):  # torchao's block-scaled GEMMs: sm100 only
-        assert kernel_for(fmt, cuda) is (Kernel.TORCHAO_BLOCK if block_native else Kernel.EMULATED)
-    for fmt in (Format.FP8, Format.MXFP4):
-        assert kernel_for(fmt, torch.device("cpu")) is Kernel.EMULATED  # CPUs emulate, whatever the GPU
-
-
-def test_kernel_choice_without_cuda_and_the_setup_line(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert kernel_for(Format.FP8, torch.device("cuda", 0)) is Kernel.EMULATED
-    assert kernel_for(Format.NVFP4, torch.device("cuda", 0)) is Kernel.EMULATED
-    _mock_gpu(monkeypatch, (9, 0))
-    line = describe_kernels([Format.BF16, Format.FP8, Format.MXFP4], torch.device("cuda", 0))
-    assert line.startswith("fp8: native torchao kernel; mxfp4: emulated (cuda:0); a GEMM runs natively when")
-    _mock_gpu(monkeypatch, (10, 0))
-    line = describe_kernels([Format.FP8, Format.MXFP8, Format.NVFP4], torch.device("cuda", 0))
-    assert line.startswith("fp8: native torchao kernel; mxfp8: native torchao block-scaled kernel; "
-                           "nvfp4: native torchao block-scaled kernel (cuda:0); a GEMM runs natively when")
-    assert describe_kernels([Format.MXFP4], torch.device("cpu")) == "mxfp4: emulated (cpu)"
-
-
-def _spy_scaled_mm(monkeypatch):
-    calls = []
-    real = torch._scaled_mm
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].dtype)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "_scaled_mm", spy)
-    return calls
-
-
-@pytest.mark.parametrize("scaling", ["rowwise", "tensorwise"])
-def test_native_fp8_gemm_runs_scaled_mm_and_matches_emulation(monkeypatch, scaling):
-    calls = _spy_scaled_mm(monkeypatch)
-    recipe = QuantRecipe(fp8_scaling=scaling)
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(64, 128, generator=g) * torch.exp(torch.randn(64, 1, generator=g))
-    b = torch.randn(96, 128, generator=g)
-    native = quantized_matmul(a, b, Format.FP8, recipe=recipe, kernel=Kernel.TORCHAO_FP8)
-    emulated = quantized_matmul(a, b, Format.FP8, recipe=recipe, kernel=Kernel.EMULATED)
-    assert calls == [torch.float8_e4m3fn]
-    # Same quantized operands; only the GEMM's accumulation and output rounding differ (the CPU
-    # kernel rounds rowwise outputs through bf16).
-    rel = float((native - emulated).norm() / emulated.norm())
-    assert native.dtype == torch.float32 and rel < 4e-3, rel
-    exact = (a.double() @ b.double().t())
-    assert float((native.double() - exact).norm() / exact.norm()) < 0.06
-    # a GEMM on unquantized operands differs from the native one by FP8's error, far more than rel
-    assert float((a @ b.t() - native).norm() / native.norm()) > 5 * rel
-
-
-def test_native_fp8_gemm_with_fp32_output_is_the_fp32_gemm_of_the_same_fp8_operands(monkeypatch):
-    # The statistics round asks for fp32 outputs (out_dtype): on bf16 operands torchao would return
-    # bf16, adding the output's rounding to the measured quantization error. Same FP8 casts (torchao
-    # scales an fp32 upcast of them), fp32 output.
-    # (tensorwise: the CPU's rowwise kernel rounds its outputs through bf16 whatever the output dtype)
-    calls = _spy_scaled_mm(monkeypatch)
-    recipe = QuantRecipe(fp8_scaling="tensorwise")
-    g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(64, 128, generator=g).bfloat16(), torch.randn(96, 128, generator=g).bfloat16()
-    out = quantized_matmul(a, b, Format.FP8, recipe=recipe, kernel=Kernel.TORCHAO_FP8, out_dtype=torch.float32)
-    assert out.dtype == torch.float32 and len(calls) == 1
-    fp32_operands = quantized_matmul(a.float(), b.float(), Format.FP8, recipe=recipe, kernel=Kernel.TORCHAO_FP8)
-    assert torch.equal(out, fp32_operands)
-    bf16_out = quantized_matmul(a, b, Format.FP8, recipe=recipe, kernel=Kernel.TORCHAO_FP8)
-    assert bf16_out.dtype == torch.bfloat16 and not torch.equal(bf16_out.float(), out)
-
-
-def test_native_fp8_unaligned_shapes_are_emulated(monkeypatch):
-    calls = _spy_scaled_mm(monkeypatch)
-    a, b = torch.randn(40, 72), torch.randn(24, 72)  # not multiples of 16
-    native = quantized_matmul(a, b, Format.FP8, recipe=QuantRecipe(), kernel=Kernel.TORCHAO_FP8)
-    assert calls == [] and torch.equal(native, quantized_matmul(a, b, Format.FP8, recipe=QuantRecipe()))
-
-
-def test_snip_linear_uses_native_kernel_in_all_three_gemms(monkeypatch):
-    """With the device reported as an FP8 GPU, forward, dgrad and wgrad each run torch._scaled_mm,
-    with e4m3 operands (e5m2 for gradients when the recipe says so), and the gradients match the
-    emulated layer's."""
-    calls = _spy_scaled_mm(monkeypatch)
-    torch.manual_seed(0)
-    recipe = QuantRecipe(fp8_grad_dtype="e5m2")
-    layer = SNIPLinear(64, 48, format="fp8", recipe=recipe).bfloat16()
-    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
-    emulated = [t.detach().clone() for t in _fwd_bwd(layer, x)]
-    assert calls == []
-    monkeypatch.setattr(linear_mod, "kernel_for", lambda fmt, device: Kernel.TORCHAO_FP8)
-    native = _fwd_bwd(layer, x)
-    assert calls == [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e5m2]  # fwd, dgrad, wgrad (a = G)
-    for n, e in zip([t.detach() for t in native], emulated):
-        assert float((n.float() - e.float()).norm() / e.float().norm()) < 1e-2
-
-
-def _fwd_bwd(layer, x):
-    layer.zero_grad(set_to_none=True)
-    x.grad = None
-    y = layer(x)
-    y.float().square().sum().backward()
-    return y, x.grad, layer.weight.grad
-
-
-# ---------------------------------------------------------------------------------------------
-# torchao's block-scaled GEMMs (MXTensor, NVFP4Tensor): compute capability 10.x.
-
-BLOCK_FORMATS = [Format.MXFP8, Format.MXFP4, Format.NVFP4]
-
-
-def _operands(dtype, m=64, n=96, k=128, seed=0):
+def _wide_range(shape, seed):
     g = torch.Generator().manual_seed(seed)
-    # rows of very different magnitude: a scale shared along the wrong axis would be visible
-    a = torch.randn(m, k, generator=g) * torch.exp(2 * torch.randn(m, 1, generator=g))
-    b = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
-    return a.to(dtype), b.to(dtype)
+    return torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g) * 4)
 
 
-@pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=lambda f: f.value)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("grad_rounding", ["stochastic", "nearest"])
-def test_block_kernel_operands_are_the_emulation_bit_for_bit(fmt, dtype, grad_rounding):
-    """The operands torchao's block-scaled GEMM receives, multiplied through torchao's emulated GEMM,
-    equal the emulation bit for bit: forward operands (RTN) and a stochastically rounded gradient
-    operand with the same random draws (MXFP4: re-cast exactly; NVFP4: codes and scales wrapped)."""
-    recipe = QuantRecipe(fp4_grad_rounding=grad_rounding)
-    a, b = _operands(dtype)
-    for a_is_grad in (False, True):
-        emulated = quantized_matmul(a, b, fmt, recipe=recipe, a_is_grad=a_is_grad,
-                                    generator=torch.Generator().manual_seed(1), kernel=Kernel.EMULATED)
-        through = torchao_block_mm(a, b, fmt, recipe, a_is_grad, False, torch.Generator().manual_seed(1),
-                                   emulate=True)
-        assert through.dtype == dtype and torch.equal(through, emulated), (fmt, a_is_grad)
-    if fmt.is_fp4 and grad_rounding == "stochastic":
-        # the gradient operand is rounded stochastically: another draw gives another product
-        other = torchao_block_mm(a, b, fmt, recipe, True, False, torch.Generator().manual_seed(2), emulate=True)
-        assert not torch.equal(other, emulated)
+def _edges(shape, seed):
+    """Zeros, fp32 subnormals, exact grid points and ties after scaling (powers of two times grid
+    values and midpoints), block maxima, values far above and below their block's maximum."""
+    x = _wide_range(shape, seed)
+    flat = x.view(-1)
+    flat[::7] = 0.0
+    flat[1::11] = 1e-40
+    flat[2::13] = -3e-39
+    flat[3::17] = 448.0 * 2.0**4
+    flat[4::19] = 6.0
+    flat[5::23] = 5.0  # a tie on the E2M1 grid (4 | 6) when the block scale is 1
+    flat[6::29] = -1.75
+    flat[8::31] = 2.0**-130
+    return x
 
 
-def test_block_kernel_stochastic_gradient_operand_is_unbiased():
-    """Averaged over draws, the native path's MXFP4/NVFP4 products with a stochastically rounded
-    gradient operand approach Q(a)-free products: the bias of round-to-nearest does not."""
-    a, b = _operands(torch.float32, m=32, n=32, k=64)
-    exact = a.double() @ torch.eye(64, dtype=torch.float64)[:32].t()  # b = identity rows: picks a's columns
-    b = torch.eye(64)[:32].contiguous()
-    for fmt in (Format.MXFP4, Format.NVFP4):
-        draws = [torchao_block_mm(a, b, fmt, QuantRecipe(), True, False, torch.Generator().manual_seed(s),
-                                  emulate=True).double() for s in range(200)]
-        mean_err = float((torch.stack(draws).mean(0) - exact).norm() / exact.norm())
-        rtn = torchao_block_mm(a, b, fmt, QuantRecipe(fp4_grad_rounding="nearest"), True, False, emulate=True)
-        rtn_err = float((rtn.double() - exact).norm() / exact.norm())
-        assert mean_err < 0.3 * rtn_err, (fmt, mean_err, rtn_err)
+def _tiny_amax(shape, amax):
+    w = _wide_range(shape, 6)
+    return w / w.abs().amax() * amax
 
 
-def _decode_block_gemms(monkeypatch):
-    """Stand-ins for torch's block-scaled GEMMs (no CPU kernel exists) that decode what torchao hands
-    them (packed e2m1 pairs or e4m3 elements, swizzled e8m0 / e4m3 block scales, b column-major),
-    multiply in float64 and record each call: the native path run numerically on a CPU."""
-    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
-    from torchao.prototype.mx_formats.utils import from_blocked
-
-    calls = []
-
-    def elements(x):
-        assert x.is_contiguous()
-        if x.dtype == torch.float4_e2m1fn_x2:
-            return f4_unpacked_to_f32(unpack_uint4(x.view(torch.uint8))).double()
-        return x.double()
-
-    def scales(s, rows, k, block):
-        s = from_blocked(s.reshape(-1), rows, k // block)
-        if s.dtype == torch.float8_e4m3fn:
-            return s.double()
-        return torch.exp2(s.view(torch.uint8).double() - 127)  # e8m0: a biased power of two
-
-    def gemm(name, a, b, scale_a, scale_b, out_dtype, block):
-        calls.append((name, a.dtype, b.dtype, scale_a.dtype, tuple(a.shape)))
-        qa, qb = elements(a), elements(b.t())  # b arrives column-major (k x n)
-        (m, k), n = qa.shape, qb.shape[0]
-        qa = (qa.view(m, k // block, block) * scales(scale_a, m, k, block)[..., None]).view(m, k)
-        qb = (qb.view(n, k // block, block) * scales(scale_b, n, k, block)[..., None]).view(n, k)
-        return (qa @ qb.t()).to(out_dtype)
-
-    def scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None, **kwargs):
-        assert bias is None
-        return gemm("_scaled_mm", a, b, scale_a, scale_b, out_dtype, 16 if scale_a.dtype == torch.float8_e4m3fn else 32)
-
-    def f_scaled_mm(a, b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, output_dtype=None, **kwargs):
-        return gemm("F.scaled_mm", a, b, scale_a, scale_b, output_dtype, 32)
-
-    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
-    monkeypatch.setattr(torch.nn.functional, "scaled_mm", f_scaled_mm)
-    return calls
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_block_kernel_native_path_through_torchs_block_scaled_gemm(monkeypatch, dtype):
-    """On the native path (not emulated), torchao's dispatch hands torch's block-scaled GEMM the packed
-    operands, e4m3 elements with e8m0 scales (mxfp8), e2m1 pairs with e8m0 scales (mxfp4, F.scaled_mm),
-    e2m1 pairs with e4m3 scales (nvfp4), which decode to the emulation's product: for a forward GEMM and
-    a stochastically rounded one with the same draws. Differences allowed: torchao's MX GEMM returns
-    bf16 (an fp32 run's output is bf16-rounded), and the float64 stand-in accumulates exactly."""
-    calls = _decode_block_gemms(monkeypatch)
-    a, b = _operands(dtype)
-    expected = {
-        Format.MXFP8: ("_scaled_mm", torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float8_e8m0fnu, (64, 128)),
-        Format.MXFP4: ("F.scaled_mm", torch.float4_e2m1fn_x2, torch.float4_e2m1fn_x2, torch.float8_e8m0fnu, (64, 64)),
-        Format.NVFP4: ("_scaled_mm", torch.float4_e2m1fn_x2, torch.float4_e2m1fn_x2, torch.float8_e4m3fn, (64, 64)),
+def _inputs():
+    nan = _wide_range((64, 96), 3)
+    nan.view(-1)[::37] = float("nan")
+    inf = _wide_range((64, 96), 4)
+    inf.view(-1)[::41] = float("inf")
+    inf.view(-1)[5::53] = float("-inf")
+    return {
+        "wide_range": _wide_range((96, 80), 0),
+        "edges": _edges((64, 96), 1),
+        "zeros": torch.zeros(32, 64),
+        "all_tiny": torch.full((32, 64), 1e-41),
+        # amax ~1e-34: NVFP4's per-tensor scale below its floor (eager RTN gave 0 * inf = NaN)
+        "tiny_amax": torch.cat([torch.zeros(16, 64), _tiny_amax((16, 64), 1e-34)]),
+        "ragged": _wide_range((40, 50), 2),  # neither axis a multiple of a block: zero padding
+        "bf16": _wide_range((64, 64), 5).bfloat16(),
+        "nan": nan,
+        "inf": inf,
     }
-    for fmt, call in expected.items():
-        for a_is_grad in (False, True):
-            calls.clear()
-            native = quantized_matmul(a, b, fmt, recipe=QuantRecipe(), a_is_grad=a_is_grad, kernel=Kernel.TORCHAO_BLOCK,
-                                      generator=torch.Generator().manual_seed(1))
-            emulated = quantized_matmul(a, b, fmt, recipe=QuantRecipe(), a_is_grad=a_is_grad, kernel=Kernel.EMULATED,
-                                        generator=torch.Generator().manual_seed(1))
-            assert calls == [call], (fmt, calls)
-            assert native.shape == (64, 96) and native.dtype == dtype
-            # bf16 output rounding (2^-9 relative) at most; a lost per-tensor scale, a round-to-nearest
-            # gradient operand or a wrong scale rule differ by far more.
-            diff = float((native.double() - emulated.double()).norm() / emulated.double().norm())
-            assert diff < 4e-3, (fmt, a_is_grad, diff)
-            if fmt is not Format.NVFP4 and dtype is torch.bfloat16:
-                assert torch.equal(native, emulated), fmt  # products of bf16-exact values, one rounding
-    # NVFP4 operands travel as fp32 on the native path: the per-tensor scales' product is applied in
-    # fp32 (torchao rounds it to the operands' dtype), so bf16 runs see no whole-output scale bias.
-    from lightning_snip.formats import nvfp4_per_tensor_scale
-
-    g = torch.Generator().manual_seed(13)
-    a, b = (torch.randn(64, 128, generator=g) * 4.3).bfloat16(), torch.randn(96, 128, generator=g).bfloat16()
-    product = nvfp4_per_tensor_scale(a.float()) * nvfp4_per_tensor_scale(b.float())
-    assert float(product.bfloat16().float() / product) > 1.002  # these inputs would show the bias
-    exact = (fake_quantize(a.float(), Format.NVFP4, axis=1).double()
-             @ fake_quantize(b.float(), Format.NVFP4, axis=1).double().t())
-    native = quantized_matmul(a, b, Format.NVFP4, recipe=QuantRecipe(), kernel=Kernel.TORCHAO_BLOCK).double()
-    assert abs(float((native * exact).sum() / (exact * exact).sum()) - 1.0) < 2e-4
 
 
-def test_block_kernel_unsupported_gemms_are_emulated(monkeypatch):
-    """Shapes off the 32-grid, and MXFP8 gradients in E5M2 (torchao's MX GEMM takes E4M3 only), take
-    the emulation: no block-scaled GEMM call, the emulated result."""
-    calls = _decode_block_gemms(monkeypatch)
-    a, b = _operands(torch.float32, m=48, n=96, k=128)  # 48 rows: not a multiple of 32
-    for fmt in BLOCK_FORMATS:
-        out = quantized_matmul(a, b, fmt, recipe=QuantRecipe(fp4_grad_rounding="nearest"), kernel=Kernel.TORCHAO_BLOCK)
-        assert torch.equal(out, quantized_matmul(a, b, fmt, recipe=QuantRecipe(), kernel=Kernel.EMULATED))
-    a, b = _operands(torch.float32)
-    e5m2 = QuantRecipe(fp8_grad_dtype="e5m2")
-    out = quantized_matmul(a, b, Format.MXFP8, recipe=e5m2, a_is_grad=True, kernel=Kernel.TORCHAO_BLOCK)
-    assert calls == []
-    assert torch.equal(out, quantized_matmul(a, b, Format.MXFP8, recipe=e5m2, a_is_grad=True, kernel=Kernel.EMULATED))
-    quantized_matmul(a, b, Format.MXFP8, recipe=e5m2, a_is_grad=False, kernel=Kernel.TORCHAO_BLOCK)
-    assert len(calls) == 1  # the forward GEMM (E4M3 operands) still runs natively
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.isnan(), b.isnan())
+            and torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0)))
 
 
-@pytest.mark.parametrize("fmt", [Format.MXFP4, Format.NVFP4], ids=lambda f: f.value)
-def test_snip_linear_routes_all_three_gemms_to_the_block_kernel(monkeypatch, fmt):
-    """With the device reported as compute capability 10.x, forward, dgrad and wgrad each go through
-    torchao_block_mm (the gradient operand, and only it, flagged for stochastic rounding), and the
-    output and both gradients equal the emulated layer's bit for bit with the same random draws."""
-    routed = []
-    real = linear_mod.torchao_block_mm
+CASES = [
+    (fmt, rounding, axis, recipe, is_grad)
+    for fmt in FORMATS
+    for rounding in ((Rounding.NEAREST, Rounding.STOCHASTIC) if fmt.is_fp4 else (Rounding.NEAREST,))
+    for axis in (0, 1)
+    for recipe in (RECIPES if fmt in (Format.FP8, Format.MXFP8) else ["rowwise_e4m3"])
+    for is_grad in ((False, True) if fmt in (Format.FP8, Format.MXFP8) else (False,))
+]
 
-    def through_torchao(a, b, fmt_, recipe, a_is_grad, b_is_grad, generator=None):
-        routed.append((fmt_, a_is_grad, b_is_grad, tuple(a.shape), tuple(b.shape)))
-        return real(a, b, fmt_, recipe, a_is_grad, b_is_grad, generator, emulate=True)
+
+@pytest.mark.parametrize("mode", ["compiled", "eager"])
+@pytest.mark.parametrize("fmt,rounding,axis,recipe,is_grad", CASES,
+                         ids=lambda v: getattr(v, "value", str(v)))
+def test_fused_equals_reference_bit_for_bit(monkeypatch, mode, fmt, rounding, axis, recipe, is_grad):
+    monkeypatch.setenv("LIGHTNING_SNIP_QUANTIZERS", mode)
+    for name, x in _inputs().items():
+        kwargs = dict(axis=axis, rounding=rounding, recipe=RECIPES[recipe], is_grad=is_grad)
+        got = fake_quantize(x, fmt, generator=torch.Generator().manual_seed(7), **kwargs)
+        want = reference_fake_quantize(x, fmt, generator=torch.Generator().manual_seed(7), **kwargs)
+        assert _same(got, want), (name, int(((got != want) & ~(got.isnan() & want.isnan())).sum()))
+
+
+def _grid_values(grid):
+    """Every non-negative value of the grid, and every midpoint between neighbours."""
+    mbits, emin, vmax = grid
+    values = {0.0}
+    for e in range(emin, 20):
+        for m in range(2**mbits):
+            v = (1 + m / 2**mbits) * 2.0**e
+            if v <= vmax:
+                values.add(v)
+    values |= {k * 2.0 ** (emin - mbits) for k in range(2**mbits)}  # subnormals
+    values = sorted(values)
+    mids = [(a + b) / 2 for a, b in zip(values, values[1:])]
+    return torch.tensor(values), torch.tensor(mids)
+
+
+@pytest.mark.parametrize("fp8_grid,dtype", [(grid.E4M3, torch.float8_e4m3fn), (grid.E5M2, torch.float8_e5m2)])
+def test_round_to_grid_matches_torch_fp8_casts(fp8_grid, dtype):
+    values, mids = _grid_values(fp8_grid)
+    g = torch.Generator().manual_seed(0)
+    sweep = torch.cat([values, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9)),
+                       torch.rand(20000, generator=g) * fp8_grid[2], torch.rand(20000, generator=g) * 2.0 ** fp8_grid[1]])
+    sweep = torch.cat([sweep, -sweep])
+    assert torch.equal(grid.round_to_grid(sweep, fp8_grid), sweep.to(dtype).float())
+    assert torch.equal(grid.round_to_grid(values, fp8_grid), values)  # grid points are fixed points
+
+
+def test_round_to_grid_matches_torchao_e2m1_cast():
+    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked
+
+    values, mids = _grid_values(grid.E2M1)
+    g = torch.Generator().manual_seed(0)
+    sweep = torch.cat([values, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(9.0)),
+                       torch.rand(20000, generator=g) * 6.0, torch.tensor([7.0, 100.0])])
+    sweep = torch.cat([sweep, -sweep])
+    want = f4_unpacked_to_f32(f32_to_f4_unpacked(sweep))
+    assert torch.equal(grid.round_to_grid(sweep, grid.E2M1), want)
+    assert torch.equal(grid.round_to_grid(values, grid.E2M1), values)
+
+
+def test_round_to_grid_non_finite():
+    v = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    out = grid.round_to_grid(v, grid.E4M3)
+    assert out[0].isnan() and out[1] == 448.0 and out[2] == -448.0
+
+
+@pytest.mark.parametrize("fmt", [Format.MXFP4, Format.NVFP4])
+def test_stochastic_rounding_unbiased(fmt):
+    """The mean of many SR draws converges to x (RTN's error does not shrink with more draws)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 64, generator=g)
+    draws = torch.stack([fake_quantize(x, fmt, axis=1, rounding=Rounding.STOCHASTIC, generator=g) for _ in range(400)])
+    bias = (draws.mean(0) - x).abs().mean() / x.abs().mean()
+    rtn = (fake_quantize(x, fmt, axis=1) - x).abs().mean() / x.abs().mean()
+    assert bias < 0.01 and rtn > 0.05, (bias, rtn)
+
+
+@pytest.mark.compiled_quantizers
+def test_training_steps_do_not_recompile():
+    """After the first step, quantizers of every layer and direction reuse their compiled graphs."""
+    from torch._dynamo.utils import counters
+
+    from lightning_snip.linear import SNIPLinear
 
     torch.manual_seed(0)
-    layer = SNIPLinear(64, 96, format=fmt)
-    x = torch.randn(2, 32, 64, requires_grad=True)
-    layer.generator = torch.Generator().manual_seed(5)
-    emulated = [t.detach().clone() for t in _fwd_bwd(layer, x)]
-    monkeypatch.setattr(linear_mod, "torchao_block_mm", through_torchao)
-    monkeypatch.setattr(linear_mod, "kernel_for", lambda f, device: Kernel.TORCHAO_BLOCK)
-    layer.generator = torch.Generator().manual_seed(5)
-    native = _fwd_bwd(layer, x)
-    assert routed == [(fmt, False, False, (64, 64), (96, 64)),   # fwd: X, W along k
-                      (fmt, True, False, (64, 96), (64, 96)),    # dgrad: G, W^T along m
-                      (fmt, True, False, (96, 64), (64, 64))]    # wgrad: G^T, X^T along tokens
-    for n, e in zip(native, emulated):
-        assert torch.equal(n.detach(), e)
+    layers = torch.nn.Sequential(SNIPLinear(64, 96, format="nvfp4"), torch.nn.ReLU(), SNIPLinear(96, 32, format="mxfp4"))
+    x = torch.randn(128, 64)
+    layers(x).square().mean().backward()
+    before = counters["stats"]["unique_graphs"]
+    for batch in (128, 128, 256):  # a new batch size is a new (dynamic-shape) input, not a new graph
+        layers(torch.randn(batch, 64)).square().mean().backward()
+    assert counters["stats"]["unique_graphs"] == before
 
 
-@pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=lambda f: f.value)
-def test_block_kernel_all_zero_and_tiny_operands(monkeypatch, fmt):
-    """An all-zero operand (a zero-initialized weight, an all-zero gradient) gives a zero product on
-    every path (torchao's NVFP4 per-tensor scale of 0 made it 0 / 0 = NaN), and blocks near the bottom
-    of the float32 range (a re-cast would clamp their MXFP4 scale and zero them) match the emulation."""
-    _decode_block_gemms(monkeypatch)
-    zeros, b = torch.zeros(64, 128), _operands(torch.float32)[1]
-    for a_is_grad in (False, True):
-        for kernel in (Kernel.EMULATED, Kernel.TORCHAO_BLOCK):
-            for x, y in ((zeros, b), (b[:64], zeros[:32])):
-                out = quantized_matmul(x, y, fmt, recipe=QuantRecipe(), a_is_grad=a_is_grad, kernel=kernel,
-                                       generator=torch.Generator().manual_seed(0))
-                assert torch.equal(out, torch.zeros_like(out)), (kernel, a_is_grad)
-        assert torch.equal(fake_quantize(zeros, fmt, axis=1), zeros)
+@pytest.mark.compiled_quantizers
+def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch, caplog):
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no C++ compiler")
+        return run
+
+    monkeypatch.setattr(kernels, "_compiled", {})
+    monkeypatch.setattr(kernels, "_broken", set())
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    x = _wide_range((32, 64), 0)
+    with caplog.at_level(logging.WARNING, logger="lightning_snip.kernels"):
+        outs = [fake_quantize(x, Format.MXFP4, axis=1) for _ in range(3)]
+    warnings = [r for r in caplog.records if "running it eagerly" in r.getMessage()]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0].getMessage()
+    assert all(_same(o, reference_fake_quantize(x, Format.MXFP4, axis=1)) for o in outs)
+
+
+def test_unknown_quantizer_mode_names_the_variable(monkeypatch):
+    monkeypatch.setenv("LIGHTNING_SNIP_QUANTIZERS", "fastest")
+    with pytest.raises(ValueError, match="LIGHTNING_SNIP_QUANTIZERS.*fastest.*compiled, eager, reference"):
+        fake_quantize(torch.randn(4, 32), Format.MXFP4, axis=1)
+
+
+def test_sr_uniforms_are_uniform_and_independent():
+    """The SR random source on its own (the fused and reference paths share it, so the bit-for-bit
+    tests cannot see it): 24-bit uniforms in [0, 1) with the moments of U(0, 1), and the two
+    uniforms cut from one 64-bit draw uncorrelated."""
+    from lightning_snip.grid import random_bits, uniforms_from_bits
+
+    n = 2_000_000
+    bits = random_bits(n, torch.Generator().manual_seed(0), "cpu")
+    u = uniforms_from_bits(bits, (n,)).double()
+    assert u.min() >= 0 and u.max() < 1 and torch.equal(u * 2**24, (u * 2**24).round())
+    assert abs(float(u.mean()) - 0.5) < 4 * (1 / 12) ** 0.5 / n**0.5
+    assert abs(float(u.var()) - 1 / 12) < 1e-3
+    half = n // 2  # u[i] and u[half + i] come from the same draw
+    corr = float(torch.corrcoef(torch.stack([u[:half], u[half:]]))[0, 1])
+    assert abs(corr) < 4 / half**0.5, corr
+    counts = torch.histc(u.float(), bins=64, min=0, max=1)
+    assert float(((counts - n / 64) ** 2 / (n / 64)).sum()) < 120  # chi-square, 63 dof: p ~ 1e-5
+
+
+@pytest.mark.parametrize("fmt", [Format.MXFP4, Format.NVFP4])
+def test_sr_rounds_up_with_probability_equal_to_the_distance_from_below(fmt):
+    """Each block holds 6.0 (scale exactly 1 for MXFP4) and copies of one value between two grid
+    points: the share rounded up must match the fractional distance, to sampling precision."""
+    rows = 20000
+    for value, lo, hi in ((0.3, 0.0, 0.5), (2.6, 2.0, 3.0), (4.5, 4.0, 6.0)):
+        x = torch.full((rows, 32), value)
+        x[:, 0] = x[:, 16] = 6.0
+        q = fake_quantize(x, fmt, axis=1, rounding=Rounding.STOCHASTIC, generator=torch.Generator().manual_seed(1))
+        body = torch.cat([q[:, 1:16], q[:, 17:]], 1)
+        if fmt is Format.NVFP4:  # two-level scale: compare in units of this tensor's actual scale
+            scale = 6.0 / q[:, 0].max()
+            body = body * scale
+        assert set(body.unique().tolist()) <= {lo, hi}, (value, body.unique())
+        share_up = float((body == hi).double().mean())
+        expected = (value - lo) / (hi - lo)
+        assert abs(share_up - expected) < 4 * (expected * (1 - expected) / body.numel()) ** 0.5 + 1e-4, (value, share_up)
+
+
+@pytest.mark.parametrize("mode", ["compiled", "eager", "reference"])
+@pytest.mark.parametrize("fmt,rounding", [(f, r) for f in FORMATS
+                                          for r in ((Rounding.NEAREST, Rounding.STOCHASTIC) if f.is_fp4
+                                                    else (Rounding.NEAREST,))],
+                         ids=lambda v: getattr(v, "value", str(v)))
+def test_zero_blocks_stay_zero_where_subnormals_flush(monkeypatch, mode, fmt, rounding):
+    """A GPU's Triton kernels flush subnormals to zero; an all-zero MX block's scale 2^-127 is one,
+    and dividing by it gave NaN for every all-zero gradient block on an H200 (the attention query's
+    gradient has one per sequence: the first token's). torch.set_flush_denormal reproduces the
+    flush on a CPU."""
+    monkeypatch.setenv("LIGHTNING_SNIP_QUANTIZERS", mode)
+    x = _wide_range((64, 128), 9)
+    x[0] = 0.0  # an all-zero row: zero blocks along axis 1
+    x[:, 32:64] = 0.0  # a zero block in every row
     tiny = torch.zeros(32, 64)
-    tiny[:, 0], tiny[:, 1] = 3.2 * 2.0**-126, 2.0**-126
-    for seed in range(3):
-        emulated = quantized_matmul(tiny, torch.eye(64)[:32], fmt, recipe=QuantRecipe(), a_is_grad=True,
-                                    kernel=Kernel.EMULATED, generator=torch.Generator().manual_seed(seed))
-        through = torchao_block_mm(tiny, torch.eye(64)[:32], fmt, QuantRecipe(), True, False,
-                                   torch.Generator().manual_seed(seed), emulate=True)
-        assert torch.equal(through, emulated), seed
-
-
-@pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=lambda f: f.value)
-def test_snip_linear_native_block_path_in_all_three_gemms(monkeypatch, fmt):
-    """A bf16 SNIPLinear on a (mocked) compute-capability-10 device: forward, dgrad and wgrad each reach
-    torch's block-scaled GEMM through torchao's dispatch (decoded on the CPU), with the operands of
-    each GEMM's contraction axis, and give the emulated layer's output and gradients (MX: bit for bit;
-    NVFP4: up to the per-tensor scales applied in fp32 instead of bf16)."""
-    calls = _decode_block_gemms(monkeypatch)
-    torch.manual_seed(0)
-    layer = SNIPLinear(64, 96, format=fmt).bfloat16()
-    x = torch.randn(2, 32, 64, dtype=torch.bfloat16, requires_grad=True)
-    # A loss whose output gradient does not depend on the output: both runs round the same G
-    # stochastically (with the output's gradient, NVFP4's small forward difference would move every
-    # stochastic rounding decision downstream of it).
-    r = torch.randn(2, 32, 96, dtype=torch.bfloat16)
-
-    def fwd_bwd():
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-        layer.generator = torch.Generator().manual_seed(5)
-        y = layer(x)
-        (y * r).float().sum().backward()
-        return [y.detach().clone(), x.grad.clone(), layer.weight.grad.clone()]
-
-    emulated = fwd_bwd()
-    assert calls == []
-    monkeypatch.setattr(linear_mod, "kernel_for", lambda f, device: Kernel.TORCHAO_BLOCK)
-    native = fwd_bwd()
-    packed = 1 if fmt is Format.MXFP8 else 2  # e2m1 pairs: half the columns
-    assert [c[4] for c in calls] == [(64, 64 // packed), (64, 96 // packed), (96, 64 // packed)]  # fwd, dgrad, wgrad
-    for n, e in zip(native, emulated):
-        if fmt is Format.NVFP4:
-            assert float((n.double() - e.double()).norm() / e.double().norm()) < 1e-2
-        else:
-            assert torch.equal(n, e)
+    tiny[0, 0] = 1e-34  # NVFP4: a per-tensor scale whose product with a block scale is subnormal
+    with_inf = _wide_range((32, 64), 10)
+    with_inf[3, 5] = float("inf")  # an MX block exponent of 127: 2^-127 is subnormal
+    kwargs = dict(axis=1, rounding=rounding, is_grad=rounding is Rounding.STOCHASTIC)
+    inputs = (x, tiny, with_inf)
+    want = [fake_quantize(t, fmt, generator=torch.Generator().manual_seed(3), **kwargs) for t in inputs]
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    try:
+        got = [fake_quantize(t, fmt, generator=torch.Generator().manual_seed(3), **kwargs) for t in inputs]
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all(), [int(g.isnan().sum()) for g in got]
+    assert torch.equal(got[0][0], torch.zeros_like(got[0][0])) and torch.equal(got[0][:, 32:64], torch.zeros_like(got[0][:, 32:64]))
+    assert torch.equal(got[0], want[0])  # the other blocks hold no subnormals: the flush changes nothing
+    assert torch.equal(got[1][1:], torch.zeros_like(got[1][1:]))  # all-zero rows of a tiny tensor stay zero
+    assert torch.equal(got[1], want[1])
+    # inf and NaN where they are without the flush (an MX block holding inf: inf, not NaN). Not for the
+    # reference's MX round-to-nearest: that is torchao's own cast, whose 2^-127 for such a block flushes.
+    if not (mode == "reference" and fmt in (Format.MXFP8, Format.MXFP4) and rounding is Rounding.NEAREST):
+        assert torch.equal(got[2].isinf(), want[2].isinf()) and torch.equal(got[2].isnan(), want[2].isnan())

@@ -16,7 +16,8 @@ from torch import nn
 
 from lightning_snip.convert import convert_linears
 from lightning_snip.divergence import estimate_divergence
-from lightning_snip.formats import Format, QuantRecipe, fake_quantize
+from lightning_snip.formats import Format, QuantRecipe
+from lightning_snip.quantize import fake_quantize
 from lightning_snip.linear import SNIPLinear
 from lightning_snip.stats import Propagation, collect_stats
 

@@ -3,7 +3,7 @@ import copy
 import pytest
 import torch
 
-from lightning_snip.stats import read_adam_state
+from lightning_snip.adamw import read_adam_state
 
 
 def _adamw_update(param, state, grad, lr=1e-3):
@@ -19,7 +19,7 @@ def _adamw_update(param, state, grad, lr=1e-3):
 @pytest.mark.parametrize("kernels", ["eager", "compiled"])
 @pytest.mark.parametrize("regime", ["trained", "never_seen"])
 def test_update_deviation_is_torch_adamws_update_difference(regime, kernels, monkeypatch):
-    # AdamState's maps run as lightning_snip.fused's kernels: compiled by default (one pass over the
+    # AdamState's maps run as lightning_snip.adamw's kernels: compiled by default (one pass over the
     # moments each), eager in the other tests; both must be torch's AdamW.
     monkeypatch.setenv("LIGHTNING_SNIP_QUANTIZERS", kernels)
     torch.manual_seed(0)

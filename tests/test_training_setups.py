@@ -15,7 +15,8 @@ import lightning_snip.callback as cb
 from lightning_snip.callback import SNIPCallback
 from lightning_snip.demo.lightning import ByteTextDataModule, DemoLM
 from lightning_snip.formats import Format
-from lightning_snip.linear import SNIPLinear, quantized_matmul
+from lightning_snip.gemm import quantized_matmul
+from lightning_snip.linear import SNIPLinear
 from lightning_snip.stats import collect_stats, high_precision
 from test_callback import SMALL, _fit, _snip
 

@@ -1,0 +1,206 @@
+"""Quantize-dequantize along a GEMM's contraction axis: the emulation of every format's operands.
+
+The numerics are torchao's: FP8 scales and casts from ``torchao.float8``, MX block scaling from
+``torchao.prototype.mx_formats.MXTensor`` and NVFP4 two-level scaling from ``NVFP4Tensor`` /
+``nvfp4_quantize``, composed in ``reference_fake_quantize``. ``fake_quantize`` runs the same numbers
+through lightning_snip.kernels (compiled, 3-13x faster on a CPU; tested bit for bit against the
+reference). What torchao lacks is written by hand in lightning_snip.grid: quantizing along an
+arbitrary axis (the contraction axis moved last and zero-padded to whole blocks, which leaves every
+dot product exact) and stochastic rounding onto the FP4 (E2M1) grid, which torchao only has as a GPU
+kernel (it reuses torchao's block scales and replaces only the final rounding step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_snip import kernels
+from lightning_snip.formats import Format, Fp8Dtype, Fp8Scaling, QuantRecipe, Rounding
+from lightning_snip.grid import (MX_BLOCK, NVFP4_BLOCK, fp8_dtype, from_rows, nvfp4_scale_floor, random_bits,
+                                 stochastic_round_e2m1, times_pow2_neg, to_rows)
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    fmt: Format,
+    *,
+    axis: int,
+    rounding: Rounding = Rounding.NEAREST,
+    recipe: QuantRecipe = QuantRecipe(),
+    is_grad: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Quantize a 2-D tensor to ``fmt`` with scales shared along ``axis`` and return it dequantized.
+
+    ``axis`` is the GEMM's contraction (reduction) axis: scale blocks run along it. Non-finite inputs
+    stay non-finite in the output (they are never silently replaced). Returns a tensor of x's dtype.
+
+    Args:
+        x: a 2-D tensor.
+        fmt: the target format; BF16 returns x unchanged (the run's own precision).
+        axis: 0 or 1, the contraction axis.
+        rounding: NEAREST, or STOCHASTIC (FP4 formats only; unbiased).
+        recipe: FP8 scaling granularity and gradient dtype.
+        is_grad: the operand is a gradient (selects recipe.fp8_grad_dtype for FP8/MXFP8).
+        generator: random source for stochastic rounding.
+    """
+    _check_quantize_args(x, fmt, axis, rounding)
+    if fmt is Format.BF16:
+        return x
+    if kernels.quantizer_mode() == "reference":
+        return reference_fake_quantize(x, fmt, axis=axis, rounding=rounding, recipe=recipe, is_grad=is_grad,
+                                       generator=generator)
+    rows = to_rows(x, axis, fmt.block_size or 1)
+    if fmt is Format.FP8:
+        dtype = fp8_dtype(recipe.fp8_grad_dtype) if is_grad else torch.float8_e4m3fn
+        fp8 = kernels.fp8_rowwise if recipe.fp8_scaling is Fp8Scaling.ROWWISE else kernels.fp8_tensorwise
+        out = fp8(rows, dtype)
+    elif rounding is Rounding.NEAREST:
+        if fmt is Format.NVFP4:
+            out = kernels.nvfp4_nearest(rows)
+        else:
+            if fmt is Format.MXFP4:
+                grid = "e2m1"
+            else:
+                grid = "e5m2" if (is_grad and recipe.fp8_grad_dtype is Fp8Dtype.E5M2) else "e4m3"
+            out = kernels.mx_nearest(rows, grid)
+    else:
+        # Stochastic rounding: the random bits are drawn here, eagerly, as the reference draws them.
+        bits = random_bits(rows.numel(), generator, x.device)  # turned into uniforms inside the kernel
+        out = kernels.nvfp4_stochastic(rows, bits) if fmt is Format.NVFP4 else kernels.mx_stochastic(rows, bits)
+    return from_rows(out, x, axis)
+
+
+def reference_fake_quantize(
+    x: torch.Tensor,
+    fmt: Format,
+    *,
+    axis: int,
+    rounding: Rounding = Rounding.NEAREST,
+    recipe: QuantRecipe = QuantRecipe(),
+    is_grad: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """fake_quantize composed from torchao's quantizers as they are (slow on CPU; the reference
+    that lightning_snip.kernels is tested against bit for bit). Same arguments as fake_quantize."""
+    _check_quantize_args(x, fmt, axis, rounding)
+    if fmt is Format.BF16:
+        return x
+    rows = to_rows(x, axis, fmt.block_size or 1)
+    if fmt is Format.FP8:
+        out = _fp8_fake_quantize(rows, recipe, is_grad)
+    elif fmt is Format.NVFP4:
+        out = _nvfp4_fake_quantize(rows, rounding, generator)
+    else:
+        out = _mx_fake_quantize(rows, fmt, rounding, recipe, is_grad, generator)
+    return from_rows(out, x, axis)
+
+
+def _check_quantize_args(x, fmt: Format, axis: int, rounding: Rounding) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-D tensor, got shape {tuple(x.shape)}")
+    if axis not in (0, 1):
+        raise ValueError(f"axis: must be 0 or 1, got {axis!r}")
+    if rounding is Rounding.STOCHASTIC and not fmt.is_fp4:
+        raise ValueError(f"rounding: stochastic rounding is implemented for FP4 formats only, not {fmt.value}")
+
+
+def _fp8_fake_quantize(rows: torch.Tensor, recipe: QuantRecipe, is_grad: bool) -> torch.Tensor:
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+
+    dtype = fp8_dtype(recipe.fp8_grad_dtype) if is_grad else torch.float8_e4m3fn
+    if recipe.fp8_scaling is Fp8Scaling.ROWWISE:
+        # torchao's ROWWISE recipe rounds each row's scale down to a power of two: scaling and
+        # unscaling are then exact, and a bf16 operand holds the dequantized values exactly. This
+        # keeps the emulation bit-identical to Float8Linear(emulate=True) (tests/test_numerics.py).
+        scale = tensor_to_scale(rows, dtype, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1,
+                                round_scales_to_power_of_2=True)
+    else:
+        scale = tensor_to_scale(rows, dtype)  # torchao's TENSORWISE recipe: the exact amax scale
+    return to_fp8_saturated(rows * scale, dtype).float() / scale
+
+
+def _mx_fake_quantize(rows, fmt, rounding, recipe, is_grad, generator) -> torch.Tensor:
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor, get_fp_scale
+
+    if fmt is Format.MXFP8:
+        elem = fp8_dtype(recipe.fp8_grad_dtype) if is_grad else torch.float8_e4m3fn
+    else:
+        elem = torch.float4_e2m1fn_x2
+    # RCEIL (cuBLAS's MX scale rule) never saturates a block's largest element, which keeps
+    # stochastic rounding unbiased; FLOOR would clip up to 25% of it for E2M1.
+    mode = ScaleCalculationMode.RCEIL
+    if rounding is Rounding.NEAREST:
+        return MXTensor.to_mx(rows, elem, MX_BLOCK, scaling_mode=mode).dequantize(torch.float32)
+    q, scale_e8m0 = mxfp4_stochastic_parts(rows, generator)
+    scale = get_fp_scale(scale_e8m0).reshape(rows.shape[0], -1, 1)
+    return (q.reshape(scale.shape[0], -1, MX_BLOCK) * scale).reshape(rows.shape)
+
+
+def mxfp4_stochastic_parts(rows: torch.Tensor, generator: torch.Generator | None):
+    """MXFP4 with stochastically rounded elements, as parts: (E2M1 values as float32 of rows' shape,
+    the E8M0 block scales torchao's RCEIL cast computes for rows, (rows, cols / 32)). Rows' columns
+    must be a multiple of 32. The native GEMM path wraps the parts into torchao's MXTensor
+    (gemm.torchao_block_mm); the emulation multiplies them out."""
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    # RCEIL: see _mx_fake_quantize.
+    scale_e8m0, _ = to_mx(rows, torch.float4_e2m1fn_x2, MX_BLOCK, ScaleCalculationMode.RCEIL)
+    scale_e8m0 = scale_e8m0.reshape(rows.shape[0], -1)
+    # Multiplied by 2^-e (grid.times_pow2_neg: normal factors), not divided by the scale 2^e: 2^-127 (an
+    # all-zero block's scale) is subnormal, flushed to zero where denormals are (Triton kernels,
+    # torch.set_flush_denormal), and 0 / 0 would be NaN. A NaN block (code 255) stays NaN.
+    e = (scale_e8m0.view(torch.uint8).to(torch.float32) - 127.0).unsqueeze(-1)
+    scaled = times_pow2_neg(rows.reshape(rows.shape[0], -1, MX_BLOCK), e.clamp(max=127.0))
+    q = _stochastic_round_e2m1(torch.where(e == 128.0, float("nan"), scaled), generator)
+    return q.reshape(rows.shape), scale_e8m0
+
+
+def _nvfp4_fake_quantize(rows, rounding, generator) -> torch.Tensor:
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+
+    if rounding is Rounding.NEAREST:
+        t = NVFP4Tensor.to_nvfp4(rows, per_tensor_scale=nvfp4_per_tensor_scale(rows))
+        return t.dequantize(torch.float32)
+    q, block_scales, per_tensor_scale = nvfp4_stochastic_parts(rows, generator)
+    scale = (block_scales.float() * per_tensor_scale).unsqueeze(-1)
+    return (q.reshape(scale.shape[0], -1, NVFP4_BLOCK) * scale).reshape(rows.shape)
+
+
+def nvfp4_per_tensor_scale(rows: torch.Tensor) -> torch.Tensor:
+    """torchao's per-tensor NVFP4 scale (amax / (448 * 6)) under grid.nvfp4_scale_floor (1.0 for an
+    all-zero tensor, at least 2^-120). A NaN amax stays NaN."""
+    from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
+
+    return nvfp4_scale_floor(per_tensor_amax_to_scale(rows.abs().amax()))
+
+
+def nvfp4_stochastic_parts(rows: torch.Tensor, generator: torch.Generator | None):
+    """NVFP4 with stochastically rounded elements, as parts: (E2M1 values as float32 of rows' shape,
+    E4M3 block scales (rows, cols / 16), the float32 per-tensor scale); element = value x block
+    scale x per-tensor scale. Rows' columns must be a multiple of 16. The native GEMM path wraps the
+    parts into torchao's NVFP4Tensor (gemm.torchao_block_mm); the emulation multiplies them out."""
+    from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
+
+    per_tensor_scale = nvfp4_per_tensor_scale(rows)
+    block_scales_fp8, _ = nvfp4_quantize(rows, NVFP4_BLOCK, per_tensor_scale)
+    block_scales_fp8 = block_scales_fp8.reshape(rows.shape[0], -1)
+    blocks = rows.reshape(rows.shape[0], -1, NVFP4_BLOCK)
+    # torchao rounds the E4M3 block scale to nearest; where that went down, the block's largest
+    # element would saturate at 6 and bias stochastic rounding. Step such scales one E4M3 value up.
+    scale = block_scales_fp8.float() * per_tensor_scale
+    too_small = blocks.abs().amax(-1) > 6.0 * scale
+    # (Clamped: torch before 2.12 does not saturate an eager float8 cast; 504 would become NaN.)
+    bumped = (block_scales_fp8.float() * 1.125).clamp(max=448.0).to(torch.float8_e4m3fn)
+    block_scales_fp8 = torch.where(too_small, bumped, block_scales_fp8)
+    scale = torch.where(too_small, bumped.float() * per_tensor_scale, scale).unsqueeze(-1)
+    q = _stochastic_round_e2m1(blocks / scale, generator)
+    return q.reshape(rows.shape), block_scales_fp8, per_tensor_scale
+
+
+def _stochastic_round_e2m1(v: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """grid.stochastic_round_e2m1 with random bits drawn eagerly from ``generator``."""
+    return stochastic_round_e2m1(v, random_bits(v.numel(), generator, v.device))
