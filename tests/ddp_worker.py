@@ -9,24 +9,26 @@ import sys
 import lightning.pytorch as pl
 import torch
 
+import lightning_snip.controller as ctl
 from lightning_snip.callback import SNIPCallback
 from lightning_snip.config import SNIPConfig
 from lightning_snip.demo.lightning import ByteTextDataModule, DemoLM
 from lightning_snip.demo.model import LlamaConfig
 
 
-class _RecordingSNIP(SNIPCallback):
-    """Keeps each round's divergences before and after the reduction over ranks."""
+ROUNDS = []  # every round's local and reduced divergences on this rank
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.rounds = []
 
-    def _reduce(self, trainer, result):
+def _record_reductions() -> None:
+    real = ctl.reduce_result
+
+    def recording(result, *args):
         local = result.as_dict() if result is not None else None
-        reduced = super()._reduce(trainer, result)
-        self.rounds.append({"local": local, "reduced": reduced.as_dict() if reduced is not None else None})
+        reduced = real(result, *args)
+        ROUNDS.append({"local": local, "reduced": reduced.as_dict() if reduced is not None else None})
         return reduced
+
+    ctl.reduce_result = recording
 
 
 def main(out_dir: str) -> None:
@@ -36,7 +38,8 @@ def main(out_dir: str) -> None:
     # Each rank samples its own data (different seeds): statistics differ, the plan must not.
     rank = int(os.environ.get("LOCAL_RANK", 0))
     data = ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1, seed=rank)
-    snip = _RecordingSNIP(SNIPConfig(warmup_steps=2, interval=4, apply_delay=1, fp4_fraction=0.6, max_rows=128, noise_draws=1))
+    _record_reductions()
+    snip = SNIPCallback(SNIPConfig(warmup_steps=2, interval=4, apply_delay=1, fp4_fraction=0.6, max_rows=128, noise_draws=1))
     trainer = pl.Trainer(
         max_steps=6, accelerator="cpu", devices=2, strategy="ddp", callbacks=[snip], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -45,8 +48,8 @@ def main(out_dir: str) -> None:
     weights = {n: float(p.detach().double().sum()) for n, p in module.named_parameters()}
     with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump({"plan": {k: v.value for k, v in snip.plan.items()}, "weights": weights,
-                   "formats": {k: l.format.value for k, l in snip.layers.items()}, "rounds": snip.rounds,
-                   "sr_seed": snip._sr_generator.initial_seed(),
+                   "formats": {k: l.format.value for k, l in snip.layers.items()}, "rounds": ROUNDS,
+                   "sr_seed": snip.controller.sr_generator.initial_seed(),
                    "sampler": [type(trainer.train_dataloader.sampler).__name__,
                                getattr(trainer.train_dataloader.sampler, "rank", None)]}, f)
 

@@ -12,7 +12,8 @@ import sys
 import lightning.pytorch as pl
 import torch
 
-import lightning_snip.callback as cb
+import lightning_snip.controller as ctl
+from lightning_snip.controller import SNIPController
 from lightning_snip.callback import SNIPCallback
 from lightning_snip.config import SNIPConfig
 from lightning_snip.demo.lightning import ByteTextDataModule, DemoLM
@@ -71,7 +72,7 @@ def _count_gathers_in_rounds() -> dict:
     from torch.distributed.tensor import DTensor
 
     counts = {"in_round": False, "unshard": {}, "full_tensor": 0, "rounds": 0}
-    unshard, full_tensor, round_ = FSDPParamGroup.unshard, DTensor.full_tensor, SNIPCallback._statistics_round
+    unshard, full_tensor, round_ = FSDPParamGroup.unshard, DTensor.full_tensor, SNIPController.statistics_round
 
     def counted_unshard(self, *args, **kwargs):
         if counts["in_round"]:
@@ -91,7 +92,7 @@ def _count_gathers_in_rounds() -> dict:
             counts["in_round"] = False
             counts["rounds"] += 1
 
-    FSDPParamGroup.unshard, DTensor.full_tensor, SNIPCallback._statistics_round = (
+    FSDPParamGroup.unshard, DTensor.full_tensor, SNIPController.statistics_round = (
         counted_unshard, counted_full_tensor, counted_round)
     return counts
 
@@ -99,8 +100,8 @@ def _count_gathers_in_rounds() -> dict:
 def main(out_dir: str, mode: str) -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0)
-    real = cb._round_generator
-    cb._round_generator = lambda device, step, rank: real(device, step, 0)  # the same draws on every rank
+    real = ctl.round_generator
+    ctl.round_generator = lambda device, step, rank: real(device, step, 0)  # the same draws on every rank
     if mode == "fault":
         _nan_on_rank_one()
     single = mode in ("single", "bf16_single")

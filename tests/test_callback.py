@@ -98,10 +98,10 @@ def test_resumed_plan_is_reapplied_before_training(tmp_path):
 
 
 def test_statistics_failure_warns_and_keeps_plan(tmp_path, monkeypatch, caplog):
-    import lightning_snip.callback as cb
+    import lightning_snip.controller as ctl
 
     calls = {"n": 0}
-    real = cb.estimate_divergence
+    real = ctl.estimate_divergence
 
     def flaky(*a, **k):
         calls["n"] += 1
@@ -109,7 +109,7 @@ def test_statistics_failure_warns_and_keeps_plan(tmp_path, monkeypatch, caplog):
             raise RuntimeError("injected statistics failure")
         return real(*a, **k)
 
-    monkeypatch.setattr(cb, "estimate_divergence", flaky)
+    monkeypatch.setattr(ctl, "estimate_divergence", flaky)
     snip = SNIPCallback(_snip())
     with caplog.at_level(logging.WARNING):
         _fit(tmp_path, snip, max_steps=8)
@@ -118,12 +118,12 @@ def test_statistics_failure_warns_and_keeps_plan(tmp_path, monkeypatch, caplog):
 
 
 def test_solver_failure_warns_and_keeps_plan(tmp_path, monkeypatch, caplog):
-    import lightning_snip.callback as cb
+    import lightning_snip.evidence as evidence_mod
 
     def broken(*a, **k):
         raise RuntimeError("injected solver failure")
 
-    monkeypatch.setattr(cb, "solve_plan", broken)
+    monkeypatch.setattr(evidence_mod, "solve_plan", broken)
     snip = SNIPCallback(_snip())
     with caplog.at_level(logging.WARNING):
         trainer, _ = _fit(tmp_path, snip, max_steps=5)
@@ -133,14 +133,14 @@ def test_solver_failure_warns_and_keeps_plan(tmp_path, monkeypatch, caplog):
 
 
 def test_slow_solver_thread_never_blocks_exit(tmp_path, monkeypatch):
-    import lightning_snip.callback as cb
+    import lightning_snip.evidence as evidence_mod
 
-    monkeypatch.setattr(cb, "solve_plan", lambda *a, **k: time.sleep(600))
+    monkeypatch.setattr(evidence_mod, "solve_plan", lambda *a, **k: time.sleep(600))
     snip = SNIPCallback(_snip(warmup_steps=3, interval=10, apply_delay=5))
     start = time.perf_counter()
     _fit(tmp_path, snip, max_steps=5)  # the solve started at step 3 is due at 8: never joined
     assert time.perf_counter() - start < 120
-    assert snip._pending is None
+    assert snip.controller.pending is None
 
 
 @pytest.mark.parametrize(
@@ -258,11 +258,11 @@ def test_a_negative_aggregate_never_plans_a_format_below_high_precision():
 
     snip = SNIPCallback(SNIPConfig(candidate_formats=["bf16", "fp8", "mxfp4"], pins={}))
     snip.layers = convert_linears(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)))
-    snip._flops = {fqn: 1.0 for fqn in snip.layers}
+    snip.controller.flops = {fqn: 1.0 for fqn in snip.layers}
     snip.aggregate.update({"loss_divergence": {"0": {"fp8": 1e-3, "mxfp4": -5e-3}, "1": {"fp8": 2e-3, "mxfp4": 4e-3}},
                            "weight_divergence": {"0": {"fp8": -1e-4, "mxfp4": 1e-3}, "1": {"fp8": 1e-4, "mxfp4": 1e-3}}})
     assert snip.aggregate.values("loss_divergence")["0"]["mxfp4"] == pytest.approx(-5e-3)  # kept signed
-    cands = {c.fqn: c for c in snip._candidates()}
+    cands = {c.fqn: c for c in snip.controller.candidates()}
     assert cands["0"].loss_divergence == {Format.BF16: 0.0, Format.FP8: pytest.approx(1e-3), Format.MXFP4: 0.0}
     assert cands["0"].weight_divergence == {Format.BF16: 0.0, Format.FP8: 0.0, Format.MXFP4: pytest.approx(1e-3)}
     assert cands["1"].loss_divergence[Format.MXFP4] == pytest.approx(4e-3)
@@ -318,16 +318,16 @@ def test_resumed_run_plans_exactly_as_the_uninterrupted_run(tmp_path, save_step,
 
 
 def test_first_order_terms_are_sampled_in_the_window_before_each_round(tmp_path, monkeypatch):
-    import lightning_snip.callback as cb
+    import lightning_snip.controller as ctl
 
     seen = []
-    real = cb.estimate_divergence
+    real = ctl.estimate_divergence
 
     def spy(*a, **k):
         seen.append({key: list(values) for key, values in k["first_order_history"].items()})
         return real(*a, **k)
 
-    monkeypatch.setattr(cb, "estimate_divergence", spy)
+    monkeypatch.setattr(ctl, "estimate_divergence", spy)
     snip = SNIPCallback(_snip(first_order_steps=2, first_order_rows=16))  # rounds at 2, 6: windows 0-1, 4-5
     _fit(tmp_path, snip, max_steps=8)
     unpinned = {f for f, l in snip.layers.items() if l.pinned is None}
@@ -336,20 +336,20 @@ def test_first_order_terms_are_sampled_in_the_window_before_each_round(tmp_path,
         assert {fqn for fqn, _ in history} == unpinned  # the pinned lm_head is never sampled
         assert {fmt for _, fmt in history} == {Format.FP8, Format.MXFP4}
         assert all(len(values) == 2 for values in history.values())  # two steps, reset after each round
-    assert snip._first_order_history == {}
+    assert snip.controller.first_order_history == {}
 
 
 def test_gradient_accumulation_runs_one_round_per_step_and_samples_every_micro_batch(tmp_path, monkeypatch):
-    import lightning_snip.callback as cb
+    import lightning_snip.controller as ctl
 
     seen = []
-    real = cb.estimate_divergence
+    real = ctl.estimate_divergence
 
     def spy(*a, **k):
         seen.append(k["first_order_history"])
         return real(*a, **k)
 
-    monkeypatch.setattr(cb, "estimate_divergence", spy)
+    monkeypatch.setattr(ctl, "estimate_divergence", spy)
     snip = SNIPCallback(_snip(first_order_steps=2, first_order_rows=16))
     _fit(tmp_path, snip, max_steps=4, accumulate_grad_batches=2)  # round at step 2 only
     assert snip.num_stats_rounds == 1 and snip.aggregate.num_rounds == 1
@@ -500,13 +500,13 @@ def test_guard_threshold_without_the_guard_warns_at_setup(tmp_path, caplog):
 
 @pytest.mark.parametrize("propagation, curvature", [("probe", "fisher"), ("exact", "error")])
 def test_wd_propagation_and_curvature_settings_reach_the_round(tmp_path, monkeypatch, propagation, curvature):
-    import lightning_snip.callback as cb
+    import lightning_snip.controller as ctl
     import lightning_snip.stats as stats_module
 
     modes, probes = [], []
-    real_collect, real_estimate = cb.collect_stats, cb.estimate_divergence
-    monkeypatch.setattr(cb, "collect_stats", lambda *a, **kw: modes.append(kw["propagation"]) or real_collect(*a, **kw))
-    monkeypatch.setattr(cb, "estimate_divergence",
+    real_collect, real_estimate = ctl.collect_stats, ctl.estimate_divergence
+    monkeypatch.setattr(ctl, "collect_stats", lambda *a, **kw: modes.append(kw["propagation"]) or real_collect(*a, **kw))
+    monkeypatch.setattr(ctl, "estimate_divergence",
                         lambda *a, **kw: probes.append((kw["probes"], kw["curvature_probe"])) or real_estimate(*a, **kw))
     snip = SNIPCallback(_snip(wd_propagation=propagation, wd_probes=3, curvature_probe=curvature))
     _fit(tmp_path, snip, max_steps=4)
@@ -582,7 +582,7 @@ def test_a_model_without_forward_mode_derivatives_switches_to_exact_propagation_
     assert snip.num_stats_rounds == 3 and snip.num_consecutive_failures == 0 and snip.num_plans_applied >= 2
     switches = [r for r in caplog.records if "wd_propagation=exact" in r.getMessage()]
     assert len(switches) == 1 and "forward-mode derivative" in switches[0].getMessage()
-    assert snip._propagation.value == "exact"
+    assert snip.controller.propagation.value == "exact"
 
 
 def test_non_finite_candidates_are_counted_logged_and_kept_out_of_plans(tmp_path, monkeypatch, caplog):

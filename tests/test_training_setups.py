@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
-import lightning_snip.callback as cb
+import lightning_snip.controller as ctl
+import lightning_snip.evidence as evidence_mod
+from lightning_snip.controller import SNIPController
 from lightning_snip.callback import SNIPCallback
 from lightning_snip.demo.lightning import ByteTextDataModule, DemoLM
 from lightning_snip.formats import Format
@@ -109,14 +111,14 @@ def _finite_round(snip):
 
 def test_bf16_mixed_trains_and_the_round_runs_under_autocast(tmp_path, monkeypatch):
     seen = []
-    real = cb.collect_stats
+    real = ctl.collect_stats
 
     def spy(*args, **kwargs):
         stats = real(*args, **kwargs)
         seen.append(stats.layers["model.layers.0.attn.o"].x.dtype)  # attention output: bf16 under autocast
         return stats
 
-    monkeypatch.setattr(cb, "collect_stats", spy)
+    monkeypatch.setattr(ctl, "collect_stats", spy)
     snip = SNIPCallback(_snip(initial_format="mxfp4"))
     trainer, _ = _fit(tmp_path, snip, precision="bf16-mixed")
     assert seen == [torch.bfloat16, torch.bfloat16]
@@ -183,13 +185,13 @@ def test_fp16_statistics_keep_small_gradients_with_a_loss_scale():
 
 def test_accumulate_4_runs_one_round_and_one_solve_per_optimizer_step(tmp_path, monkeypatch):
     solves = []
-    real = SNIPCallback._start_solve
+    real = SNIPController.start_solve
 
-    def spy(self, trainer, stats_step, apply_step):
+    def spy(self, stats_step, apply_step, *args):
         solves.append(stats_step)
-        return real(self, trainer, stats_step, apply_step)
+        return real(self, stats_step, apply_step, *args)
 
-    monkeypatch.setattr(SNIPCallback, "_start_solve", spy)
+    monkeypatch.setattr(SNIPController, "start_solve", spy)
     snip = SNIPCallback(_snip())
     trainer, _ = _fit(tmp_path, snip, max_steps=8, accumulate_grad_batches=4)
     assert trainer.global_step == 8
@@ -387,25 +389,25 @@ def test_deepspeed_is_rejected_at_setup_by_name():
 
 
 def test_stochastic_rounding_streams_are_per_rank_and_reproducible(tmp_path):
-    seeds = {cb._stream_seed(0, rank, step, 0) for rank in range(4) for step in range(100)}
+    seeds = {ctl.stream_seed(0, rank, step, 0) for rank in range(4) for step in range(100)}
     assert len(seeds) == 400  # distinct per rank and step
 
     def final_weights(path):
         snip = SNIPCallback(_snip(initial_format="mxfp4", replan=False))
         _, module = _fit(path, snip, max_steps=3)
         layer = snip.layers["model.layers.0.mlp.up"]
-        assert layer.generator is snip._sr_generator
+        assert layer.generator is snip.controller.sr_generator
         return torch.cat([p.detach().flatten() for p in module.parameters()])
 
     a, b = final_weights(tmp_path / "a"), final_weights(tmp_path / "b")
     assert torch.equal(a, b)  # same seed, same SR draws: bit-identical runs
     # The draws are the callback's: a different rank's stream changes the result.
-    original = cb._stream_seed
+    original = ctl.stream_seed
     try:
-        cb._stream_seed = lambda seed, rank, step, batch_idx: original(seed, rank + 1, step, batch_idx)
+        ctl.stream_seed = lambda seed, rank, step, batch_idx: original(seed, rank + 1, step, batch_idx)
         c = final_weights(tmp_path / "c")
     finally:
-        cb._stream_seed = original
+        ctl.stream_seed = original
     assert not torch.equal(a, c)
 
 
@@ -413,7 +415,7 @@ def test_repeated_statistics_failures_raise_with_the_cause(tmp_path, monkeypatch
     def broken(*args, **kwargs):
         raise RuntimeError("injected statistics failure")
 
-    monkeypatch.setattr(cb, "collect_stats", broken)
+    monkeypatch.setattr(ctl, "collect_stats", broken)
     snip = SNIPCallback(_snip(interval=2, apply_delay=1, max_consecutive_failures=3))  # rounds at 2, 4, 6
     with pytest.raises(RuntimeError, match=r"3 statistics rounds or solves in a row.*injected statistics failure"):
         _fit(tmp_path, snip, max_steps=10)
@@ -421,7 +423,7 @@ def test_repeated_statistics_failures_raise_with_the_cause(tmp_path, monkeypatch
 
 
 def test_failures_are_tolerated_when_the_user_asks(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(cb, "solve_plan", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected solver failure")))
+    monkeypatch.setattr(evidence_mod, "solve_plan", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected solver failure")))
     snip = SNIPCallback(_snip(interval=2, apply_delay=1, max_consecutive_failures=None))
     _fit(tmp_path, snip, max_steps=10)
     assert snip.num_consecutive_failures == 4 and snip.num_plans_applied == 0
@@ -429,7 +431,7 @@ def test_failures_are_tolerated_when_the_user_asks(tmp_path, monkeypatch, caplog
 
 
 def test_a_success_resets_the_failure_count(tmp_path, monkeypatch):
-    real = cb.collect_stats
+    real = ctl.collect_stats
     calls = []
 
     def flaky(*args, **kwargs):
@@ -438,7 +440,7 @@ def test_a_success_resets_the_failure_count(tmp_path, monkeypatch):
             raise RuntimeError("injected")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cb, "collect_stats", flaky)
+    monkeypatch.setattr(ctl, "collect_stats", flaky)
     snip = SNIPCallback(_snip(interval=2, apply_delay=1, max_consecutive_failures=2))
     _fit(tmp_path, snip, max_steps=10)  # fail, succeed, fail, succeed: never two in a row
     assert snip.num_plans_applied == 2
@@ -500,7 +502,7 @@ def test_fp16_round_lowers_an_overflowing_loss_scale_instead_of_losing_the_round
                 s.g = torch.full_like(s.g, float("inf"))
         return stats
 
-    monkeypatch.setattr(cb, "collect_stats", overflowing)
+    monkeypatch.setattr(ctl, "collect_stats", overflowing)
     snip = SNIPCallback(_snip(initial_format="mxfp4"))
     _fit(tmp_path, snip, max_steps=4, plugins=[MixedPrecision("16-mixed", "cpu")])
     assert scales[0] > 2.0**10 and scales[1] == scales[0] / 256, scales  # retried at a lower scale
@@ -525,15 +527,15 @@ class _BatchNormLM(DemoLM):
 
 def test_round_leaves_buffers_as_it_found_them(tmp_path, monkeypatch):
     seen = []
-    real = SNIPCallback._statistics_round
+    real = SNIPController.statistics_round
 
-    def spy(self, trainer, pl_module, *args):
+    def spy(self, pl_module, *args, **kwargs):
         before = pl_module.norm.running_mean.clone(), int(pl_module.norm.num_batches_tracked)
-        real(self, trainer, pl_module, *args)
+        real(self, pl_module, *args, **kwargs)
         seen.append(torch.equal(before[0], pl_module.norm.running_mean)
                     and before[1] == int(pl_module.norm.num_batches_tracked))
 
-    monkeypatch.setattr(SNIPCallback, "_statistics_round", spy)
+    monkeypatch.setattr(SNIPController, "statistics_round", spy)
     snip = SNIPCallback(_snip())
     _fit(tmp_path, snip, max_steps=4, module=_BatchNormLM())
     assert seen == [True] and snip.num_plans_applied == 1
@@ -543,13 +545,13 @@ def test_fisher_curvature_on_a_hugging_face_llama_under_bf16_mixed_and_accumulat
     """snip.curvature_probe=fisher where users train: no curvature pass runs, LD's second-order term
     is positive and finite for every layer, and the run plans."""
     pytest.importorskip("transformers")
-    import lightning_snip.callback as cb
+    import lightning_snip.controller as ctl
     from lightning_snip.stats import Statistics
 
     monkeypatch.setattr(Statistics, "output_grads_with_noise", lambda self, noise: pytest.fail("fisher runs no pass"))
     results = []
-    real = cb.estimate_divergence
-    monkeypatch.setattr(cb, "estimate_divergence", lambda *a, **kw: results.append(real(*a, **kw)) or results[-1])
+    real = ctl.estimate_divergence
+    monkeypatch.setattr(ctl, "estimate_divergence", lambda *a, **kw: results.append(real(*a, **kw)) or results[-1])
     snip = SNIPCallback(_snip(pins={"*lm_head": "bf16"}, curvature_probe="fisher"))
     _fit(tmp_path, snip, module=_HFLlamaLM(), precision="bf16-mixed", accumulate_grad_batches=2)
     assert snip.num_plans_applied == 2 and _finite_round(snip) and len(results) == 2

@@ -1,0 +1,544 @@
+"""SNIPController: the SNIP loop without a Trainer.
+
+It owns the schedule (which steps sample the first-order term, which run a statistics round), the
+round itself, the aggregate over rounds, the background solve and the switch at a step boundary, and
+its checkpoint state. It talks to other ranks only through a ``Collective`` given to each call (a sum
+over ranks and a broadcast from rank 0; one process by default), and logs nothing to a Lightning
+logger: each call that measures something returns its scalars. lightning_snip.callback.SNIPCallback
+is the Lightning adapter over it; a plain PyTorch loop or a benchmark can drive it directly:
+
+    controller = SNIPController(SNIPConfig(...))
+    controller.attach(model)
+    for step, batch in enumerate(batches):
+        controller.begin_batch(step)
+        controller.apply_due(model, step)
+        if controller.is_stats_step(step):
+            controller.statistics_round(model, batch, lambda b: model.loss(b), step=step, optimizer=opt)
+        ...  # forward, backward, optimizer step
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from lightning_snip.aggregate import METRICS, DivergenceAggregate
+from lightning_snip.config import SNIPConfig
+from lightning_snip.convert import apply_plan, convert_linears, glob_filter, layer_assignment
+from lightning_snip.divergence import (DivergenceResult, FirstOrderTerms, LayerDivergence, LossEstimator,
+                                       estimate_divergence)
+from lightning_snip.evidence import (check_reachable, grad_noise_ratios, guarded_formats, invalid_formats,
+                                     layer_candidates, layer_flops, solve_guarded)
+from lightning_snip.formats import Format
+from lightning_snip.gemm import describe_kernels
+from lightning_snip.linear import SNIPLinear
+from lightning_snip.plan import Granularity, Plan, SolveStatus, split_key
+from lightning_snip.reporting import divergence_scalars, plan_scalars
+from lightning_snip.stats import FirstOrderSampler, ForwardModeUnsupportedError, Propagation, collect_stats, slice_batch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """How this process reaches the others of a data-parallel run. ``all_sum`` sums a CPU tensor over
+    ranks (and returns it on the CPU); ``broadcast`` returns rank 0's object on every rank. The
+    defaults are a single process."""
+
+    rank: int = 0
+    world_size: int = 1
+    all_sum: Callable[[torch.Tensor], torch.Tensor] = lambda values: values
+    broadcast: Callable[[object], object] = lambda obj: obj
+
+    @property
+    def is_rank_zero(self) -> bool:
+        return self.rank == 0
+
+
+SINGLE_PROCESS = Collective()
+
+
+@dataclass
+class PendingSolve:
+    """A solve started at ``stats_step`` whose plan takes effect at ``apply_step`` (rank 0 runs it)."""
+
+    stats_step: int
+    apply_step: int
+    thread: threading.Thread | None = None
+    plan: Plan | None = None
+    error: BaseException | None = None
+
+
+class SNIPController:
+    """Adaptive per-layer FP4/FP8 precision (SNIP) for a model's linear layers, trainer-free.
+
+    ``attach`` converts the selected ``nn.Linear`` layers to SNIPLinear (same Parameters). Every
+    ``interval`` steps from ``warmup_steps`` on, ``statistics_round`` measures LD and WD on the first
+    ``max_rows`` token rows of a batch (high precision, see lightning_snip.stats), averages them over
+    ranks, folds them into the aggregate over rounds and starts the ILP solve on rank 0 in a
+    background thread; ``apply_delay`` steps later ``apply_due`` joins it, broadcasts the plan and
+    every rank applies it before that step's forward pass. In the ``first_order_steps`` steps before
+    a round, ``start_first_order`` samples LD's first-order term on the live training steps. A failed
+    round or solve logs a warning and training continues on the last good plan; past
+    ``max_consecutive_failures`` in a row it raises.
+
+    Public state: ``config``, ``layers`` (fqn -> SNIPLinear), ``plan`` (the applied Plan or None),
+    ``history`` (a list of dicts: step, divergence, plan), ``aggregate``, ``num_stats_rounds``,
+    ``num_plans_applied``, ``num_consecutive_failures``, ``grad_noise_ratios`` and ``invalid_formats``
+    (the last round's), ``sr_generator`` (stochastic rounding's random source).
+    """
+
+    def __init__(self, config: SNIPConfig | None = None, *, plan: Plan | None = None) -> None:
+        self.config = config if config is not None else SNIPConfig()
+        if not isinstance(self.config, SNIPConfig):
+            raise TypeError(f"config: expected a SNIPConfig, got {type(self.config).__name__}")
+        if plan is not None and not isinstance(plan, Plan):
+            raise TypeError(f"plan: expected a lightning_snip.plan.Plan, got {type(plan).__name__}")
+        self.layers: dict[str, SNIPLinear] = {}
+        self.plan: Plan | None = plan
+        self.history: list[dict] = []
+        self.num_stats_rounds = 0
+        self.num_plans_applied = 0
+        self.aggregate = DivergenceAggregate(self.config.aggregate_decay)
+        self.pending: PendingSolve | None = None
+        self.restored_pending: tuple[int, int] | None = None  # (stats_step, apply_step) from a checkpoint
+        self.propagation = Propagation(self.config.wd_propagation)  # exact after probes proved unsupported
+        self.flops: dict[str, float] = {}
+        self.sampler: FirstOrderSampler | None = None
+        self.first_order_terms: FirstOrderTerms | None = None
+        self.last_round_step: int | None = None  # one round per optimizer step (not per micro-batch)
+        self._recording: contextlib.ExitStack | None = None
+        # (fqn, format) -> first-order terms of the batches sampled since the last round.
+        self.first_order_history: dict[tuple[str, Format], list[float]] = {}
+        self.device = torch.device("cpu")  # the model's, from attach
+        self.sr_generator: torch.Generator | None = None
+        self.sr_seed = 0
+        self.num_consecutive_failures = 0  # statistics rounds or solves in a row that gave no plan
+        self.grad_noise_ratios: dict[str, float] = {}  # the last round's, per switchable layer
+        self.invalid_formats: list[tuple[str, Format]] = []  # the last round's non-finite candidates
+
+    @property
+    def fp4_fraction(self) -> float:
+        """FP4 share of the switched layers' linear FLOPs under the formats in force now."""
+        total = sum(self.flops.values())
+        if not total:
+            return 0.0
+        # The forward GEMM is a third of a layer's GEMM FLOPs, dgrad + wgrad two thirds.
+        return sum(self.flops[fqn] * (layer.format.is_fp4 / 3 + 2 * (layer.backward_format or layer.format).is_fp4 / 3)
+                   for fqn, layer in self.layers.items()) / total
+
+    # ------------------------------------------------------------------ setup
+
+    def attach(self, model: torch.nn.Module, *, device: torch.device | str | None = None) -> None:
+        """Convert ``model``'s selected linears, apply a given plan, check the target is reachable and
+        give every layer the stochastic-rounding generator (on ``device``, default the model's)."""
+        cfg = self.config
+        try:
+            self.layers = convert_linears(model, filter=glob_filter(cfg.include, cfg.exclude), pins=cfg.pin_formats,
+                                          initial_format=cfg.initial_format, recipe=cfg.recipe)
+        except ValueError as err:  # name the config fields, not convert_linears' arguments
+            message = str(err)
+            for argument, field_name in (("filter:", "snip.include:"), ("pins:", "snip.pins:")):
+                if message.startswith(argument):
+                    raise ValueError(field_name + message[len(argument):]) from None
+            raise
+        self.flops = layer_flops(self.layers)
+        self.first_order_terms = FirstOrderTerms(cfg.formats, recipe=cfg.recipe)
+        self.propagation = Propagation(cfg.wd_propagation)
+        # Pinned layers never change format: their LD is never used, so they are not sampled.
+        self.sampler = FirstOrderSampler({fqn: layer for fqn, layer in self.layers.items() if layer.pinned is None},
+                                         cfg.first_order_rows, self.first_order_terms.add)
+        if self.plan is not None:
+            apply_plan(model, self.plan)  # a given plan that does not fit the model fails here
+        if cfg.replan:
+            check_reachable(self.layers, cfg)
+        # Stochastic rounding draws from one generator per rank, reseeded every micro-batch from
+        # (the run's seed, rank, step, batch index): ranks round independently, a rerun or a resumed
+        # run draws the same numbers, and the global RNG (dropout) is left alone.
+        if device is None:
+            device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.device = torch.device(device)
+        self.sr_generator = torch.Generator(device=self.device)
+        self.sr_seed = torch.initial_seed()
+        for layer in self.layers.values():
+            layer.generator = self.sr_generator
+
+    def log_setup(self, device, max_steps: int | None) -> None:
+        """The run's setup lines (call on one rank)."""
+        cfg = self.config
+        num_pinned = sum(1 for layer in self.layers.values() if layer.pinned is not None)
+        logger.info("SNIP: %d switchable layers (%d pinned), initial format %s", len(self.layers), num_pinned,
+                    cfg.initial_format)
+        formats = sorted({Format.parse(f) for f in (cfg.initial_format, *cfg.formats, *cfg.pin_formats.values())},
+                         key=lambda f: f.value)
+        logger.info("SNIP: GEMM kernels: %s", describe_kernels(formats, device))
+        if not cfg.noise_guard and cfg.noise_guard_threshold != math.sqrt(3.0):
+            logger.warning("SNIP: snip.noise_guard_threshold=%s has no effect while snip.noise_guard is false "
+                           "(the ratios are logged either way)", cfg.noise_guard_threshold)
+        if cfg.replan and max_steps is not None and cfg.warmup_steps >= max_steps:
+            logger.warning("SNIP: snip.warmup_steps (%d) >= the run's max_steps (%d): no statistics round will run "
+                           "and the layers stay in %s", cfg.warmup_steps, max_steps, cfg.initial_format)
+
+    def resume(self, model: torch.nn.Module, collective: Collective = SINGLE_PROCESS) -> None:
+        """At train start: apply the plan held (given, or restored from a checkpoint), and restart a
+        solve the checkpoint was saved in the middle of."""
+        if self.plan is not None:
+            apply_plan(model, self.plan)
+            if collective.is_rank_zero:
+                logger.info("SNIP: applied the plan held at train start (%d layers)", len(self.plan))
+        if self.restored_pending is not None:
+            # The checkpoint was saved between a statistics round and its apply step: the round is in
+            # the restored aggregate, so solving it again gives the plan the uninterrupted run applies.
+            stats_step, apply_step = self.restored_pending
+            self.restored_pending = None
+            self.start_solve(stats_step, apply_step, collective)
+
+    # ------------------------------------------------------------------ schedule
+
+    def is_stats_step(self, step: int) -> bool:
+        cfg = self.config
+        return cfg.replan and step >= cfg.warmup_steps and (step - cfg.warmup_steps) % cfg.interval == 0
+
+    def is_first_order_step(self, step: int) -> bool:
+        """Whether ``step`` is one of the ``first_order_steps`` steps before a statistics round."""
+        cfg = self.config
+        if not cfg.replan or cfg.first_order_steps == 0 or LossEstimator(cfg.loss_estimator) is not LossEstimator.ACCUMULATED:
+            return False
+        next_round = cfg.warmup_steps if step < cfg.warmup_steps else (
+            cfg.warmup_steps + ((step - cfg.warmup_steps) // cfg.interval + 1) * cfg.interval)
+        return 1 <= next_round - step <= cfg.first_order_steps
+
+    def is_round_due(self, step: int) -> bool:
+        """A statistics step whose round has not run yet (with gradient accumulation, only the
+        step's first micro-batch runs it)."""
+        return self.is_stats_step(step) and step != self.last_round_step
+
+    def begin_batch(self, step: int, batch_idx: int = 0, rank: int = 0) -> None:
+        """Reseed stochastic rounding for this (rank, step, micro-batch)."""
+        self.sr_generator.manual_seed(stream_seed(self.sr_seed, rank, step, batch_idx))
+
+    def start_first_order(self, step: int, grad_scale: float = 1.0) -> None:
+        """Sample the first-order term on this training step's forward and backward (until
+        end_batch); ``grad_scale``: the factor the step's gradients carry (accumulation, loss scale)."""
+        if self._recording is not None:
+            return
+        self.first_order_terms.grad_scale = grad_scale
+        self._recording = contextlib.ExitStack()
+        self._recording.enter_context(self.sampler.recording(offset=step))
+
+    def end_batch(self) -> None:
+        """Stop sampling and keep what this micro-batch's steps sampled."""
+        self.stop_recording()
+        if self.first_order_terms is None:
+            return
+        for key, values in self.first_order_terms.take().items():
+            self.first_order_history.setdefault(key, []).extend(values)
+
+    def stop_recording(self) -> None:
+        """Remove the sampler's hooks from the model (also on an exception or at teardown)."""
+        if self._recording is not None:
+            self._recording.close()
+            self._recording = None
+
+    # ------------------------------------------------------------------ the round
+
+    def statistics_round(self, model: torch.nn.Module, batch, loss_of: Callable[[object], torch.Tensor], *, step: int,
+                         optimizer: torch.optim.Optimizer | None = None, loss_scale: float = 1.0,
+                         collective: Collective = SINGLE_PROCESS) -> dict[str, float] | None:
+        """One statistics round on ``batch`` (sliced to ``max_rows`` rows; ``loss_of(sliced)`` is the
+        loss), then the solve. Returns the round's scalars to log, or None when it failed (on any rank)."""
+        cfg = self.config
+        self.last_round_step = step
+        start = time.perf_counter()
+        result = None
+        try:
+            sliced = slice_batch(batch, cfg.max_rows)
+            result, self.propagation = run_statistics_round(
+                model, lambda: loss_of(sliced), self.layers, cfg, optimizer=optimizer, loss_scale=loss_scale,
+                propagation=self.propagation, first_order_history=self.first_order_history,
+                generator=round_generator(self.device, step, collective.rank))
+        except Exception as err:  # noqa: BLE001 - a failed round must not take training down
+            logger.warning("SNIP statistics at step %d failed (%s: %s); keeping the current plan", step, type(err).__name__, err)
+            cause = f"statistics at step {step}: {type(err).__name__}: {err}"
+        else:
+            cause = f"statistics at step {step} failed on another rank"
+        self.first_order_history = {}
+        probe_noise = probe_rel_stderr(result) if result is not None else None
+        # Every rank reaches the reduction (a failed rank contributes NaN, which invalidates the round).
+        result = reduce_result(result, list(self.layers), self.config.formats, collective)
+        self.num_stats_rounds += 1
+        seconds = time.perf_counter() - start
+        if result is None:
+            self.count_failure(cause)
+            return None
+        self.grad_noise_ratios = grad_noise_ratios(self.layers, cfg.formats, result)
+        self.invalid_formats = invalid_formats(self.layers, cfg.formats, result)
+        scalars = {} if probe_noise is None else {"snip/wd_probe_rel_stderr": probe_noise}
+        scalars.update({**divergence_scalars(result), "snip/stats_seconds": seconds,
+                        "snip/invalid_formats": float(len(self.invalid_formats)),
+                        **{f"snip/grad_noise_ratio/{fqn}": r for fqn, r in self.grad_noise_ratios.items()}})
+        self.history.append({"step": step, "divergence": result.as_dict()})
+        self.fold_into_aggregate(self.history[-1]["divergence"])
+        self.start_solve(step, step + cfg.apply_delay, collective)
+        return scalars
+
+    def fold_into_aggregate(self, divergence: dict) -> None:
+        """One round, as ``DivergenceResult.as_dict()`` keeps it in ``history``, into the aggregate."""
+        layers = divergence["layers"]
+        self.aggregate.update({metric: {fqn: d[metric] for fqn, d in layers.items() if metric in d}
+                               for metric in METRICS})
+
+    def count_failure(self, cause: str) -> None:
+        """One more round or solve that gave no plan; past ``max_consecutive_failures`` in a row, stop
+        the run with the cause (a warning per round that nobody reads is a silent failure)."""
+        self.num_consecutive_failures += 1
+        limit = self.config.max_consecutive_failures
+        if limit is not None and self.num_consecutive_failures >= limit:
+            raise RuntimeError(
+                f"SNIP: {self.num_consecutive_failures} statistics rounds or solves in a row gave no plan "
+                f"(snip.max_consecutive_failures={limit}); the last: {cause}. Fix the cause, or set "
+                "snip.max_consecutive_failures=null to keep training on the last good plan."
+            )
+
+    # ------------------------------------------------------------------ evidence -> plan
+
+    def candidates(self):
+        """The planner's choices, valued by the aggregate over rounds (evidence.layer_candidates)."""
+        return layer_candidates(self.layers, self.config.formats, flops=self.flops,
+                                loss_divergence=self.aggregate.values("loss_divergence"),
+                                weight_divergence=self.aggregate.values("weight_divergence"))
+
+    def guarded(self) -> dict[str, frozenset[Format]]:
+        """The noise guard's blocked FP4 formats per layer, from the aggregate ({} when it is off)."""
+        if not self.config.noise_guard:
+            return {}
+        return guarded_formats(self.layers, self.config.formats, self.aggregate.values("rel_error_wgrad"),
+                               self.config.noise_guard_threshold)
+
+    def start_solve(self, stats_step: int, apply_step: int, collective: Collective = SINGLE_PROCESS) -> None:
+        """Rank 0 solves the plan on the current aggregate in a background thread."""
+        pending = PendingSolve(stats_step=stats_step, apply_step=apply_step)
+        if collective.is_rank_zero:
+            pending.thread = threading.Thread(target=self._solve, args=(pending, self.candidates(), self.guarded()),
+                                              daemon=True, name="snip-solver")
+            pending.thread.start()
+        self.pending = pending
+
+    def _solve(self, pending: PendingSolve, candidates, guarded: Mapping[str, frozenset[Format]]) -> None:
+        try:
+            pending.plan = solve_guarded(candidates, guarded, self.config)
+        except BaseException as err:  # noqa: BLE001 - reported on the training thread at apply time
+            pending.error = err
+
+    def apply_due(self, model: torch.nn.Module, step: int,
+                  collective: Collective = SINGLE_PROCESS) -> tuple[dict[str, float], Plan] | None:
+        """Apply the pending plan if its step has come: rank 0 joins the solve and broadcasts it, every
+        rank applies it. Returns (scalars, plan) to log, or None (nothing due, or no plan)."""
+        if self.pending is None or step < self.pending.apply_step:
+            return None
+        pending, self.pending = self.pending, None
+        message, error = None, None
+        if collective.is_rank_zero:
+            if pending.thread is not None:
+                pending.thread.join()
+            if pending.error is not None:
+                logger.warning("SNIP solve for step %d failed (%s: %s); keeping the current plan",
+                               pending.stats_step, type(pending.error).__name__, pending.error)
+                error = f"solve for step {pending.stats_step}: {type(pending.error).__name__}: {pending.error}"
+            message = pending.plan.to_json() if pending.plan is not None else None
+        message, error = collective.broadcast((message, error))
+        if message is None:
+            self.count_failure(error or f"solve for step {pending.stats_step} gave no plan")
+            return None
+        plan = Plan.from_json(message)
+        before = layer_assignment(self.layers, Granularity(self.config.granularity))
+        try:
+            apply_plan(model, plan)
+        except ValueError as err:
+            logger.warning("SNIP plan from step %d could not be applied (%s); keeping the current plan", pending.stats_step, err)
+            self.count_failure(f"plan from step {pending.stats_step} could not be applied: {err}")
+            return None
+        self.num_consecutive_failures = 0
+        self.plan = plan
+        self.num_plans_applied += 1
+        if self.history and self.history[-1]["step"] == pending.stats_step:
+            self.history[-1]["plan"] = json.loads(message)
+        # Layers with a changed format (in a per-GEMM plan: in either direction).
+        num_changed = len({split_key(key)[0] for key, fmt in plan.items() if before.get(key) is not fmt})
+        scalars = {**plan_scalars(plan, num_changed), "snip/solver_seconds": plan.solve_seconds,
+                   "snip/noise_guarded_layers": len(plan.noise_guarded),
+                   "snip/plan_agreement": plan_agreement(plan, before, self.layers)}
+        status = "" if plan.status is SolveStatus.OPTIMAL else f" ({plan.status.value})"
+        if collective.is_rank_zero:  # every rank applied it; one line for the run
+            logger.info("SNIP plan applied at step %d: FP4 FLOPs fraction %.3f, %d of %d layers changed%s",
+                        step, plan.fp4_fraction, num_changed, len(self.layers), status)
+        return scalars, plan
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict:
+        return {
+            "plan": self.plan.to_json() if self.plan is not None else None,
+            "history": json.dumps(self.history),
+            "num_stats_rounds": self.num_stats_rounds,
+            "num_plans_applied": self.num_plans_applied,
+            "aggregate": self.aggregate.state_dict(),
+            "pending": None if self.pending is None else [self.pending.stats_step, self.pending.apply_step],
+            "first_order_history": [[fqn, fmt.value, values] for (fqn, fmt), values in self.first_order_history.items()],
+            "num_consecutive_failures": self.num_consecutive_failures,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.plan = Plan.from_json(state_dict["plan"]) if state_dict.get("plan") else None
+        self.history = json.loads(state_dict.get("history", "[]"))
+        self.num_stats_rounds = int(state_dict.get("num_stats_rounds", 0))
+        self.num_plans_applied = int(state_dict.get("num_plans_applied", 0))
+        if state_dict.get("aggregate"):
+            self.aggregate.load_state_dict(state_dict["aggregate"])
+        else:  # a checkpoint from before the aggregate existed: rebuild it from the rounds it kept
+            for entry in self.history:
+                self.fold_into_aggregate(entry["divergence"])
+        pending = state_dict.get("pending")
+        self.restored_pending = (int(pending[0]), int(pending[1])) if pending else None
+        self.first_order_history = {(fqn, Format(fmt)): [float(v) for v in values]
+                                    for fqn, fmt, values in state_dict.get("first_order_history", [])}
+        self.num_consecutive_failures = int(state_dict.get("num_consecutive_failures", 0))
+
+
+# ---------------------------------------------------------------------- the round's parts
+
+
+def run_statistics_round(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], layers: Mapping[str, SNIPLinear],
+                         config: SNIPConfig, *, optimizer=None, loss_scale: float = 1.0,
+                         propagation: Propagation | None = None, first_order_history=None,
+                         generator: torch.Generator | None = None) -> tuple[DivergenceResult, Propagation]:
+    """One statistics round as the controller runs it: record (collect_stats; under fp16 a loss scale
+    that overflows is lowered by 2^8 as often as it takes, down to 1, instead of losing the round),
+    estimate LD and WD with ``config``'s settings, and return the result with LD unclamped (rounds and
+    ranks are averaged before the planner's clamp at 0: clamping each one first would bias noisy layers
+    upwards), and the propagation in force after it (probes switch to exact, once and loudly, where a
+    model has no forward-mode derivatives). The model's buffers are left as they were found."""
+    cfg = config
+    propagation = Propagation(cfg.wd_propagation) if propagation is None else propagation
+    result = None
+    with buffers_restored(model):  # the recording pass and every noise re-run
+        while result is None:
+            stats = _collect(model, loss_fn, layers, optimizer, loss_scale, propagation)
+            try:
+                result = estimate_divergence(
+                    stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws, noise_scale=cfg.noise_scale,
+                    curvature_probe=cfg.curvature_probe, loss_estimator=cfg.loss_estimator,
+                    first_order_history=first_order_history or {},
+                    allowed={fqn: layer.allowed_formats for fqn, layer in layers.items()},
+                    generator=generator, probes=cfg.wd_probes,
+                )
+            except ForwardModeUnsupportedError as err:
+                if stats.sharded or propagation is Propagation.EXACT:
+                    raise
+                # Once, loudly, and for the rest of the run: not a failure per round.
+                logger.warning("SNIP: %s. Switching to snip.wd_propagation=exact for the rest of the run "
+                               "(one vector-Jacobian product per layer: a round's cost grows with depth "
+                               "squared); set it in the config to silence this.", err)
+                propagation = Propagation.EXACT
+            finally:
+                stats.release()
+    unclamped = DivergenceResult(
+        layers={fqn: dataclasses.replace(d, loss_divergence=d.loss_divergence_as(cfg.loss_estimator, clamp=False))
+                for fqn, d in result.layers.items()},
+        loss=result.loss, used_adam=result.used_adam)
+    return unclamped, propagation
+
+
+def _collect(model, loss_fn, layers, optimizer, loss_scale: float, propagation: Propagation):
+    while True:
+        stats = collect_stats(model, loss_fn, layers=layers, optimizer=optimizer, loss_scale=loss_scale,
+                              propagation=propagation)
+        finite = all(torch.isfinite(s.g).all() for s in stats.layers.values())
+        if finite or loss_scale <= 1.0:
+            return stats
+        stats.release()
+        loss_scale = max(1.0, loss_scale / 256.0)
+
+
+def reduce_result(result: DivergenceResult | None, fqns: list[str], formats,
+                  collective: Collective) -> DivergenceResult | None:
+    """Average LD, WD and the relative wgrad error over data-parallel ranks (same order of layers and
+    formats everywhere). None (with a warning) when any rank's round failed (it sends NaN)."""
+    if collective.world_size <= 1:
+        return result
+    formats = list(dict.fromkeys((Format.BF16, *formats)))
+    # (LD / WD / relative wgrad error, layer, format); the last feeds the gradient-noise guard
+    values = torch.full((len(METRICS), len(fqns), len(formats)), float("nan"), dtype=torch.float64)
+    if result is not None:
+        for i, metric in enumerate(METRICS):
+            values[i] = torch.tensor([[getattr(result.layers[f], metric).get(p, math.inf) for p in formats] for f in fqns],
+                                     dtype=torch.float64)
+    total = collective.all_sum(values) / collective.world_size
+    if torch.isnan(total).any():
+        logger.warning("SNIP statistics failed on some rank; keeping the current plan")
+        return None
+    layers = {
+        fqn: LayerDivergence(
+            loss_divergence=dict(zip(formats, total[0, i].tolist())),
+            weight_divergence=dict(zip(formats, total[1, i].tolist())),
+            rel_error_wgrad=dict(zip(formats, total[2, i].tolist())),
+        )
+        for i, fqn in enumerate(fqns)
+    }
+    return DivergenceResult(layers=layers, loss=result.loss if result else float("nan"), used_adam=bool(result and result.used_adam))
+
+
+@contextlib.contextmanager
+def buffers_restored(module: torch.nn.Module):
+    """The round's forward passes leave the module's buffers as they found them (BatchNorm running
+    statistics, counters a forward updates); attributes outside buffers are the module's own."""
+    saved = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
+def probe_rel_stderr(result: DivergenceResult) -> float | None:
+    """Median relative standard error of the probed propagated term over (layer, format); None when
+    the round computed it exactly (no spread) or nothing was probed."""
+    ratios = sorted(d.wd_propagated_stderr[f] / d.wd_propagated[f] for d in result.layers.values()
+                    for f in d.wd_propagated_stderr if f is not Format.BF16 and d.wd_propagated.get(f, 0) > 0
+                    and math.isfinite(d.wd_propagated_stderr[f]))
+    if not ratios or ratios[-1] == 0:
+        return None
+    return ratios[len(ratios) // 2]
+
+
+def stream_seed(seed: int, rank: int, step: int, batch_idx: int) -> int:
+    """A 63-bit seed for one (rank, step, micro-batch) of a run seeded with ``seed``."""
+    mixed = seed
+    for value in (rank, step, batch_idx):
+        mixed = (mixed * 6364136223846793005 + 1442695040888963407 + value) % (1 << 63)
+    return mixed
+
+
+def round_generator(device: torch.device, step: int, rank: int) -> torch.Generator:
+    """The curvature probes' random source for one round: a function of (step, rank) only, so a
+    resumed run draws what the uninterrupted one drew, and ranks draw independently."""
+    return torch.Generator(device=device).manual_seed(0x5A1B + 1_000_003 * step + rank)
+
+
+def plan_agreement(plan: Plan, before: dict, layers) -> float:
+    """Share of the switched (unpinned) layers, or of their GEMM directions in a per-GEMM plan, whose
+    format ``plan`` keeps from ``before``."""
+    unpinned = [key for key in plan if layers[split_key(key)[0]].pinned is None]
+    if not unpinned:
+        return 1.0
+    return sum(1 for key in unpinned if plan[key] is before.get(key)) / len(unpinned)
