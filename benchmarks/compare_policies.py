@@ -196,30 +196,29 @@ def pretrain(s: Setup, root: Path) -> tuple[Path, dict]:
 
 
 def _candidates(module, measured: dict | None):
-    """The planner's LayerCandidates for the continuation's model: the oracle's truths where given,
-    else zeros (the fixed rules need only the FLOPs, candidates and pins)."""
+    """The planner's LayerCandidates for the continuation's model, as SNIP's own are built
+    (evidence.layer_candidates: the shape's formats, its FLOPs, the clamp at 0): the oracle's truths
+    where given, else zeros and bf16 as a candidate (the fixed rules need only the FLOPs, candidates and
+    pins; all_bf16 needs bf16). A pinned layer's values are 0: its pin is not the planner's choice."""
+    import dataclasses
+
     from lightning_snip.convert import convert_linears
+    from lightning_snip.evidence import layer_candidates
     from lightning_snip.formats import Format
-    from lightning_snip.planner import LayerCandidates
 
     layers = convert_linears(module, pins=PINS)  # converted again by the callback: a no-op
-    out = []
-    for fqn, layer in layers.items():
-        formats = [Format.parse(f) for f in CANDIDATES if Format.parse(f) in layer.allowed_formats]
-        if measured is None:  # all_bf16 needs bf16 as a candidate; the oracle, like SNIP, has only CANDIDATES
-            formats.append(Format.BF16)
-
-        def value(metric, fmt):
-            if measured is None or layer.pinned is not None:
-                return 0.0
-            # Clamped at 0 as SNIP's own estimates are: a truth below 0 is noise, not a format better
-            # than high precision.
-            return max(0.0, measured[metric].get(f"{fqn}|{fmt.value}", math.inf))
-
-        out.append(LayerCandidates(fqn, 6.0 * layer.in_features * layer.out_features,
-                                   {f: value("loss_divergence", f) for f in formats},
-                                   {f: value("weight_divergence", f) for f in formats}, layer.pinned))
-    return out
+    formats = [Format.parse(f) for f in CANDIDATES]
+    if measured is None:
+        return layer_candidates(layers, [*formats, Format.BF16])
+    nested = {metric: {} for metric in ("loss_divergence", "weight_divergence")}
+    for metric, values in measured.items():
+        for key, value in values.items():
+            fqn, _, fmt = key.partition("|")
+            nested[metric].setdefault(fqn, {})[fmt] = value
+    out = layer_candidates(layers, formats, **nested)
+    return [dataclasses.replace(c, loss_divergence={f: 0.0 for f in c.loss_divergence},
+                                weight_divergence={f: 0.0 for f in c.weight_divergence})
+            if c.pinned is not None else c for c in out]
 
 
 def _oracle_lambda(policy: str) -> float:
@@ -237,7 +236,7 @@ def pooled_truths(truths: dict) -> dict:
     for LD and WD apart. A single layer's truth is noisy (at deep8 16 of 56 layers' LD truth per FP4
     format comes out <= 0, which the clamp makes free for the ILP); a class mean much less so. The
     oracle_pooled policies plan from these: do they beat the oracle, i.e. was its loss the noise?"""
-    from lightning_snip.planner import block_index
+    from lightning_snip.baselines import block_index
 
     blocks = [block_index(k.partition("|")[0]) for m in truths.values() for k in m]
     first, last = min(b for b in blocks if b is not None), max(b for b in blocks if b is not None)
@@ -257,38 +256,19 @@ def pooled_truths(truths: dict) -> dict:
 
 
 def fixed_plan(policy: str, fraction: float, seed: int, module, s: Setup, measured: dict):
+    """The plan of a fixed policy: the oracle (SNIP's ILP on the truths) or a baseline of the registry."""
     from lightning_snip import planner
+    from lightning_snip.baselines import PolicyContext, baseline_plan
     from lightning_snip.formats import Format
 
     base = policy.partition("@")[0]
-    truths = None
     if base.startswith("oracle"):
         truths = pooled_truths(measured["truths"]) if base.startswith("oracle_pooled") else measured["truths"]
-    cands = _candidates(module, truths)
-    low, high = Format.parse(s.low), Format.FP8
-    kw = {"low": low, "high": high}
-    if policy in ("all_bf16", "all_fp8", "all_fp4"):
-        return planner.uniform_plan(cands, {"all_bf16": "bf16", "all_fp8": "fp8", "all_fp4": s.low}[policy])
-    if base in ("oracle", "oracle_pooled"):
-        return planner.solve_plan(cands, fp4_fraction=fraction, weight_divergence_weight=_oracle_lambda(policy))
-    if base in ("oracle_gemm", "oracle_pooled_gemm"):
-        return planner.solve_gemm_plan(cands, fp4_fraction=fraction, weight_divergence_weight=_oracle_lambda(policy))
-    if policy in ("random", "random_gemm"):
-        return planner.random_plan(cands, fp4_fraction=fraction, seed=seed,
-                                   granularity="gemm" if policy == "random_gemm" else "layer", **kw)
-    if policy == "min_rel_err":
-        rel_error = {c.fqn: measured["rel_error"].get(c.fqn, math.inf) for c in cands}  # the pinned head: none
-        return planner.min_rel_err_plan(cands, rel_error, fp4_fraction=fraction, **kw)
-    if policy in ("layer_type", "layer_type_gemm", "layer_type_edges_gemm"):
-        return planner.layer_type_plan(cands, fp4_fraction=fraction, granularity="gemm" if policy.endswith("_gemm") else "layer",
-                                       edges_last="_edges" in policy, **kw)
-    if policy == "first_last":
-        return planner.first_last_plan(cands, fp4_fraction=fraction, **kw)
-    if policy == "industry_tail":
-        return planner.industry_tail_plan(cands, fp4_fraction=fraction, **kw)
-    if policy == "backward_only":
-        return planner.backward_only_plan(cands, low=low, high=high)
-    raise ValueError(f"policy: unknown {policy!r}")
+        solve = planner.solve_gemm_plan if base.endswith("_gemm") else planner.solve_plan
+        return solve(_candidates(module, truths), fp4_fraction=fraction, weight_divergence_weight=_oracle_lambda(policy))
+    context = PolicyContext(fp4_fraction=fraction, seed=seed, low=Format.parse(s.low), high=Format.FP8,
+                            relative_error=measured.get("rel_error"))
+    return baseline_plan(policy, _candidates(module, None), context)
 
 
 def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measured: dict, root: str) -> dict:
@@ -364,12 +344,12 @@ def jobs_for(fractions, seeds: int, policies=FRACTION_POLICIES, uniform=True, na
 
 def natural_fractions(s: Setup) -> dict[str, float]:
     """The FP4 fractions the industry rule and backward-only FP4 reach by themselves on this model."""
-    from lightning_snip import planner
+    from lightning_snip.baselines import backward_only_plan, natural_fp4_fraction
     from lightning_snip.demo.lightning import DemoLM
 
     cands = _candidates(DemoLM(_model_config(s)), None)
-    return {"industry_tail": round(planner.natural_fp4_fraction(cands), 6),
-            "backward_only": round(planner.backward_only_plan(cands, low=s.low).fp4_fraction, 6)}
+    return {"industry_tail": round(natural_fp4_fraction(cands), 6),
+            "backward_only": round(backward_only_plan(cands, low=s.low).fp4_fraction, 6)}
 
 
 def _key(row) -> str:
@@ -562,7 +542,7 @@ def _direction_share(direction: str) -> float:
 def plan_shares(plan: dict, flops: dict[str, float]) -> list[float]:
     """A run's plan as the shares of the unpinned linear FLOPs (6 x in x out per layer: forward 1/3,
     backward 2/3, planner.FORWARD_SHARE) in FP4 in each of STRUCTURE_FEATURES' classes."""
-    from lightning_snip.planner import block_index
+    from lightning_snip.baselines import block_index
 
     total = sum(flops.values())
     blocks = [b for b in map(block_index, flops) if b is not None]

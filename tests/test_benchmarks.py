@@ -202,7 +202,7 @@ def test_quality_structure_study_recovers_known_costs_and_bounds_the_headroom():
     attention (3 / 3 + 0.2 / 3)."""
     import numpy as np
 
-    from lightning_snip import planner
+    from lightning_snip import baselines
     from lightning_snip.demo.lightning import DemoLM
 
     cp = _benchmark("compare_policies")
@@ -227,11 +227,11 @@ def test_quality_structure_study_recovers_known_costs_and_bounds_the_headroom():
     for seed in offset:
         for i, granularity in enumerate(("layer", "gemm", "gemm")):
             for fraction in (0.25, 0.47, 0.75):  # fractions apart: forward and backward costs separate
-                plan = planner.random_plan(cands, fp4_fraction=fraction, seed=10 * seed + i, granularity=granularity,
+                plan = baselines.random_plan(cands, fp4_fraction=fraction, seed=10 * seed + i, granularity=granularity,
                                            low=("nvfp4", "mxfp4")[(seed + i) % 2], high="fp8")
                 rows.append(row("random", plan, seed, fraction))
-        rows.append(row("layer_type", planner.layer_type_plan(cands, fp4_fraction=0.47, low="nvfp4", high="fp8"), seed))
-        rule = planner.layer_type_plan(cands, fp4_fraction=0.47, low="nvfp4", high="fp8", granularity="gemm")
+        rows.append(row("layer_type", baselines.layer_type_plan(cands, fp4_fraction=0.47, low="nvfp4", high="fp8"), seed))
+        rule = baselines.layer_type_plan(cands, fp4_fraction=0.47, low="nvfp4", high="fp8", granularity="gemm")
         rows.append(row("layer_type_gemm", rule, seed))
         rows.append(row("snip", rule, seed))  # a SNIP run stays out of the fit: its gap is off by 1
         rows[-1]["eval_loss"] += 1.0

@@ -10,19 +10,8 @@ import pytest
 
 from lightning_snip.formats import Format
 from lightning_snip.plan import Plan, SolveStatus
-from lightning_snip.planner import (
-    LayerCandidates,
-    PlanInfeasibleError,
-    SolverTimeoutError,
-    first_last_plan,
-    industry_tail_plan,
-    natural_fp4_fraction,
-    layer_type_plan,
-    min_rel_err_plan,
-    random_plan,
-    solve_plan,
-    uniform_plan,
-)
+from lightning_snip.baselines import first_last_plan, industry_tail_plan, layer_type_plan, min_rel_err_plan, natural_fp4_fraction, random_plan, uniform_plan
+from lightning_snip.planner import LayerCandidates, PlanInfeasibleError, SolverTimeoutError, solve_plan
 
 F3 = (Format.BF16, Format.FP8, Format.MXFP4)
 COST = {Format.BF16: 1.0, Format.FP8: 0.5, Format.MXFP4: 0.25}
@@ -251,7 +240,7 @@ def test_planner_imports_no_torch():
 
 def test_ordered_baselines_trim_their_overshoot():
     layers = [layer("b1", 6, (0, 0, 0)), layer("s1", 1, (0, 0, 0)), layer("s2", 1, (0, 0, 0)), layer("b2", 6, (0, 0, 0))]
-    from lightning_snip.planner import ordered_plan
+    from lightning_snip.baselines import ordered_plan
 
     plan = ordered_plan(layers, ["s1", "s2", "b1", "b2"], fp4_fraction=9 / 14, policy="test")
     # s1, s2, b1 = 8/14 < 9/14, so b2 is added (14/14); trimming back over b1, s2, s1: dropping b1
@@ -263,7 +252,7 @@ def test_ordered_baselines_trim_their_overshoot():
 def test_layer_type_edges_last_fills_inner_blocks_from_the_middle_out():
     """edges_last: in each direction the first and last blocks come after every other block, and
     within a type the blocks fill from the middle outwards (model order would take blocks 0 and 1)."""
-    from lightning_snip.planner import layer_type_plan
+    from lightning_snip.baselines import layer_type_plan
     from lightning_snip.plan import BACKWARD, split_key
 
     layers = [layer(f"layers.{b}.{kind}", 1, (0, 0, 0)) for b in range(7) for kind in ("mlp.up", "attn.q")]
@@ -281,7 +270,7 @@ def test_layer_type_edges_last_fills_inner_blocks_from_the_middle_out():
 def test_baselines_take_format_names_and_refuse_bad_ones():
     """A format name is the format it names (it once fell back silently to the layer's first FP4
     candidate, mxfp4, when "nvfp4" was asked for by name); a bad one is an error naming the field."""
-    from lightning_snip.planner import backward_only_plan, layer_type_plan, random_plan
+    from lightning_snip.baselines import backward_only_plan, layer_type_plan, random_plan
 
     four = (Format.BF16, Format.FP8, Format.MXFP4, Format.NVFP4)  # mxfp4 first: the old fallback
     layers = [LayerCandidates(f"l{i}.mlp.up", 1, dict.fromkeys(four, 0.0), dict.fromkeys(four, 0.0)) for i in range(4)]
@@ -374,7 +363,8 @@ def test_gemm_split_prefers_fp4_backward_when_the_forward_is_sensitive():
 
 
 def test_backward_only_baseline_puts_exactly_the_backward_in_fp4():
-    from lightning_snip.planner import BACKWARD, FORWARD, backward_only_plan, gemm_formats
+    from lightning_snip.baselines import backward_only_plan
+    from lightning_snip.planner import BACKWARD, FORWARD, gemm_formats
 
     layers = [layer("a", 1, (0, 0, 0)), layer("b", 2, (0, 0, 0)), layer("head", 1, (0, 0, 0), pinned=Format.BF16)]
     plan = backward_only_plan(layers)
