@@ -50,7 +50,7 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -136,7 +136,7 @@ def pretrain(s: Setup, root: Path) -> tuple[Path, dict]:
     import lightning.pytorch as pl
     import torch
 
-    from divergence_fidelity import batches, loss_increase, spearman, update_deviation
+    from harness import batches, loss_increase, spearman, update_deviation
     from lightning_snip.convert import convert_linears
     from lightning_snip.demo.data import ByteWindows
     from lightning_snip.demo.lightning import DemoLM

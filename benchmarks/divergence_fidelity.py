@@ -58,278 +58,33 @@ sample) against the exact one-layer-at-a-time term, each added to the dump's fir
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import fnmatch
 import itertools
 import json
 import math
 import platform
-import re
 import statistics
-import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from scipy.stats import spearmanr
 
 from lightning_snip.convert import convert_linears, glob_filter
 from lightning_snip.demo.data import ByteWindows, load_corpus, split_corpus
 from lightning_snip.demo.model import LlamaConfig, TinyLlama
 from lightning_snip.aggregate import DivergenceAggregate
 from lightning_snip.config import SNIPConfig
+from lightning_snip.evidence import planning_value
 from lightning_snip.divergence import CurvatureProbe, FirstOrderTerms, LossEstimator, estimate_divergence
-from lightning_snip.formats import Format, QuantRecipe
+from lightning_snip.formats import QuantRecipe
 from lightning_snip.stats import FirstOrderSampler, Propagation, collect_stats, slice_batch
 
-FORMATS = (Format.MXFP4, Format.NVFP4)
+from harness import (FORMATS, HFLlamaSpec, SmolLM2Spec, batches, build_model, interleaved_split, loss_increase,
+                     precision, second_corpus, spearman, update_deviation)
 
-
-@dataclass(frozen=True)
-class HFLlamaSpec:
-    """A Hugging Face transformers ``LlamaForCausalLM`` (a module this project did not write: its own
-    attention, RoPE, RMSNorm and grouped-query layout) with byte vocabulary, untied head."""
-
-    dim: int = 64
-    num_layers: int = 6
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    hidden_dim: int = 192
-    max_seq_len: int = 128
-
-
-class HFCausalLM(torch.nn.Module):
-    """``LlamaForCausalLM`` with the benchmark's ``loss(batch)``: next-byte cross-entropy."""
-
-    def __init__(self, spec: HFLlamaSpec):
-        super().__init__()
-        try:
-            from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
-        except ImportError as err:  # a dev extra (pip install -e ".[dev]")
-            raise SystemExit(f"--models hf needs Hugging Face transformers ({err}); pip install transformers") from err
-        self.llama = LlamaForCausalLM(HFLlamaConfig(
-            vocab_size=256, hidden_size=spec.dim, intermediate_size=spec.hidden_dim, num_hidden_layers=spec.num_layers,
-            num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-            max_position_embeddings=spec.max_seq_len, tie_word_embeddings=False))
-
-    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        inputs, targets = batch
-        logits = self.llama(input_ids=inputs, use_cache=False).logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
-
-
-@dataclass(frozen=True)
-class SmolLM2Spec:
-    """SmolLM2-135M-Instruct (lightning_snip.hf), pretrained: the checkpoint is the pretrained model
-    after ``train_steps`` steps of continued training at ``lr`` (AdamW's moments, which WD reads, need
-    a few steps), on the corpus in SmolLM2's own tokens, ``batch_size`` x ``seq_len`` per batch."""
-
-    train_steps: int = 8
-    lr: float = 1e-4
-    batch_size: int = 4
-    seq_len: int = 128
-
-
-class SmolLM2LM(torch.nn.Module):
-    """SmolLM2's LlamaForCausalLM with the benchmark's ``loss(batch)``: next-token cross-entropy."""
-
-    def __init__(self):
-        super().__init__()
-        from lightning_snip.hf import MissingPackageError, load_smollm2
-
-        try:
-            self.llama, self.tokenizer = load_smollm2()
-        except MissingPackageError as err:
-            raise SystemExit(f"--models smollm2: {err}") from None
-
-    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        inputs, targets = batch
-        logits = self.llama(input_ids=inputs, use_cache=False).logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
-
-
-def build_model(cfg: LlamaConfig | HFLlamaSpec | SmolLM2Spec) -> torch.nn.Module:
-    if isinstance(cfg, SmolLM2Spec):
-        return SmolLM2LM()
-    return HFCausalLM(cfg) if isinstance(cfg, HFLlamaSpec) else TinyLlama(cfg)
 DEFAULT_ESTIMATOR = LossEstimator(SNIPConfig().loss_estimator)  # what the callback uses
-
-
-def batches(dataset, batch_size, generator):
-    while True:
-        idx = torch.randint(len(dataset), (batch_size,), generator=generator)
-        items = [dataset[int(i)] for i in idx]
-        yield torch.stack([a for a, _ in items]), torch.stack([b for _, b in items])
-
-
-def spearman(a, b) -> float:
-    return float(spearmanr(a, b).statistic)
-
-
-def second_corpus() -> str:
-    return str(Path(sysconfig.get_paths()["stdlib"], "pydoc_data", "topics.py"))
-
-
-def interleaved_split(data: torch.Tensor, fraction: float, seed: int, chunk: int = 4096):
-    """(train, held-out): ``fraction`` of the corpus's 4 KiB chunks, drawn at random, held out. The
-    held-out text comes from the same distribution as training (the same files, interleaved) but
-    neither training nor any statistics round sees it."""
-    num = len(data) // chunk
-    held = torch.rand(num, generator=torch.Generator().manual_seed(seed + 99)) < fraction
-    pieces = data[: num * chunk].reshape(num, chunk)
-    return pieces[~held].reshape(-1), pieces[held].reshape(-1)
-
-
-def block_of(fqn: str, num_blocks: int) -> int:
-    """Index of the first block whose input the layer's output depends on (the head: num_blocks)."""
-    return int(fqn.split(".")[1]) if fqn.startswith("layers.") else num_blocks
-
-
-def forward_from(model: TinyLlama, block: int, h: torch.Tensor, targets: torch.Tensor) -> float:
-    """The loss from block ``block``'s input ``h`` on (the rest of the model)."""
-    T = h.shape[1]
-    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
-    for b in model.layers[block:]:
-        h = b(h, cos, sin)
-    logits = model.lm_head(model.norm(h))
-    return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)))
-
-
-def precision(model: TinyLlama):
-    """The context every forward pass of rounds and truths runs in: bf16 autocast after --precision
-    bf16-mixed (the checkpoint itself is trained in fp32 either way: the same model as the fp32 runs)."""
-    return torch.autocast("cpu", torch.bfloat16) if getattr(model, "bf16_mixed", False) else contextlib.nullcontext()
-
-
-def loss_increase(model: TinyLlama, layers, batch, formats=FORMATS) -> dict:
-    """(fqn, fmt) -> loss with only that layer's forward in fmt, minus the high-precision loss (the
-    run's: fp32, or bf16 autocast with --precision bf16-mixed)."""
-    with torch.no_grad(), precision(model):
-        return _loss_increase(model, layers, batch, formats)
-
-
-def _loss_increase(model: TinyLlama, layers, batch, formats) -> dict:
-    if hasattr(model, "llama"):  # Hugging Face's Llama: from each decoder layer's recorded input on
-        return _loss_increase_hf(model, layers, batch, formats)
-    if not isinstance(model, TinyLlama):  # another architecture: a whole forward pass per (layer, format)
-        return _loss_increase_generic(model, layers, batch, formats)
-    inputs, targets = batch
-    T = inputs.shape[1]
-    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
-    h = model.embed(inputs)
-    block_inputs = [h]
-    for b in model.layers:
-        h = b(h, cos, sin)
-        block_inputs.append(h)
-    base = forward_from(model, len(model.layers), block_inputs[-1], targets)
-    out = {}
-    for fqn, layer in layers.items():
-        start = block_of(fqn, len(model.layers))
-        for fmt in formats:
-            if fmt not in layer.allowed_formats:
-                continue
-            layer.format, layer.backward_format = fmt, Format.BF16
-            out[fqn, fmt] = forward_from(model, start, block_inputs[start], targets) - base
-        layer.format, layer.backward_format = Format.BF16, None
-    return out
-
-
-def _loss_increase_hf(model, layers, batch, formats) -> dict:
-    """_loss_increase_generic's values for a Hugging Face LlamaForCausalLM (``model.llama``), each from
-    the first decoder layer the quantized layer feeds: every decoder layer's input and keyword
-    arguments (mask, rotary embeddings) are recorded on one high-precision forward and replayed."""
-    inputs, targets = batch
-    llama = model.llama
-    blocks = llama.model.layers
-    recorded = [None] * len(blocks)
-
-    def record(index):
-        def hook(module, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            recorded[index] = (hidden, {k: v for k, v in kwargs.items() if k != "hidden_states"})
-        return hook
-
-    handles = [b.register_forward_pre_hook(record(i), with_kwargs=True) for i, b in enumerate(blocks)]
-    try:
-        out = llama.model(input_ids=inputs, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    final = out.last_hidden_state
-
-    def loss_from(start: int) -> float:
-        if start == len(blocks):
-            h = final
-        else:
-            h = recorded[start][0]
-            for i in range(start, len(blocks)):
-                h = blocks[i](h, **recorded[i][1])
-                h = h[0] if isinstance(h, tuple) else h
-            h = llama.model.norm(h)
-        logits = llama.lm_head(h)
-        return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)))
-
-    base = loss_from(len(blocks))
-    out = {}
-    for fqn, layer in layers.items():
-        match = re.search(r"\blayers\.(\d+)\.", fqn)
-        start = int(match.group(1)) if match else len(blocks)
-        for fmt in formats:
-            if fmt not in layer.allowed_formats:
-                continue
-            layer.format, layer.backward_format = fmt, Format.BF16
-            out[fqn, fmt] = loss_from(start) - base
-        layer.format, layer.backward_format = Format.BF16, None
-    return out
-
-
-def _loss_increase_generic(model, layers, batch, formats) -> dict:
-    base = float(model.loss(batch))
-    out = {}
-    for fqn, layer in layers.items():
-        for fmt in formats:
-            if fmt not in layer.allowed_formats:
-                continue
-            layer.format, layer.backward_format = fmt, Format.BF16
-            out[fqn, fmt] = float(model.loss(batch)) - base
-        layer.format, layer.backward_format = Format.BF16, None
-    return out
-
-
-def update_deviation(model, opt, layers, batch, sr_seeds: int, formats=FORMATS) -> dict:
-    """(fqn, fmt) -> [relative one-step update deviation per stochastic-rounding seed]."""
-    model_state, opt_state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-    before = [p.detach().clone() for p in model.parameters()]
-
-    def update(seed):
-        model.load_state_dict(model_state)
-        opt.load_state_dict(copy.deepcopy(opt_state))
-        torch.manual_seed(seed)
-        loss = model.loss(batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        return [p.detach() - b for p, b in zip(model.parameters(), before)]
-
-    ref = update(0)
-    ref_norm = sum(float(r.pow(2).sum()) for r in ref)
-    out = {}
-    for fqn, layer in layers.items():
-        for fmt in formats:
-            if fmt not in layer.allowed_formats:
-                continue
-            layer.backward_format = fmt
-            out[fqn, fmt] = []
-            for seed in range(sr_seeds):
-                u = update(1000 + seed)
-                out[fqn, fmt].append(sum(float((a - b).pow(2).sum()) for a, b in zip(u, ref)) / ref_norm)
-        layer.backward_format = None
-    model.load_state_dict(model_state)
-    opt.load_state_dict(opt_state)
-    return out
 
 
 @dataclass
@@ -519,8 +274,8 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
                 unclamped = [results[r].layers[f].loss_divergence_as(DEFAULT_ESTIMATOR, clamp=False)[fmt] for f in fqns]
                 agg.update({"loss_divergence": {f: {fmt.value: v} for f, v in zip(fqns, unclamped)},
                             "weight_divergence": {f: {fmt.value: v} for f, v in zip(wd_fqns, wd(r))}})
-            out[f"loss_divergence_ema{decay}"] = spearman(
-                [max(0.0, agg.values("loss_divergence")[f][fmt.value]) for f in fqns], truth)
+            out[f"loss_divergence_ema{decay}"] = spearman(  # clamped as the planner takes it
+                [planning_value(agg.values("loss_divergence"), f, fmt) for f in fqns], truth)
             out[f"weight_divergence_ema{decay}"] = spearman([agg.values("weight_divergence")[f][fmt.value] for f in wd_fqns], wd_truth)
         out[f"weight_divergence_mean{rounds}"] = spearman(mean_rounds(wd), wd_truth)
         if results_exact:
@@ -764,7 +519,7 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
                 agg.update({"loss_divergence": {f: {fmt.value: v} for f, v in zip(fqns, ld(r, clamp=False))},
                             "weight_divergence": {f: {fmt.value: v} for f, v in zip(wd_fqns, wd(r))}})
                 if r >= min(3, rounds - 1):
-                    agg_ld.append(spearman([max(0.0, agg.values("loss_divergence")[f][fmt.value]) for f in fqns], truth_ld))
+                    agg_ld.append(spearman([planning_value(agg.values("loss_divergence"), f, fmt) for f in fqns], truth_ld))
                     agg_wd.append(spearman([agg.values("weight_divergence")[f][fmt.value] for f in wd_fqns], truth_wd))
             pairs = list(itertools.combinations(range(rounds), 2))
             row = [
@@ -798,7 +553,7 @@ def curvature_noise_study(name: str, cfg: LlamaConfig, corpus: str | None, args,
     ``curvature_noise <model> <format> <variant> <noise / spread> <LD vs truth> <LD round agreement>``:
     noise = the rms deviation from "exact" over layers, relative to exact's spread over layers (median
     over rounds and seeds); LD vs truth and agreement: medians over rounds (pairs) and seeds."""
-    from lightning_snip.divergence import _error_probe_second_order, _operands
+    from lightning_snip.divergence import error_probe_second_order, round_operands
     from lightning_snip.gemm import mm_fp32, quantized_matmul
     from lightning_snip.stats import RoundPrecision
 
@@ -820,7 +575,7 @@ def curvature_noise_study(name: str, cfg: LlamaConfig, corpus: str | None, args,
         for fmt in FORMATS:
             errors = {}
             for fqn in fqns:  # the round's dY: its operands in the layer's training dtype, as estimate_divergence
-                x, _, w = _operands(stats, stats.layers[fqn], RoundPrecision.TRAINING)
+                x, _, w = round_operands(stats, stats.layers[fqn], RoundPrecision.TRAINING)
                 errors[fqn, fmt] = quantized_matmul(x, w, fmt, recipe=QuantRecipe(), out_dtype=torch.float32) - mm_fp32(x, w)
             exact = [0.5 * float((errors[f, fmt] * (stats.output_grads_with_noise({f: errors[f, fmt]})[f]
                                                      - stats.layers[f].g)).sum()) / stats.loss for f in fqns]
@@ -829,7 +584,7 @@ def curvature_noise_study(name: str, cfg: LlamaConfig, corpus: str | None, args,
                 per_seed = []
                 for k in range(args.draw_seeds):
                     gen = torch.Generator().manual_seed(args.seed + r + 1000 * k)
-                    values = _error_probe_second_order(stats, errors, [fmt], args.noise_draws, gen,
+                    values = error_probe_second_order(stats, errors, [fmt], args.noise_draws, gen,
                                                        per_sample=variant == "sample")
                     per_seed.append([values[f, fmt] / stats.loss for f in fqns])
                 second.setdefault((variant, fmt), []).append(per_seed)

@@ -21,10 +21,8 @@ lo-hi n k`` (per-repeat ratios to the same repeat's high-precision step), ``step
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
-import os
 import platform
 import statistics
 import time
@@ -38,24 +36,13 @@ from lightning_snip.demo.model import LlamaConfig, TinyLlama
 from lightning_snip.formats import Format
 from lightning_snip.linear import SNIPLinear
 
+from harness import quantizer_mode, torchao_float8, torchao_mx
+
 FORMATS = (Format.FP8, Format.MXFP8, Format.MXFP4, Format.NVFP4)
 MODELS = {
     "demo": (LlamaConfig(), 16),
     "wide1024": (LlamaConfig(dim=1024, num_layers=2, num_heads=8, num_kv_heads=4, hidden_dim=2816), 4),
 }
-
-
-@contextlib.contextmanager
-def quantizer_mode(mode: str):
-    old = os.environ.get("LIGHTNING_SNIP_QUANTIZERS")
-    os.environ["LIGHTNING_SNIP_QUANTIZERS"] = mode
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("LIGHTNING_SNIP_QUANTIZERS")
-        else:
-            os.environ["LIGHTNING_SNIP_QUANTIZERS"] = old
 
 
 class StepTimer:
@@ -88,18 +75,14 @@ class StepTimer:
 def peer_layer_ratios(repeats: int) -> dict[tuple[str, str], float]:
     """fwd+bwd of one 1024x512 -> 512 layer: torchao's emulated training GEMMs and SNIPLinear, each
     over nn.Linear, interleaved."""
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-    from test_numerics import _torchao_float8, _torchao_mx  # the same constructions the tests check bit for bit
-
+    # harness.torchao_float8 / torchao_mx: the same constructions tests/test_numerics.py checks bit for bit
     torch.manual_seed(0)
     base = nn.Linear(512, 512)
     x = torch.randn(1024, 512, requires_grad=True)
     impls = {("high_precision", "-"): base}
-    impls[("torchao", "fp8")] = _torchao_float8(nn.Linear(512, 512), "rowwise")
+    impls[("torchao", "fp8")] = torchao_float8(nn.Linear(512, 512), "rowwise")
     for fmt in (Format.MXFP8, Format.MXFP4):
-        impls[("torchao", fmt.value)] = _torchao_mx(nn.Linear(512, 512), fmt)
+        impls[("torchao", fmt.value)] = torchao_mx(nn.Linear(512, 512), fmt)
     for fmt in FORMATS:
         layer = SNIPLinear.from_linear(nn.Linear(512, 512), format=fmt)
         impls[("lightning_snip", fmt.value)] = layer

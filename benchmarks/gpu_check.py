@@ -164,10 +164,7 @@ def speed(device, sizes, repeats, lines):
 
 
 def round_cost(device, shapes, lines):
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from stats_cost import measure_one
+    from harness import measure_one
 
     for width, blocks in shapes:
         r = measure_one(width, blocks, repeats=3, exact=False, seed=0, mode="time", device=device.type, fp32_round=True)
@@ -191,12 +188,9 @@ def round_profile(device, lines, width=1024, blocks=4, precisions=("training", "
 
 
 def _round_profile(device, lines, width, blocks, precision):
-    import sys
-
     import torch.nn.functional as F
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import stats_cost
+    import harness
 
     import lightning_snip.divergence as div
     from lightning_snip.config import SNIPConfig
@@ -223,17 +217,17 @@ def _round_profile(device, lines, width, blocks, precision):
         setattr(module, name, timed_fn)
         return fn
 
-    names = [(stats_cost, "collect_stats"), (stats_cost, "estimate_divergence"), (div, "quantized_matmul"),
-             (div, "_error_probe_second_order"), (div, "_estimate_curvature"), (div, "_forward_metrics"),
+    names = [(harness, "collect_stats"), (harness, "estimate_divergence"), (div, "quantized_matmul"),
+             (div, "error_probe_second_order"), (div, "_estimate_curvature"), (div, "_forward_metrics"),
              (div, "_probe_propagated"), (div, "_backward_metrics")]
     originals = [(m, n, wrap(m, n)) for m, n in names if hasattr(m, n)]
     try:
         torch.manual_seed(0)
         cfg = SNIPConfig()
-        model = TinyLlama(stats_cost.model_config(width, blocks)).to(device)
+        model = TinyLlama(harness.model_config(width, blocks)).to(device)
         layers = convert_linears(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        tokens = torch.randint(0, 256, (stats_cost.BATCH, stats_cost.SEQ_LEN + 1), device=device)
+        tokens = torch.randint(0, 256, (harness.BATCH, harness.SEQ_LEN + 1), device=device)
         sliced = slice_batch((tokens[:, :-1], tokens[:, 1:]), cfg.max_rows)
 
         def loss_fn():
@@ -244,9 +238,9 @@ def _round_profile(device, lines, width, blocks, precision):
         opt.step()
 
         def one_round():
-            stats = stats_cost.collect_stats(model, loss_fn, layers=layers, optimizer=opt, propagation=Propagation.PROBE)
+            stats = harness.collect_stats(model, loss_fn, layers=layers, optimizer=opt, propagation=Propagation.PROBE)
             try:
-                stats_cost.estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
+                harness.estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
                                                noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator,
                                                probes=cfg.wd_probes, curvature_probe=cfg.curvature_probe,
                                                precision=precision, generator=torch.Generator(device=device).manual_seed(0))

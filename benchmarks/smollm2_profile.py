@@ -26,17 +26,15 @@ import math
 import platform
 import re
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 from scipy.stats import spearmanr
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import divergence_fidelity as fid  # noqa: E402 - the fidelity benchmark's data split and SmolLM2 wrapper
+import harness
 
-from lightning_snip.demo.data import ByteWindows, split_corpus  # noqa: E402
-from lightning_snip.demo.lightning import ByteTextDataModule  # noqa: E402
+from lightning_snip.demo.data import ByteWindows, split_corpus
+from lightning_snip.demo.lightning import ByteTextDataModule
 
 TYPES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -153,14 +151,14 @@ def main() -> None:
     raw = raw["smollm2"]
     torch.set_num_threads(args.threads)
 
-    model = fid.SmolLM2LM()
+    model = harness.SmolLM2LM()
     layers = {fqn: m for fqn, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in fqn}
     num_blocks = model.llama.config.num_hidden_layers
     tokens = ByteTextDataModule(None, seq_len=args.seq_len, tokenizer=model.tokenizer).load()
     train, _ = split_corpus(tokens, 0.05)
-    _, held = fid.interleaved_split(train, 0.2, args.seed)
+    _, held = harness.interleaved_split(train, 0.2, args.seed)
     gen = torch.Generator().manual_seed(args.seed + 7)
-    stream = fid.batches(ByteWindows(held, args.seq_len), args.batch, gen)
+    stream = harness.batches(ByteWindows(held, args.seq_len), args.batch, gen)
     outliers = outlier_stats(model, layers, [next(stream) for _ in range(args.batches)])
 
     # the decoder layers' linears (a dump without --exclude '*lm_head' also holds the head: it has no class)

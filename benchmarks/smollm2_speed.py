@@ -28,22 +28,19 @@ import argparse
 import datetime
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stats_cost import _reset_peak, _rss_mib  # noqa: E402 - the RSS readers of the stats-cost benchmark
+from harness import reset_peak, rss_mib
 
-from lightning_snip.config import SNIPConfig  # noqa: E402
-from lightning_snip.convert import convert_linears  # noqa: E402
-from lightning_snip.demo.lightning import ByteTextDataModule, CausalLM  # noqa: E402
-from lightning_snip.divergence import estimate_divergence  # noqa: E402
-from lightning_snip.formats import Format  # noqa: E402
-from lightning_snip.hf import load_smollm2  # noqa: E402
-from lightning_snip.stats import collect_stats, high_precision, slice_batch  # noqa: E402
+from lightning_snip.config import SNIPConfig
+from lightning_snip.convert import convert_linears
+from lightning_snip.demo.lightning import ByteTextDataModule, CausalLM
+from lightning_snip.divergence import estimate_divergence
+from lightning_snip.formats import Format
+from lightning_snip.hf import load_smollm2
+from lightning_snip.stats import collect_stats, high_precision, slice_batch
 
 FORMATS = (Format.BF16, Format.FP8, Format.MXFP4, Format.NVFP4)
 ROUND_SETTINGS = {"preset": SNIPConfig(max_rows=256), "default": SNIPConfig()}
@@ -72,7 +69,7 @@ def main() -> None:
     start = time.perf_counter()
     model, tokenizer = load_smollm2()
     load_seconds = time.perf_counter() - start
-    rest_before = _rss_mib()[0]
+    rest_before = rss_mib()[0]
     data = ByteTextDataModule(seq_len=args.seq_len, batch_size=args.batch, tokenizer=tokenizer)
     data.setup()
     loader = iter(data.train_dataloader())
@@ -108,18 +105,18 @@ def main() -> None:
     peaks: dict[str, float] = {}
 
     def timed(name: str, fn) -> float:
-        _reset_peak()
+        reset_peak()
         t0 = time.perf_counter()
         fn()
         seconds = time.perf_counter() - t0
-        peaks[name] = max(peaks.get(name, 0.0), _rss_mib()[1])
+        peaks[name] = max(peaks.get(name, 0.0), rss_mib()[1])
         return seconds
 
     # warm-up: Adam state, every quantizer kernel compiled once
     for fmt in FORMATS:
         step(fmt)
     evaluate()
-    rest = _rss_mib()[0]
+    rest = rss_mib()[0]
     times: dict[str, list[float]] = {}
     for _ in range(args.repeats):
         for fmt in FORMATS:

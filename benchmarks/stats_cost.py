@@ -31,57 +31,18 @@ Prints ``round_cost <blocks> <hp_steps> <emulated_steps> <extra_mib> width=<w>``
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
 
 import torch
-import torch.nn.functional as F
 
 from lightning_snip.config import SNIPConfig
-from lightning_snip.convert import convert_linears
-from lightning_snip.demo.model import LlamaConfig, TinyLlama
-from lightning_snip.divergence import estimate_divergence
-from lightning_snip.formats import Format
-from lightning_snip.stats import Propagation, RoundPrecision, collect_stats, slice_batch
 
-SEQ_LEN, BATCH = 128, 16  # 2048 rows per training step
-
-
-def model_config(width: int, blocks: int) -> LlamaConfig:
-    return LlamaConfig(dim=width, num_layers=blocks, num_heads=width // 32, num_kv_heads=width // 64,
-                       hidden_dim=round(width * 2.75 / 32) * 32)
-
-
-def _rss_mib() -> tuple[float, float]:
-    """(VmRSS, VmHWM) of this process in MiB."""
-    values = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                values[key] = int(rest.split()[0]) / 1024
-    return values["VmRSS"], values["VmHWM"]
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-
-
-def _peak_rise(fn) -> float:
-    """MiB the peak RSS rises above the RSS before ``fn()`` while it runs."""
-    before, _ = _rss_mib()
-    _reset_peak()
-    fn()
-    return _rss_mib()[1] - before
-
+from harness import BATCH, SEQ_LEN, measure_one
 
 def parse_variants(text: str) -> list[int]:
     """"8,2" -> [8, 2]: WD probes of each extra round timed."""
@@ -90,109 +51,6 @@ def parse_variants(text: str) -> list[int]:
         if not item.isdigit() or int(item) < 1:
             raise SystemExit(f"--variants: invalid item {item!r}; allowed: a number of probes >= 1, e.g. 8,2")
         out.append(int(item))
-    return out
-
-
-def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, mode: str,
-                variants: list[int] = (), device: str = "cpu", fp32_round: bool = False) -> dict:
-    """One configuration's measurement. ``device="cuda"`` (benchmarks/gpu_check.py) times on a GPU with
-    CUDA synchronisation; memory mode is CPU-only (it reads the process's RSS). ``fp32_round``: also
-    time, interleaved, rounds whose GEMM operands are fp32 (RoundPrecision.FP32: the round before
-    2026-11-30 night; the default takes them in the training dtype, bf16 under the GPU's autocast)."""
-    if mode == "memory" and device != "cpu":
-        raise ValueError(f"mode='memory' measures RSS and needs device='cpu', got device={device!r}")
-    torch.manual_seed(seed)
-    cfg = SNIPConfig()
-    model = TinyLlama(model_config(width, blocks)).to(device)
-    layers = convert_linears(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    vocab = model.config.vocab_size if hasattr(model, "config") else 256
-    tokens = torch.randint(0, 256, (BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(seed)).to(device)
-    batch = (tokens[:, :-1], tokens[:, 1:])
-    tiny = (tokens[:1, :32], tokens[:1, 1:33])
-
-    def loss_of(b):
-        return F.cross_entropy(model(b[0]).reshape(-1, vocab), b[1].reshape(-1))
-
-    # on a GPU both the steps and the round run under bf16 autocast, as bf16-mixed training does
-    autocast = (lambda: torch.autocast(device, torch.bfloat16)) if device != "cpu" else contextlib.nullcontext
-
-    def step(b, fmt: Format):
-        for layer in layers.values():
-            layer.format = fmt
-        opt.zero_grad(set_to_none=True)
-        with autocast():
-            loss = loss_of(b)
-        loss.backward()
-        opt.step()
-        for layer in layers.values():
-            layer.format = Format.BF16
-
-    def round_on(b, propagation: Propagation, probes: int = cfg.wd_probes,
-                 precision: RoundPrecision = RoundPrecision.TRAINING):
-        sliced = slice_batch(b, cfg.max_rows)
-
-        def loss_fn():
-            with autocast():
-                return loss_of(sliced)
-
-        stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt, propagation=propagation)
-        try:
-            estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
-                                noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator, probes=probes,
-                                curvature_probe=cfg.curvature_probe, precision=precision,
-                                generator=torch.Generator(device=device).manual_seed(seed))
-        finally:
-            stats.release()
-
-    # Adam state and every compiled quantizer kernel, on a tiny batch (no large temporaries yet).
-    step(tiny, Format.BF16)
-    step(tiny, Format.MXFP4)
-    round_on(tiny, Propagation.PROBE)
-    opt.zero_grad(set_to_none=True)
-
-    out = {"width": width, "blocks": blocks, "layers": len(layers), "rows": BATCH * SEQ_LEN, "max_rows": cfg.max_rows}
-    out["block_param_mib"] = sum(p.numel() for p in model.layers[0].parameters()) * 4 / 2**20
-    out["model_param_mib"] = sum(p.numel() for p in model.parameters()) * 4 / 2**20
-    if mode == "memory":
-        sliced = slice_batch(batch, cfg.max_rows)
-        holder = []
-        out["slice_activation_mib"] = _peak_rise(lambda: holder.append(loss_of(sliced)))
-        holder.clear()
-        out["round_extra_mib"] = _peak_rise(lambda: round_on(batch, Propagation.PROBE))
-        if exact:
-            out["round_extra_mib_exact"] = _peak_rise(lambda: round_on(batch, Propagation.EXACT))
-        return out
-
-    def timed(fn) -> float:
-        if device != "cpu":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device != "cpu":
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    hp, emulated, probe, exact_times, fp32_times = [], [], [], [], []
-    variant_times = {v: [] for v in variants}
-    for _ in range(repeats):  # interleaved: the machine is shared
-        hp.append(timed(lambda: step(batch, Format.BF16)))
-        emulated.append(timed(lambda: step(batch, Format.MXFP4)))
-        probe.append(timed(lambda: round_on(batch, Propagation.PROBE)))
-        if fp32_round:
-            fp32_times.append(timed(lambda: round_on(batch, Propagation.PROBE, precision=RoundPrecision.FP32)))
-        for probes, times in variant_times.items():
-            times.append(timed(lambda: round_on(batch, Propagation.PROBE, probes)))
-        if exact:
-            exact_times.append(timed(lambda: round_on(batch, Propagation.EXACT)))
-    out["hp_step_seconds"] = statistics.median(hp)
-    out["emulated_step_seconds"] = statistics.median(emulated)
-    out["round_seconds"] = statistics.median(probe)
-    out["variants"] = [[probes, statistics.median(t)] for probes, t in variant_times.items()]
-    if exact:
-        out["round_seconds_exact"] = statistics.median(exact_times)
-    if fp32_round:
-        out["round_seconds_fp32"] = statistics.median(fp32_times)
     return out
 
 

@@ -326,7 +326,7 @@ def estimate_divergence(
     # once and kept, the reference of every format's dY (was: once per format, plus once for its RMS).
     references, rms = {}, []
     for fqn, st in stats.layers.items():
-        x, _, w = _operands(stats, st, precision)
+        x, _, w = round_operands(stats, st, precision)
         y = mm_fp32(x, w)
         rms.append(y.pow(2).mean().sqrt())
         if valid.get(fqn):
@@ -344,7 +344,7 @@ def estimate_divergence(
         output_errors = {}
         for fqn, fmts in valid.items():
             if fmt in fmts:
-                x, _, w = _operands(stats, stats.layers[fqn], precision)
+                x, _, w = round_operands(stats, stats.layers[fqn], precision)
                 output_errors[fqn, fmt] = quantized_matmul(x, w, fmt, recipe=recipe, out_dtype=torch.float32) - references[fqn]
         # A non-finite output error (a quantizer fault) leaves the round for that (layer, format) only: the
         # error probe below injects every layer's dY into one forward pass, where one NaN would make
@@ -367,7 +367,7 @@ def estimate_divergence(
             second_order = {(fqn, f): _fisher_second_order(stats.layers[fqn].g, dy, tokens)
                             for (fqn, f), dy in output_errors.items()}
         else:
-            second_order = _error_probe_second_order(stats, output_errors, [fmt], noise_draws, generator,
+            second_order = error_probe_second_order(stats, output_errors, [fmt], noise_draws, generator,
                                                      per_sample=curvature_probe is CurvatureProbe.ERROR)
         for (fqn, _), dy in output_errors.items():
             _forward_metrics(r, stats.layers[fqn], fmt, dy, references[fqn], second_order[fqn, fmt], output_rms[fqn],
@@ -381,7 +381,7 @@ def estimate_divergence(
     for fqn, fmts in valid.items():
         if not fmts:
             continue
-        _, g, w = _operands(stats, stats.layers[fqn], precision)
+        _, g, w = round_operands(stats, stats.layers[fqn], precision)
         w_t = w.t().contiguous()  # dgrad's W, quantized along its dim 0: one contiguous copy for every format
         gx_ref = mm_fp32(g, w_t)
         input_errors[fqn] = torch.stack([
@@ -620,7 +620,7 @@ def _momentum_and_variance(adam: AdamState | None):
     return m_hat, m_var
 
 
-def _operands(stats: Statistics, s: LayerStats, precision: RoundPrecision, *, weight: bool = True):
+def round_operands(stats: Statistics, s: LayerStats, precision: RoundPrecision, *, weight: bool = True):
     """X, G (Statistics.operands: cast once per round) and W (None with ``weight=False``: no
     all-gather under FSDP2) in the dtype of the round's GEMMs (RoundPrecision)."""
     x, g = stats.operands(s.fqn, precision)
@@ -630,7 +630,7 @@ def _operands(stats: Statistics, s: LayerStats, precision: RoundPrecision, *, we
 def _forward_metrics(r: _RoundInputs, s: LayerStats, fmt: Format, dy: torch.Tensor, y: torch.Tensor, second: float,
                      y_rms: float, moments, metrics: dict) -> None:
     """LD and its parts for one layer and format, from its dY and Y = X W^T, into ``metrics``."""
-    x, g, w = _operands(r.stats, s, r.precision)
+    x, g, w = round_operands(r.stats, s, r.precision)
     m_hat, m_var = moments
     norm = r.loss_norm
     # The weight part of dY: X (Q(W) - W)^T = X Q(W)^T - Y; its first-order term is <G^T X, Q(W) - W>.
@@ -685,7 +685,7 @@ def _backward_metrics(r: _RoundInputs, s: LayerStats, fmts, input_errors: torch.
     sum of squares per format (over this rank's shard under FSDP2: summed over ranks before WD is
     formed). ``input_errors``: E_X per format (formats x rows x k); ``propagated``: the probes'
     (estimates, standard errors), or None for the exact vector-Jacobian products."""
-    x, g, _ = _operands(r.stats, s, r.precision, weight=False)
+    x, g, _ = round_operands(r.stats, s, r.precision, weight=False)
     # wgrad's operands, quantized along the token axis: one contiguous copy each for every format
     g_t, x_t = g.t().contiguous(), x.t().contiguous()
     gw_ref = mm_fp32(g_t, x_t)
@@ -833,7 +833,7 @@ def _samples_independent(stats: Statistics, output_errors, keys, units) -> bool:
     return independent
 
 
-def _error_probe_second_order(stats: Statistics, output_errors, formats, draws: int, generator, *,
+def error_probe_second_order(stats: Statistics, output_errors, formats, draws: int, generator, *,
                               per_sample: bool = True) -> dict:
     """1/2 dY^T H dY per (layer, format): inject eps dY(l, p) into every layer for one format at a
     time, eps = +-1 independent per layer and (``per_sample``, where _samples_independent) per sample

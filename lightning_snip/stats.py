@@ -142,7 +142,7 @@ class Statistics:
         self._params = params
         self._rerun = rerun
         self._probe = probe
-        self._operands: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._operand_cache: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def operands(self, fqn: str, precision: RoundPrecision = RoundPrecision.TRAINING) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``fqn``'s X and G in the dtype of the round's GEMMs (RoundPrecision), cast once and
@@ -151,9 +151,9 @@ class Statistics:
         s = self.layers[fqn]
         dtype = s.operand_dtype(precision)
         key = (fqn, dtype)
-        if key not in self._operands:
-            self._operands[key] = (s.x.to(dtype), s.g.to(dtype))
-        return self._operands[key]
+        if key not in self._operand_cache:
+            self._operand_cache[key] = (s.x.to(dtype), s.g.to(dtype))
+        return self._operand_cache[key]
 
     def parameter(self, name: str) -> nn.Parameter:
         """The registered parameter ``name`` (a DTensor shard under FSDP2)."""
@@ -237,7 +237,7 @@ class Statistics:
 
     def release(self) -> None:
         self._inputs.clear()
-        self._operands.clear()
+        self._operand_cache.clear()
         self._rerun = None
         self._probe = None
         self._layers = {}

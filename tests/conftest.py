@@ -1,10 +1,16 @@
 import logging
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+
+# The benchmarks' shared module (benchmarks/harness.py) is importable as ``harness``, as it is from a
+# benchmark script's own folder: tests check its constructions and load benchmarks that import it.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 # The quantizer kernels run uncompiled in tests (same code, same numbers; test_kernels.py checks both
 # modes bit for bit against the reference): compiling them costs ~5-10 s per kernel in every test

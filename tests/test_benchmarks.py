@@ -108,14 +108,15 @@ def test_fidelity_generic_truth_equals_the_block_cached_one_and_runs_on_hf_llama
     from lightning_snip.demo.model import LlamaConfig, TinyLlama
     from lightning_snip.formats import Format
 
-    fid = _benchmark("divergence_fidelity")
+    import harness as fid  # the benchmarks' shared truths
+
     torch.manual_seed(0)
     model = TinyLlama(LlamaConfig(dim=64, num_layers=2, hidden_dim=160))
     layers = convert_linears(model)
     batch = (torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32)))
     with torch.no_grad():
-        cached = fid._loss_increase(model, layers, batch, fid.FORMATS)
-        generic = fid._loss_increase_generic(model, layers, batch, fid.FORMATS)
+        cached = fid.loss_increase_cached(model, layers, batch, fid.FORMATS)
+        generic = fid.loss_increase_generic(model, layers, batch, fid.FORMATS)
     assert cached.keys() == generic.keys() and len(cached) == 2 * len(layers)
     assert max(abs(cached[k] - generic[k]) for k in cached) < 1e-5
     assert max(abs(v) for v in generic.values()) > 1e-4  # the formats did change the loss
@@ -127,7 +128,7 @@ def test_fidelity_generic_truth_equals_the_block_cached_one_and_runs_on_hf_llama
     assert len(hf_layers) == 2 * 7 + 1  # q, k, v, o, gate, up, down per block and the untied head
     with torch.no_grad():
         truth = fid.loss_increase(hf, hf_layers, batch)
-        generic = fid._loss_increase_generic(hf, hf_layers, batch, fid.FORMATS)
+        generic = fid.loss_increase_generic(hf, hf_layers, batch, fid.FORMATS)
     assert len(truth) == 2 * len(hf_layers) and all(v == v for v in truth.values())
     assert max(abs(v) for v in truth.values()) > 1e-4
     # Hugging Face's Llama replays each decoder layer's recorded input (SmolLM2's 30 blocks): the same

@@ -823,12 +823,12 @@ class _TokenMixing(nn.Module):
 
 def _second_order_draws(stats, output_errors, per_sample, draws, seed=0):
     """Per-draw error-probe values (one draw each) per (layer, format)."""
-    from lightning_snip.divergence import _error_probe_second_order
+    from lightning_snip.divergence import error_probe_second_order
 
     gen = torch.Generator().manual_seed(seed)
     values = {key: [] for key in output_errors}
     for _ in range(draws):
-        for key, v in _error_probe_second_order(stats, output_errors, [Format.MXFP4], 1, gen,
+        for key, v in error_probe_second_order(stats, output_errors, [Format.MXFP4], 1, gen,
                                                 per_sample=per_sample).items():
             values[key].append(v)
     return values
@@ -969,7 +969,7 @@ def test_error_probe_keeps_one_sign_per_layer_where_samples_interact(monkeypatch
 def test_error_probe_signs_are_fair_and_independent(monkeypatch):
     # The cross-layer terms vanish in expectation only if E[eps_a eps_b] = 0 for every two signs: each
     # sign fair and independent of the others (a coin with P(+1) = 0.6 leaves 4% of every cross term).
-    from lightning_snip.divergence import _error_probe_second_order
+    from lightning_snip.divergence import error_probe_second_order
 
     torch.manual_seed(0)
     model = _TokenMixing()
@@ -978,7 +978,7 @@ def test_error_probe_signs_are_fair_and_independent(monkeypatch):
     stats = collect_stats(model, lambda: nn.functional.mse_loss(model(x), target), layers=layers)
     errors = {(fqn, Format.MXFP4): quantized_matmul(s.x, s.weight, Format.MXFP4, recipe=QuantRecipe()) - s.x @ s.weight.t()
               for fqn, s in stats.layers.items()}
-    _error_probe_second_order(stats, errors, [Format.MXFP4], 1, torch.Generator().manual_seed(1))  # the check: independent
+    error_probe_second_order(stats, errors, [Format.MXFP4], 1, torch.Generator().manual_seed(1))  # the check: independent
     drawn = []
 
     def record(noise):
@@ -987,7 +987,7 @@ def test_error_probe_signs_are_fair_and_independent(monkeypatch):
         return {f: stats.layers[f].g for f in noise}
 
     monkeypatch.setattr(stats, "output_grads_with_noise", record)
-    _error_probe_second_order(stats, errors, [Format.MXFP4], 2000, torch.Generator().manual_seed(2))
+    error_probe_second_order(stats, errors, [Format.MXFP4], 2000, torch.Generator().manual_seed(2))
     signs = torch.stack(drawn).double()  # draws x 12 (6 samples x 2 layers)
     assert signs.abs().eq(1).all()
     limit = 4 / math.sqrt(len(signs))

@@ -7,7 +7,6 @@
 """
 
 import copy
-import dataclasses
 import math
 
 import pytest
@@ -20,6 +19,8 @@ from lightning_snip.formats import Format, QuantRecipe
 from lightning_snip.quantize import fake_quantize
 from lightning_snip.linear import SNIPLinear
 from lightning_snip.stats import Propagation, collect_stats
+
+from harness import torchao_float8, torchao_mx  # the constructions benchmarks/emulation_speed.py times
 
 LOW_FORMATS = [Format.FP8, Format.MXFP8, Format.MXFP4, Format.NVFP4]
 RTN = QuantRecipe(fp4_grad_rounding="nearest")  # deterministic gradient operands for exact checks
@@ -41,39 +42,6 @@ def _train_step(forward, params, x, g):
 
 # ---------------------------------------------------------------------------------------------
 # 1. torchao's emulated training GEMMs, bit for bit.
-
-
-def _torchao_float8(linear, recipe_name):
-    from torchao.float8.config import Float8LinearConfig
-    from torchao.float8.float8_linear import Float8Linear
-
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe_name), emulate=True)
-    return Float8Linear.from_float(linear, config=config)
-
-
-def _torchao_mx(linear, fmt):
-    """torchao's MX training GEMMs: mx_mm, the autograd function behind MXFP8Linear, with emulated
-    kernels and any MX element type. Every operand is quantized along its GEMM's contraction axis
-    with RCEIL scales (MXFP8Linear's default); the GEMM runs on the dequantized operands in the
-    input's dtype."""
-    from torchao.prototype.moe_training.mxfp8_linear import mx_mm
-    from torchao.prototype.mx_formats.config import (
-        MXFP8Dim0CastKernelChoice,
-        MXFP8Dim1CastKernelChoice,
-        ScaleCalculationMode,
-    )
-    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
-
-    elem = torch.float8_e4m3fn if fmt is Format.MXFP8 else torch.float4_e2m1fn_x2
-
-    def forward(x):
-        # TORCH dim-1 casts: MXTensor.to_mx on the transposed copy (the only dim-1 path for FP4).
-        y = mx_mm.apply(x, linear.weight, elem, elem, elem, 32, KernelPreference.EMULATED,
-                        MXFP8Dim0CastKernelChoice.TORCH, MXFP8Dim1CastKernelChoice.TORCH,
-                        ScaleCalculationMode.RCEIL, False)
-        return y + linear.bias
-
-    return forward
 
 
 def _inputs_with_outliers(dtype=torch.float32):
@@ -104,7 +72,7 @@ def test_fp8_is_bit_identical_to_torchao_float8_linear(case):
     recipe, recipe_name = FP8_CASES[case]
     linear, x, g = _inputs_with_outliers()
     ours = SNIPLinear.from_linear(copy.deepcopy(linear), format=Format.FP8, recipe=recipe)
-    ref = _torchao_float8(copy.deepcopy(linear), recipe_name)
+    ref = torchao_float8(copy.deepcopy(linear), recipe_name)
     got = _train_step(ours, [ours.weight, ours.bias], x, g)
     want = _train_step(ref, [ref.weight, ref.bias], x, g)
     for name, a, b in zip(("y", "dx", "dw", "db"), got, want):
@@ -133,7 +101,7 @@ def test_mx_is_bit_identical_to_torchao_mx_mm(fmt, dtype):
     ours = SNIPLinear.from_linear(copy.deepcopy(linear), format=fmt, recipe=RTN)
     theirs = copy.deepcopy(linear)
     got = _train_step(ours, [ours.weight, ours.bias], x, g)
-    want = _train_step(_torchao_mx(theirs, fmt), [theirs.weight, theirs.bias], x, g)
+    want = _train_step(torchao_mx(theirs, fmt), [theirs.weight, theirs.bias], x, g)
     for name, a, b in zip(("y", "dx", "dw", "db"), got, want):
         assert a.dtype == b.dtype == dtype
         assert torch.equal(a, b), (name, _rel(a, b))
@@ -144,7 +112,7 @@ def test_mxfp4_forward_with_default_recipe_is_torchao():
     linear, x, _ = _inputs_with_outliers()
     ours = SNIPLinear.from_linear(copy.deepcopy(linear), format=Format.MXFP4)
     with torch.no_grad():
-        assert torch.equal(ours(x), _torchao_mx(linear, Format.MXFP4)(x))
+        assert torch.equal(ours(x), torchao_mx(linear, Format.MXFP4)(x))
 
 
 def test_fp8_in_bfloat16_has_torchao_operands_and_output_within_one_ulp():
@@ -162,7 +130,7 @@ def test_fp8_in_bfloat16_has_torchao_operands_and_output_within_one_ulp():
     torchao_x = (to_fp8_saturated(x2d.float() * scale, torch.float8_e4m3fn).float() / scale).bfloat16()
     assert torch.equal(fake_quantize(x2d, Format.FP8, axis=1), torchao_x)
     ours = SNIPLinear.from_linear(copy.deepcopy(linear), format=Format.FP8)
-    ref = _torchao_float8(copy.deepcopy(linear), "rowwise")
+    ref = torchao_float8(copy.deepcopy(linear), "rowwise")
     got = _train_step(ours, [ours.weight, ours.bias], x, g)
     want = _train_step(ref, [ref.weight, ref.bias], x, g)
     for name, a, b in zip(("y", "dx", "dw", "db"), got, want):
@@ -489,8 +457,7 @@ def test_gradient_noise_ratio_matches_brute_force():
     FP4 format, against the weight gradient and its quantized-operand error formed here in float64
     (operands quantized along the tokens, the wgrad's contraction axis; round-to-nearest so that one
     value is exact); the callback's ratio is the best FP4 candidate's."""
-    from lightning_snip.callback import SNIPCallback
-    from lightning_snip.config import SNIPConfig
+    from lightning_snip.evidence import grad_noise_ratios
 
     model, layers, opt, x, target = _trained_two_layer()
     stats = collect_stats(model, lambda: nn.functional.mse_loss(model(x), target), layers=layers, optimizer=opt)
@@ -505,7 +472,5 @@ def test_gradient_noise_ratio_matches_brute_force():
             expected[fqn, fmt] = float(grads[name].double().norm() / errors[fqn][name].norm())
             assert 1.0 / result.layers[fqn].rel_error_wgrad[fmt] == pytest.approx(expected[fqn, fmt], rel=1e-4), (fqn, fmt)
     assert len({round(v, 3) for v in expected.values()}) == len(expected)  # distinct: a swapped value would show
-    snip = SNIPCallback(SNIPConfig(candidate_formats=["fp8", "mxfp4", "nvfp4"], pins={}))
-    snip.layers = layers
-    ratios = snip._grad_noise_ratios(result)
+    ratios = grad_noise_ratios(layers, [Format.FP8, *fp4], result)
     assert ratios == pytest.approx({fqn: max(expected[fqn, f] for f in fp4) for fqn in ("first", "second")}, rel=1e-4)

@@ -1,0 +1,471 @@
+"""What the benchmarks share: models, data streams, the one-step truths, statistics and timing helpers.
+
+Every benchmark imports this module (``from harness import ...``; a script's own folder is on its
+path) and the public API of lightning_snip, nothing private and nothing from tests/ (tests import
+from here where they check the same constructions).
+
+- Models: the demo's TinyLlama (lightning_snip.demo), a random-init Hugging Face Llama
+  (HFLlamaSpec) and the pretrained SmolLM2-135M (SmolLM2Spec), each with ``loss(batch)``.
+- Data: ``batches`` (random windows), ``interleaved_split`` (held-out chunks from the same files),
+  ``second_corpus``.
+- Truths, one step, per (layer, format): ``loss_increase`` (the forward in the format, every
+  other layer high: LD's truth) and ``update_deviation`` (the backward in the format: one AdamW
+  update's relative deviation, WD's truth).
+- Measurement: ``spearman``, ``rss_mib`` / ``reset_peak``, ``quantizer_mode``, torchao's own
+  float8 / MX layers as references (``torchao_float8``, ``torchao_mx``), and ``measure_one``: a
+  statistics round's time (or memory) against high-precision and emulated training steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import os
+import re
+import statistics
+import time
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from scipy.stats import spearmanr
+
+from lightning_snip.config import SNIPConfig
+from lightning_snip.convert import convert_linears
+from lightning_snip.demo.model import LlamaConfig, TinyLlama
+from lightning_snip.divergence import estimate_divergence
+from lightning_snip.formats import Format
+from lightning_snip.stats import Propagation, RoundPrecision, collect_stats, slice_batch
+
+FORMATS = (Format.MXFP4, Format.NVFP4)
+
+
+@dataclass(frozen=True)
+class HFLlamaSpec:
+    """A Hugging Face transformers ``LlamaForCausalLM`` (a module this project did not write: its own
+    attention, RoPE, RMSNorm and grouped-query layout) with byte vocabulary, untied head."""
+
+    dim: int = 64
+    num_layers: int = 6
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    hidden_dim: int = 192
+    max_seq_len: int = 128
+
+
+class HFCausalLM(torch.nn.Module):
+    """``LlamaForCausalLM`` with the benchmark's ``loss(batch)``: next-byte cross-entropy."""
+
+    def __init__(self, spec: HFLlamaSpec):
+        super().__init__()
+        try:
+            from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+        except ImportError as err:  # a dev extra (pip install -e ".[dev]")
+            raise SystemExit(f"--models hf needs Hugging Face transformers ({err}); pip install transformers") from err
+        self.llama = LlamaForCausalLM(HFLlamaConfig(
+            vocab_size=256, hidden_size=spec.dim, intermediate_size=spec.hidden_dim, num_hidden_layers=spec.num_layers,
+            num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+            max_position_embeddings=spec.max_seq_len, tie_word_embeddings=False))
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = batch
+        logits = self.llama(input_ids=inputs, use_cache=False).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+@dataclass(frozen=True)
+class SmolLM2Spec:
+    """SmolLM2-135M-Instruct (lightning_snip.hf), pretrained: the checkpoint is the pretrained model
+    after ``train_steps`` steps of continued training at ``lr`` (AdamW's moments, which WD reads, need
+    a few steps), on the corpus in SmolLM2's own tokens, ``batch_size`` x ``seq_len`` per batch."""
+
+    train_steps: int = 8
+    lr: float = 1e-4
+    batch_size: int = 4
+    seq_len: int = 128
+
+
+class SmolLM2LM(torch.nn.Module):
+    """SmolLM2's LlamaForCausalLM with the benchmark's ``loss(batch)``: next-token cross-entropy."""
+
+    def __init__(self):
+        super().__init__()
+        from lightning_snip.hf import MissingPackageError, load_smollm2
+
+        try:
+            self.llama, self.tokenizer = load_smollm2()
+        except MissingPackageError as err:
+            raise SystemExit(f"--models smollm2: {err}") from None
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = batch
+        logits = self.llama(input_ids=inputs, use_cache=False).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def build_model(cfg: LlamaConfig | HFLlamaSpec | SmolLM2Spec) -> torch.nn.Module:
+    if isinstance(cfg, SmolLM2Spec):
+        return SmolLM2LM()
+    return HFCausalLM(cfg) if isinstance(cfg, HFLlamaSpec) else TinyLlama(cfg)
+
+
+def batches(dataset, batch_size, generator):
+    while True:
+        idx = torch.randint(len(dataset), (batch_size,), generator=generator)
+        items = [dataset[int(i)] for i in idx]
+        yield torch.stack([a for a, _ in items]), torch.stack([b for _, b in items])
+
+
+def spearman(a, b) -> float:
+    return float(spearmanr(a, b).statistic)
+
+
+def second_corpus() -> str:
+    return str(Path(sysconfig.get_paths()["stdlib"], "pydoc_data", "topics.py"))
+
+
+def interleaved_split(data: torch.Tensor, fraction: float, seed: int, chunk: int = 4096):
+    """(train, held-out): ``fraction`` of the corpus's 4 KiB chunks, drawn at random, held out. The
+    held-out text comes from the same distribution as training (the same files, interleaved) but
+    neither training nor any statistics round sees it."""
+    num = len(data) // chunk
+    held = torch.rand(num, generator=torch.Generator().manual_seed(seed + 99)) < fraction
+    pieces = data[: num * chunk].reshape(num, chunk)
+    return pieces[~held].reshape(-1), pieces[held].reshape(-1)
+
+
+def block_of(fqn: str, num_blocks: int) -> int:
+    """Index of the first block whose input the layer's output depends on (the head: num_blocks)."""
+    return int(fqn.split(".")[1]) if fqn.startswith("layers.") else num_blocks
+
+
+def forward_from(model: TinyLlama, block: int, h: torch.Tensor, targets: torch.Tensor) -> float:
+    """The loss from block ``block``'s input ``h`` on (the rest of the model)."""
+    T = h.shape[1]
+    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
+    for b in model.layers[block:]:
+        h = b(h, cos, sin)
+    logits = model.lm_head(model.norm(h))
+    return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)))
+
+
+def precision(model: TinyLlama):
+    """The context every forward pass of rounds and truths runs in: bf16 autocast after --precision
+    bf16-mixed (the checkpoint itself is trained in fp32 either way: the same model as the fp32 runs)."""
+    return torch.autocast("cpu", torch.bfloat16) if getattr(model, "bf16_mixed", False) else contextlib.nullcontext()
+
+
+def loss_increase(model: TinyLlama, layers, batch, formats=FORMATS) -> dict:
+    """(fqn, fmt) -> loss with only that layer's forward in fmt, minus the high-precision loss (the
+    run's: fp32, or bf16 autocast with --precision bf16-mixed)."""
+    with torch.no_grad(), precision(model):
+        return loss_increase_cached(model, layers, batch, formats)
+
+
+def loss_increase_cached(model: TinyLlama, layers, batch, formats) -> dict:
+    if hasattr(model, "llama"):  # Hugging Face's Llama: from each decoder layer's recorded input on
+        return loss_increase_hf(model, layers, batch, formats)
+    if not isinstance(model, TinyLlama):  # another architecture: a whole forward pass per (layer, format)
+        return loss_increase_generic(model, layers, batch, formats)
+    inputs, targets = batch
+    T = inputs.shape[1]
+    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
+    h = model.embed(inputs)
+    block_inputs = [h]
+    for b in model.layers:
+        h = b(h, cos, sin)
+        block_inputs.append(h)
+    base = forward_from(model, len(model.layers), block_inputs[-1], targets)
+    out = {}
+    for fqn, layer in layers.items():
+        start = block_of(fqn, len(model.layers))
+        for fmt in formats:
+            if fmt not in layer.allowed_formats:
+                continue
+            layer.format, layer.backward_format = fmt, Format.BF16
+            out[fqn, fmt] = forward_from(model, start, block_inputs[start], targets) - base
+        layer.format, layer.backward_format = Format.BF16, None
+    return out
+
+
+def loss_increase_hf(model, layers, batch, formats) -> dict:
+    """loss_increase_generic's values for a Hugging Face LlamaForCausalLM (``model.llama``), each from
+    the first decoder layer the quantized layer feeds: every decoder layer's input and keyword
+    arguments (mask, rotary embeddings) are recorded on one high-precision forward and replayed."""
+    inputs, targets = batch
+    llama = model.llama
+    blocks = llama.model.layers
+    recorded = [None] * len(blocks)
+
+    def record(index):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            recorded[index] = (hidden, {k: v for k, v in kwargs.items() if k != "hidden_states"})
+        return hook
+
+    handles = [b.register_forward_pre_hook(record(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    try:
+        out = llama.model(input_ids=inputs, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    final = out.last_hidden_state
+
+    def loss_from(start: int) -> float:
+        if start == len(blocks):
+            h = final
+        else:
+            h = recorded[start][0]
+            for i in range(start, len(blocks)):
+                h = blocks[i](h, **recorded[i][1])
+                h = h[0] if isinstance(h, tuple) else h
+            h = llama.model.norm(h)
+        logits = llama.lm_head(h)
+        return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)))
+
+    base = loss_from(len(blocks))
+    out = {}
+    for fqn, layer in layers.items():
+        match = re.search(r"\blayers\.(\d+)\.", fqn)
+        start = int(match.group(1)) if match else len(blocks)
+        for fmt in formats:
+            if fmt not in layer.allowed_formats:
+                continue
+            layer.format, layer.backward_format = fmt, Format.BF16
+            out[fqn, fmt] = loss_from(start) - base
+        layer.format, layer.backward_format = Format.BF16, None
+    return out
+
+
+def loss_increase_generic(model, layers, batch, formats) -> dict:
+    base = float(model.loss(batch))
+    out = {}
+    for fqn, layer in layers.items():
+        for fmt in formats:
+            if fmt not in layer.allowed_formats:
+                continue
+            layer.format, layer.backward_format = fmt, Format.BF16
+            out[fqn, fmt] = float(model.loss(batch)) - base
+        layer.format, layer.backward_format = Format.BF16, None
+    return out
+
+
+def update_deviation(model, opt, layers, batch, sr_seeds: int, formats=FORMATS) -> dict:
+    """(fqn, fmt) -> [relative one-step update deviation per stochastic-rounding seed]."""
+    model_state, opt_state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def update(seed):
+        model.load_state_dict(model_state)
+        opt.load_state_dict(copy.deepcopy(opt_state))
+        torch.manual_seed(seed)
+        loss = model.loss(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return [p.detach() - b for p, b in zip(model.parameters(), before)]
+
+    ref = update(0)
+    ref_norm = sum(float(r.pow(2).sum()) for r in ref)
+    out = {}
+    for fqn, layer in layers.items():
+        for fmt in formats:
+            if fmt not in layer.allowed_formats:
+                continue
+            layer.backward_format = fmt
+            out[fqn, fmt] = []
+            for seed in range(sr_seeds):
+                u = update(1000 + seed)
+                out[fqn, fmt].append(sum(float((a - b).pow(2).sum()) for a, b in zip(u, ref)) / ref_norm)
+        layer.backward_format = None
+    model.load_state_dict(model_state)
+    opt.load_state_dict(opt_state)
+    return out
+
+
+def rss_mib() -> tuple[float, float]:
+    """(VmRSS, VmHWM) of this process in MiB."""
+    values = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = int(rest.split()[0]) / 1024
+    return values["VmRSS"], values["VmHWM"]
+
+
+def reset_peak() -> None:
+    """Reset the process's peak RSS (VmHWM) to its current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+
+
+@contextlib.contextmanager
+def quantizer_mode(mode: str):
+    old = os.environ.get("LIGHTNING_SNIP_QUANTIZERS")
+    os.environ["LIGHTNING_SNIP_QUANTIZERS"] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("LIGHTNING_SNIP_QUANTIZERS")
+        else:
+            os.environ["LIGHTNING_SNIP_QUANTIZERS"] = old
+
+
+def torchao_float8(linear, recipe_name):
+    """torchao's Float8Linear of ``linear`` for a named recipe, emulated (runs on a CPU)."""
+    from torchao.float8.config import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe_name), emulate=True)
+    return Float8Linear.from_float(linear, config=config)
+
+
+def torchao_mx(linear, fmt):
+    """torchao's MX training GEMMs: mx_mm, the autograd function behind MXFP8Linear, with emulated
+    kernels and any MX element type. Every operand is quantized along its GEMM's contraction axis
+    with RCEIL scales (MXFP8Linear's default); the GEMM runs on the dequantized operands in the
+    input's dtype."""
+    from torchao.prototype.moe_training.mxfp8_linear import mx_mm
+    from torchao.prototype.mx_formats.config import (
+        MXFP8Dim0CastKernelChoice,
+        MXFP8Dim1CastKernelChoice,
+        ScaleCalculationMode,
+    )
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    elem = torch.float8_e4m3fn if fmt is Format.MXFP8 else torch.float4_e2m1fn_x2
+
+    def forward(x):
+        # TORCH dim-1 casts: MXTensor.to_mx on the transposed copy (the only dim-1 path for FP4).
+        y = mx_mm.apply(x, linear.weight, elem, elem, elem, 32, KernelPreference.EMULATED,
+                        MXFP8Dim0CastKernelChoice.TORCH, MXFP8Dim1CastKernelChoice.TORCH,
+                        ScaleCalculationMode.RCEIL, False)
+        return y + linear.bias
+
+    return forward
+
+
+# --- the statistics round's cost in training steps (benchmarks/stats_cost.py, gpu_check.py) ---------
+
+SEQ_LEN, BATCH = 128, 16  # 2048 rows per training step
+
+
+def model_config(width: int, blocks: int) -> LlamaConfig:
+    return LlamaConfig(dim=width, num_layers=blocks, num_heads=width // 32, num_kv_heads=width // 64,
+                       hidden_dim=round(width * 2.75 / 32) * 32)
+
+
+def peak_rise(fn) -> float:
+    """MiB the peak RSS rises above the RSS before ``fn()`` while it runs."""
+    before, _ = rss_mib()
+    reset_peak()
+    fn()
+    return rss_mib()[1] - before
+
+
+def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, mode: str,
+                variants: list[int] = (), device: str = "cpu", fp32_round: bool = False) -> dict:
+    """One configuration's measurement. ``device="cuda"`` (benchmarks/gpu_check.py) times on a GPU with
+    CUDA synchronisation; memory mode is CPU-only (it reads the process's RSS). ``fp32_round``: also
+    time, interleaved, rounds whose GEMM operands are fp32 (RoundPrecision.FP32: the round before
+    2026-11-30 night; the default takes them in the training dtype, bf16 under the GPU's autocast)."""
+    if mode == "memory" and device != "cpu":
+        raise ValueError(f"mode='memory' measures RSS and needs device='cpu', got device={device!r}")
+    torch.manual_seed(seed)
+    cfg = SNIPConfig()
+    model = TinyLlama(model_config(width, blocks)).to(device)
+    layers = convert_linears(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    vocab = model.config.vocab_size if hasattr(model, "config") else 256
+    tokens = torch.randint(0, 256, (BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(seed)).to(device)
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    tiny = (tokens[:1, :32], tokens[:1, 1:33])
+
+    def loss_of(b):
+        return F.cross_entropy(model(b[0]).reshape(-1, vocab), b[1].reshape(-1))
+
+    # on a GPU both the steps and the round run under bf16 autocast, as bf16-mixed training does
+    autocast = (lambda: torch.autocast(device, torch.bfloat16)) if device != "cpu" else contextlib.nullcontext
+
+    def step(b, fmt: Format):
+        for layer in layers.values():
+            layer.format = fmt
+        opt.zero_grad(set_to_none=True)
+        with autocast():
+            loss = loss_of(b)
+        loss.backward()
+        opt.step()
+        for layer in layers.values():
+            layer.format = Format.BF16
+
+    def round_on(b, propagation: Propagation, probes: int = cfg.wd_probes,
+                 precision: RoundPrecision = RoundPrecision.TRAINING):
+        sliced = slice_batch(b, cfg.max_rows)
+
+        def loss_fn():
+            with autocast():
+                return loss_of(sliced)
+
+        stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt, propagation=propagation)
+        try:
+            estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
+                                noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator, probes=probes,
+                                curvature_probe=cfg.curvature_probe, precision=precision,
+                                generator=torch.Generator(device=device).manual_seed(seed))
+        finally:
+            stats.release()
+
+    # Adam state and every compiled quantizer kernel, on a tiny batch (no large temporaries yet).
+    step(tiny, Format.BF16)
+    step(tiny, Format.MXFP4)
+    round_on(tiny, Propagation.PROBE)
+    opt.zero_grad(set_to_none=True)
+
+    out = {"width": width, "blocks": blocks, "layers": len(layers), "rows": BATCH * SEQ_LEN, "max_rows": cfg.max_rows}
+    out["block_param_mib"] = sum(p.numel() for p in model.layers[0].parameters()) * 4 / 2**20
+    out["model_param_mib"] = sum(p.numel() for p in model.parameters()) * 4 / 2**20
+    if mode == "memory":
+        sliced = slice_batch(batch, cfg.max_rows)
+        holder = []
+        out["slice_activation_mib"] = peak_rise(lambda: holder.append(loss_of(sliced)))
+        holder.clear()
+        out["round_extra_mib"] = peak_rise(lambda: round_on(batch, Propagation.PROBE))
+        if exact:
+            out["round_extra_mib_exact"] = peak_rise(lambda: round_on(batch, Propagation.EXACT))
+        return out
+
+    def timed(fn) -> float:
+        if device != "cpu":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    hp, emulated, probe, exact_times, fp32_times = [], [], [], [], []
+    variant_times = {v: [] for v in variants}
+    for _ in range(repeats):  # interleaved: the machine is shared
+        hp.append(timed(lambda: step(batch, Format.BF16)))
+        emulated.append(timed(lambda: step(batch, Format.MXFP4)))
+        probe.append(timed(lambda: round_on(batch, Propagation.PROBE)))
+        if fp32_round:
+            fp32_times.append(timed(lambda: round_on(batch, Propagation.PROBE, precision=RoundPrecision.FP32)))
+        for probes, times in variant_times.items():
+            times.append(timed(lambda: round_on(batch, Propagation.PROBE, probes)))
+        if exact:
+            exact_times.append(timed(lambda: round_on(batch, Propagation.EXACT)))
+    out["hp_step_seconds"] = statistics.median(hp)
+    out["emulated_step_seconds"] = statistics.median(emulated)
+    out["round_seconds"] = statistics.median(probe)
+    out["variants"] = [[probes, statistics.median(t)] for probes, t in variant_times.items()]
+    if exact:
+        out["round_seconds_exact"] = statistics.median(exact_times)
+    if fp32_round:
+        out["round_seconds_fp32"] = statistics.median(fp32_times)
+    return out
