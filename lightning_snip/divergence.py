@@ -289,23 +289,8 @@ def estimate_divergence(
     global _warned_no_adam
     formats = [f for f in dict.fromkeys(formats) if f is not Format.BF16]
     curvature_probe = CurvatureProbe(curvature_probe)
-    loss_estimator = LossEstimator(loss_estimator)
     precision = RoundPrecision(precision)
-    finite = {fqn: bool(torch.isfinite(s.x).all() and torch.isfinite(s.g).all()
-                        and torch.isfinite(s.weight.to_local() if is_sharded(s.weight) else s.weight).all())
-              for fqn, s in stats.layers.items()}
-    if stats.sharded and finite:
-        # Every rank runs the same all-gathers below, layer by layer: agree on which layers take part.
-        like = _a_sharded_weight(stats)
-        flags = all_reduce_sum(torch.tensor([float(not f) for f in finite.values()], device=like.device), like)
-        finite = {fqn: float(flag) == 0.0 for fqn, flag in zip(finite, flags.cpu())}
-    valid = {}
-    r_invalid: list = []
-    for fqn, s in stats.layers.items():
-        if finite[fqn]:
-            valid[fqn] = formats if allowed is None else [f for f in formats if f in set(allowed[fqn])]
-        else:
-            r_invalid.extend((fqn, f) for f in formats if allowed is None or f in set(allowed[fqn]))
+    valid, invalid = _valid_formats(stats, formats, allowed)
     used_adam = all(a is not None for a in stats.param_adam.values())
     if not used_adam and not _warned_no_adam:
         logger.warning("weight divergence: optimizer keeps no Adam moments for every parameter; using plain gradient errors (A = 1)")
@@ -313,92 +298,30 @@ def estimate_divergence(
     adam = {name: stats.param_adam.get(name) if used_adam else None for name in stats.param_names}
     r = _RoundInputs(
         stats=stats, formats=tuple(formats), recipe=recipe, adam=adam, denominator=1.0,
-        loss_norm=abs(stats.loss) if stats.loss else 1.0, loss_estimator=loss_estimator,
-        first_order_history=first_order_history or {}, generator=generator, invalid=r_invalid, precision=precision,
+        loss_norm=abs(stats.loss) if stats.loss else 1.0, loss_estimator=LossEstimator(loss_estimator),
+        first_order_history=first_order_history or {}, generator=generator, invalid=invalid, precision=precision,
     )
     metrics = {fqn: {k: {Format.BF16: 0.0} for k in _METRICS} for fqn in stats.layers}
     for fqn, fmts in valid.items():
         for fmt in formats:
             if fmt not in fmts:
                 metrics[fqn]["ld"][fmt] = metrics[fqn]["wd"][fmt] = math.inf
-    # Forward (LD): one format at a time, so the round holds one format's dY of every layer (the
-    # error probe injects them all at once), not all of them; Y = X W^T of every layer is computed
-    # once and kept, the reference of every format's dY (was: once per format, plus once for its RMS).
-    references, rms = {}, []
-    for fqn, st in stats.layers.items():
-        x, _, w = round_operands(stats, st, precision)
-        y = mm_fp32(x, w)
-        rms.append(y.pow(2).mean().sqrt())
-        if valid.get(fqn):
-            references[fqn] = y
-        del y
-    output_rms = dict(zip(stats.layers, _read_scalars(rms)))
-    curvature = {}
-    # FISHER: the per-token losses the loss averages, taken as the most token rows any layer saw.
-    tokens = max((st.num_rows for st in stats.layers.values()), default=0)
-    if curvature_probe is CurvatureProbe.GAUSSIAN:
-        curvature = _estimate_curvature(stats, output_rms, noise_draws, noise_scale, generator)
     # (FSDP2: m_hat is sharded; the MOMENTUM estimator's parts are not computed there.)
     moments = {fqn: _momentum_and_variance(None if stats.sharded else stats.layers[fqn].adam) for fqn in valid}
-    for fmt in formats:
-        output_errors = {}
-        for fqn, fmts in valid.items():
-            if fmt in fmts:
-                x, _, w = round_operands(stats, stats.layers[fqn], precision)
-                output_errors[fqn, fmt] = quantized_matmul(x, w, fmt, recipe=recipe, out_dtype=torch.float32) - references[fqn]
-        # A non-finite output error (a quantizer fault) leaves the round for that (layer, format) only: the
-        # error probe below injects every layer's dY into one forward pass, where one NaN would make
-        # every layer's second-order term NaN. Ranks agree on the set (their collectives follow it).
-        bad = torch.tensor([0.0 if ok else 1.0 for ok in _read_scalars(
-            [torch.isfinite(dy).all() for dy in output_errors.values()])])  # one device sync, not one per layer
-        if stats.sharded and len(bad):
-            like = _a_sharded_weight(stats)
-            bad = all_reduce_sum(bad.to(like.device), like).cpu()
-        for (fqn, _), flag in zip(list(output_errors), bad.tolist()):
-            if flag:
-                del output_errors[fqn, fmt]
-                valid[fqn] = [f for f in valid[fqn] if f is not fmt]
-                metrics[fqn]["ld"][fmt] = metrics[fqn]["wd"][fmt] = math.inf
-                r.invalid.append((fqn, fmt))
-        if curvature_probe is CurvatureProbe.GAUSSIAN:
-            second_order = {(fqn, f): 0.5 * curvature.get(fqn, 0.0) * float(dy.pow(2).sum())
-                            for (fqn, f), dy in output_errors.items()}
-        elif curvature_probe is CurvatureProbe.FISHER:
-            second_order = {(fqn, f): _fisher_second_order(stats.layers[fqn].g, dy, tokens)
-                            for (fqn, f), dy in output_errors.items()}
-        else:
-            second_order = error_probe_second_order(stats, output_errors, [fmt], noise_draws, generator,
-                                                     per_sample=curvature_probe is CurvatureProbe.ERROR)
-        for (fqn, _), dy in output_errors.items():
-            _forward_metrics(r, stats.layers[fqn], fmt, dy, references[fqn], second_order[fqn, fmt], output_rms[fqn],
-                             moments[fqn], metrics[fqn])
-        del output_errors
-    del references
+    curvature = _forward_divergence(r, valid, metrics, moments, curvature_probe, noise_draws, noise_scale)
     # Backward (WD): the dgrad errors E_X of every (layer, format), drawn before any propagation (one
     # order of stochastic-rounding draws for both Propagation modes), then each layer's wgrad error.
     r = dataclasses.replace(r, denominator=_update_energy(stats, adam, precision) or 1.0)
-    input_errors = {}
-    for fqn, fmts in valid.items():
-        if not fmts:
-            continue
-        _, g, w = round_operands(stats, stats.layers[fqn], precision)
-        w_t = w.t().contiguous()  # dgrad's W, quantized along its dim 0: one contiguous copy for every format
-        gx_ref = mm_fp32(g, w_t)
-        input_errors[fqn] = torch.stack([
-            quantized_matmul(g, w_t, fmt, recipe=recipe, a_is_grad=True, generator=generator, out_dtype=torch.float32)
-            - gx_ref for fmt in fmts])
-    propagated = None
-    if stats.propagation is Propagation.PROBE:
-        propagated = _probe_propagated(stats, adam, input_errors, probes, generator, precision)
-    direct = {}  # (fqn, format) -> the direct term's sum of squares over this rank's shard
-    for fqn, st in stats.layers.items():
-        if valid.get(fqn):
-            direct.update(_backward_metrics(r, st, valid[fqn], input_errors.pop(fqn),
-                                            None if propagated is None else propagated[fqn], metrics[fqn]))
-    if stats.sharded and direct:  # one all-reduce for every layer's direct term
-        like = _a_sharded_weight(stats)
-        summed = all_reduce_sum(torch.tensor(list(direct.values()), dtype=torch.float64, device=like.device), like)
-        direct = dict(zip(direct, summed.cpu().tolist()))
+    direct = _backward_divergence(r, valid, metrics, probes)
+    out = _layer_divergences(r, valid, metrics, moments, direct, curvature)
+    return DivergenceResult(layers=out, loss=stats.loss, used_adam=used_adam)
+
+
+def _layer_divergences(r: _RoundInputs, valid: dict, metrics: dict, moments: dict, direct: dict,
+                       curvature: dict) -> dict[str, "LayerDivergence"]:
+    """The round's LayerDivergence per layer: WD = direct + propagated, anything non-finite marked
+    invalid (+inf, one warning per round)."""
+    stats, formats = r.stats, r.formats
     out: dict[str, LayerDivergence] = {}
     for fqn, st in stats.layers.items():
         if fqn not in valid:
@@ -421,7 +344,119 @@ def estimate_divergence(
         shown = ", ".join(f"{fqn} ({fmt.value})" for fqn, fmt in r.invalid[:6])
         logger.warning("non-finite statistics or divergence: %d (layer, format) marked invalid and left out of plans: "
                        "%s%s", len(r.invalid), shown, ", ..." if len(r.invalid) > 6 else "")
-    return DivergenceResult(layers=out, loss=stats.loss, used_adam=used_adam)
+    return out
+
+
+def _valid_formats(stats: Statistics, formats: list[Format], allowed) -> tuple[dict[str, list[Format]], list]:
+    """fqn -> the formats to measure for each layer whose sample is finite (on every rank), and the
+    (fqn, format) candidates of the others (invalid)."""
+    finite = {fqn: bool(torch.isfinite(s.x).all() and torch.isfinite(s.g).all()
+                        and torch.isfinite(s.weight.to_local() if is_sharded(s.weight) else s.weight).all())
+              for fqn, s in stats.layers.items()}
+    if stats.sharded and finite:
+        # Every rank runs the same all-gathers below, layer by layer: agree on which layers take part.
+        like = _a_sharded_weight(stats)
+        flags = all_reduce_sum(torch.tensor([float(not f) for f in finite.values()], device=like.device), like)
+        finite = {fqn: float(flag) == 0.0 for fqn, flag in zip(finite, flags.cpu())}
+    valid, invalid = {}, []
+    for fqn, s in stats.layers.items():
+        if finite[fqn]:
+            valid[fqn] = formats if allowed is None else [f for f in formats if f in set(allowed[fqn])]
+        else:
+            invalid.extend((fqn, f) for f in formats if allowed is None or f in set(allowed[fqn]))
+    return valid, invalid
+
+
+def _forward_divergence(r: _RoundInputs, valid: dict, metrics: dict, moments: dict, curvature_probe: CurvatureProbe,
+                        noise_draws: int, noise_scale: float) -> dict[str, float]:
+    """LD's parts of every valid (layer, format) into ``metrics`` (formats that turn out non-finite
+    leave ``valid``); returns the GAUSSIAN probe's curvature per layer ({} for the others)."""
+    stats, precision, generator = r.stats, r.precision, r.generator
+    # One format at a time, so the round holds one format's dY of every layer (the error probe
+    # injects them all at once), not all of them; Y = X W^T of every layer is computed once and
+    # kept, the reference of every format's dY (was: once per format, plus once for its RMS).
+    references, rms = {}, []
+    for fqn, st in stats.layers.items():
+        x, _, w = round_operands(stats, st, precision)
+        y = mm_fp32(x, w)
+        rms.append(y.pow(2).mean().sqrt())
+        if valid.get(fqn):
+            references[fqn] = y
+        del y
+    output_rms = dict(zip(stats.layers, _read_scalars(rms)))
+    curvature = {}
+    # FISHER: the per-token losses the loss averages, taken as the most token rows any layer saw.
+    tokens = max((st.num_rows for st in stats.layers.values()), default=0)
+    if curvature_probe is CurvatureProbe.GAUSSIAN:
+        curvature = _estimate_curvature(stats, output_rms, noise_draws, noise_scale, generator)
+    for fmt in r.formats:
+        output_errors = {}
+        for fqn, fmts in valid.items():
+            if fmt in fmts:
+                x, _, w = round_operands(stats, stats.layers[fqn], precision)
+                output_errors[fqn, fmt] = quantized_matmul(x, w, fmt, recipe=r.recipe, out_dtype=torch.float32) - references[fqn]
+        _drop_non_finite(r, output_errors, fmt, valid, metrics)
+        if curvature_probe is CurvatureProbe.GAUSSIAN:
+            second_order = {(fqn, f): 0.5 * curvature.get(fqn, 0.0) * float(dy.pow(2).sum())
+                            for (fqn, f), dy in output_errors.items()}
+        elif curvature_probe is CurvatureProbe.FISHER:
+            second_order = {(fqn, f): _fisher_second_order(stats.layers[fqn].g, dy, tokens)
+                            for (fqn, f), dy in output_errors.items()}
+        else:
+            second_order = error_probe_second_order(stats, output_errors, [fmt], noise_draws, generator,
+                                                     per_sample=curvature_probe is CurvatureProbe.ERROR)
+        for (fqn, _), dy in output_errors.items():
+            _forward_metrics(r, stats.layers[fqn], fmt, dy, references[fqn], second_order[fqn, fmt], output_rms[fqn],
+                             moments[fqn], metrics[fqn])
+        del output_errors
+    return curvature
+
+
+def _drop_non_finite(r: _RoundInputs, output_errors: dict, fmt: Format, valid: dict, metrics: dict) -> None:
+    """A non-finite output error (a quantizer fault) leaves the round for that (layer, format) only: the
+    error probe injects every layer's dY into one forward pass, where one NaN would make every layer's
+    second-order term NaN. Ranks agree on the set (their collectives follow it)."""
+    stats = r.stats
+    bad = torch.tensor([0.0 if ok else 1.0 for ok in _read_scalars(
+        [torch.isfinite(dy).all() for dy in output_errors.values()])])  # one device sync, not one per layer
+    if stats.sharded and len(bad):
+        like = _a_sharded_weight(stats)
+        bad = all_reduce_sum(bad.to(like.device), like).cpu()
+    for (fqn, _), flag in zip(list(output_errors), bad.tolist()):
+        if flag:
+            del output_errors[fqn, fmt]
+            valid[fqn] = [f for f in valid[fqn] if f is not fmt]
+            metrics[fqn]["ld"][fmt] = metrics[fqn]["wd"][fmt] = math.inf
+            r.invalid.append((fqn, fmt))
+
+
+def _backward_divergence(r: _RoundInputs, valid: dict, metrics: dict, probes: int) -> dict:
+    """WD's parts of every valid (layer, format) into ``metrics``; returns (fqn, format) -> the direct
+    term's sum of squares (summed over ranks under FSDP2), before the division by the update energy."""
+    stats, precision, generator = r.stats, r.precision, r.generator
+    input_errors = {}
+    for fqn, fmts in valid.items():
+        if not fmts:
+            continue
+        _, g, w = round_operands(stats, stats.layers[fqn], precision)
+        w_t = w.t().contiguous()  # dgrad's W, quantized along its dim 0: one contiguous copy for every format
+        gx_ref = mm_fp32(g, w_t)
+        input_errors[fqn] = torch.stack([
+            quantized_matmul(g, w_t, fmt, recipe=r.recipe, a_is_grad=True, generator=generator, out_dtype=torch.float32)
+            - gx_ref for fmt in fmts])
+    propagated = None
+    if stats.propagation is Propagation.PROBE:
+        propagated = _probe_propagated(stats, r.adam, input_errors, probes, generator, precision)
+    direct = {}  # (fqn, format) -> the direct term's sum of squares over this rank's shard
+    for fqn, st in stats.layers.items():
+        if valid.get(fqn):
+            direct.update(_backward_metrics(r, st, valid[fqn], input_errors.pop(fqn),
+                                            None if propagated is None else propagated[fqn], metrics[fqn]))
+    if stats.sharded and direct:  # one all-reduce for every layer's direct term
+        like = _a_sharded_weight(stats)
+        summed = all_reduce_sum(torch.tensor(list(direct.values()), dtype=torch.float64, device=like.device), like)
+        direct = dict(zip(direct, summed.cpu().tolist()))
+    return direct
 
 
 @dataclass(frozen=True)

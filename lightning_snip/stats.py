@@ -264,102 +264,35 @@ def collect_stats(
     # FSDP2 leaves its root module unsharded after a forward without backward (a validation loop):
     # shard everything first, so every parameter below is the registered DTensor.
     _reshard(model)
-    all_params = dict(model.named_parameters())
-    params = {name: p for name, p in all_params.items() if p.requires_grad}
-    name_of = {id(p): name for name, p in all_params.items()}  # parameter identity, not module path
-    registrations: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        registrations[id(p)] = registrations.get(id(p), 0) + 1
-    # (module, attribute) -> parameter name, read now, between forward passes. FSDP2 puts other
-    # tensors (the all-gathered parameters) at those attributes while a module runs, so the passes
-    # below find parameters by where they sit, not by identity.
-    owner_names = {(id(m), attr): name_of[id(p)] for m in model.modules() for attr, p in m._parameters.items()
-                   if p is not None and id(p) in name_of}
-    trainable_owners = {key: name for key, name in owner_names.items() if name in params}
-    sharded = any(is_sharded(p) for p in params.values())
+    p = _ParameterMaps.of(model)
+    sharded = any(is_sharded(t) for t in p.params.values())
     if sharded and propagation is Propagation.EXACT:
         raise ValueError("wd_propagation: exact is not supported with sharded (FSDP2) parameters; allowed: probe")
-    rng_states = _RandomStreams.capture(model)
-    compute_dtypes: dict[str, torch.dtype] = {}
-
-    def run(noise: Mapping[str, torch.Tensor] | None, record: bool):
-        inputs: dict[str, torch.Tensor] = {}
-        outputs: dict[str, torch.Tensor] = {}
-        calls: dict[str, int] = {}
-        used: dict[str, torch.Tensor] = {}  # name -> the tensor the forward computed with
-
-        def capture(module, args):
-            for attr, p in module._parameters.items():
-                name = trainable_owners.get((id(module), attr))
-                if name is not None and p is not None:
-                    used.setdefault(name, p)
-
-        def make_hook(fqn):
-            def hook(module, args, output):
-                inputs[fqn] = args[0]
-                calls[fqn] = calls.get(fqn, 0) + 1
-                if record:
-                    compute_dtypes[fqn] = output.dtype
-                if noise is not None and fqn in noise:
-                    output = output + noise[fqn].reshape(output.shape).to(output.dtype)
-                outputs[fqn] = output
-                return output
-
-            return hook
-
-        # Every run (the recording one and each noise re-run) draws the same random numbers (dropout
-        # masks), and the training run's streams are left where they were.
-        with high_precision(layers), rng_states.replayed(), contextlib.ExitStack() as stack:
-            for fqn, layer in layers.items():
-                stack.callback(layer.register_forward_hook(make_hook(fqn)).remove)
-            if record:
-                for module in {id(m): m for m in model.modules() if any(
-                        (id(m), attr) in trainable_owners for attr in m._parameters)}.values():
-                    stack.callback(module.register_forward_pre_hook(capture).remove)
-            with torch.enable_grad():
-                loss = loss_fn()
-            missing = [f for f in layers if f not in outputs]
-            if missing:
-                raise RuntimeError(f"statistics: layers {missing[:5]} were not called by the loss function")
-            # A weight's gradient is its layer's G^T X when the layer owns it alone and ran once;
-            # otherwise (tied, shared, called twice) it is taken from autograd and held.
-            recomputed = {} if not record or propagation is Propagation.EXACT else {
-                weight_names[fqn]: fqn for fqn in layers
-                if weight_names[fqn] in params and registrations.get(id(params[weight_names[fqn]])) == 1 and calls[fqn] == 1}
-            names = list(outputs)
-            param_names = [n for n in params if n not in recomputed] if record else []
-            grads = torch.autograd.grad(
-                loss * loss_scale, [outputs[f] for f in names] + [used.get(n, params[n]) for n in param_names],
-                retain_graph=record and propagation is Propagation.EXACT, allow_unused=True,
-            )
-        out_grads = {f: g.detach().reshape(-1, g.shape[-1]).float() / loss_scale for f, g in zip(names, grads[: len(names)])}
-        param_grads = {n: g.detach().float() / loss_scale for n, g in zip(param_names, grads[len(names):]) if g is not None}
-        return loss, inputs, out_grads, param_grads, recomputed, calls
+    # Each layer's weight by its registered name: a DTensor under FSDP2 (all-gathered where needed,
+    # stats.dense), the Parameter otherwise.
+    weight_names = {fqn: p.owner_names.get((id(layer), "weight"), fqn + ".weight") for fqn, layer in layers.items()}
+    passes = _Passes(model, loss_fn, layers, p, weight_names, _RandomStreams.capture(model), propagation, loss_scale)
+    loss, inputs, out_grads, param_grads, recomputed, recorded_calls = passes.run(None, record=True)
 
     def probe(tangent_of, measure) -> set[str]:
         try:
-            return _forward_mode_pass(model, loss_fn, layers, trainable_owners, rng_states, tangent_of, measure,
+            return _forward_mode_pass(model, loss_fn, layers, p.trainable_owners, passes.rng_states, tangent_of, measure,
                                       recorded_calls)
         finally:
             _reshard(model)  # the probe pass has no backward: FSDP2 keeps its root unsharded after it
 
-    # Each layer's weight by its registered name: a DTensor under FSDP2 (all-gathered where needed,
-    # stats.dense), the Parameter otherwise.
-    weight_names = {fqn: owner_names.get((id(layer), "weight"), fqn + ".weight") for fqn, layer in layers.items()}
-
-    loss, inputs, out_grads, param_grads, recomputed, recorded_calls = run(None, record=True)
     recorded = {
         fqn: LayerStats(
             fqn=fqn,
             x=inputs[fqn].detach().reshape(-1, layers[fqn].in_features),
             g=out_grads[fqn],
-            weight=all_params.get(weight_names[fqn], layers[fqn].weight).detach(),
-            adam=read_adam_state(optimizer, all_params.get(weight_names[fqn], layers[fqn].weight)),
+            weight=p.all_params.get(weight_names[fqn], layers[fqn].weight).detach(),
+            adam=read_adam_state(optimizer, p.all_params.get(weight_names[fqn], layers[fqn].weight)),
             # (batch, ..., features) inputs: the leading dimension indexes samples; 2-D: each row is one.
             num_samples=int(inputs[fqn].shape[0]),
             leading_sample_dim=inputs[fqn].dim() >= 3,
             weight_name=weight_names[fqn],
-            compute_dtype=compute_dtypes.get(fqn, torch.float32),
+            compute_dtype=passes.compute_dtypes.get(fqn, torch.float32),
         )
         for fqn in layers
     }
@@ -368,10 +301,10 @@ def collect_stats(
         loss=float(loss.detach()),
         layers=recorded,
         param_grads=param_grads,
-        param_adam={n: read_adam_state(optimizer, p) for n, p in params.items()},
+        param_adam={n: read_adam_state(optimizer, t) for n, t in p.params.items()},
         inputs=inputs if exact else {},
-        params=params,
-        rerun=lambda noise: run(noise, record=False)[2],
+        params=p.params,
+        rerun=lambda noise: passes.run(noise, record=False)[2],
         loss_scale=loss_scale,
         layer_modules=layers,
         propagation=propagation,
@@ -379,6 +312,108 @@ def collect_stats(
         probe=None if exact else probe,
         sharded=sharded,
     )
+
+
+@dataclass(frozen=True)
+class _ParameterMaps:
+    """A model's parameters, by name and by where they sit."""
+
+    all_params: dict[str, nn.Parameter]
+    params: dict[str, nn.Parameter]  # the trainable ones
+    registrations: dict[int, int]  # id -> how many modules register the parameter (tied: > 1)
+    # (module, attribute) -> parameter name, read now, between forward passes. FSDP2 puts other
+    # tensors (the all-gathered parameters) at those attributes while a module runs, so the passes
+    # find parameters by where they sit, not by identity.
+    owner_names: dict[tuple[int, str], str]
+    trainable_owners: dict[tuple[int, str], str]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "_ParameterMaps":
+        all_params = dict(model.named_parameters())
+        params = {name: p for name, p in all_params.items() if p.requires_grad}
+        name_of = {id(p): name for name, p in all_params.items()}  # parameter identity, not module path
+        registrations: dict[int, int] = {}
+        for _, p in model.named_parameters(remove_duplicate=False):
+            registrations[id(p)] = registrations.get(id(p), 0) + 1
+        owner_names = {(id(m), attr): name_of[id(p)] for m in model.modules() for attr, p in m._parameters.items()
+                       if p is not None and id(p) in name_of}
+        trainable_owners = {key: name for key, name in owner_names.items() if name in params}
+        return cls(all_params, params, registrations, owner_names, trainable_owners)
+
+
+class _Passes:
+    """The recording pass and the noise re-runs of one statistics round (collect_stats)."""
+
+    def __init__(self, model, loss_fn, layers, maps: _ParameterMaps, weight_names, rng_states, propagation, loss_scale):
+        self.model, self.loss_fn, self.layers, self.maps = model, loss_fn, layers, maps
+        self.weight_names, self.rng_states = weight_names, rng_states
+        self.propagation, self.loss_scale = propagation, loss_scale
+        self.compute_dtypes: dict[str, torch.dtype] = {}
+
+    def run(self, noise: Mapping[str, torch.Tensor] | None, record: bool):
+        """One pass: (loss, layer inputs, output gradients, parameter gradients, the weights whose
+        gradient is recomputed from G^T X instead of held, calls per layer)."""
+        layers, params, loss_scale = self.layers, self.maps.params, self.loss_scale
+        inputs: dict[str, torch.Tensor] = {}
+        outputs: dict[str, torch.Tensor] = {}
+        calls: dict[str, int] = {}
+        used: dict[str, torch.Tensor] = {}  # name -> the tensor the forward computed with
+        # Every run (the recording one and each noise re-run) draws the same random numbers (dropout
+        # masks), and the training run's streams are left where they were.
+        with high_precision(layers), self.rng_states.replayed(), contextlib.ExitStack() as stack:
+            for fqn, layer in layers.items():
+                stack.callback(layer.register_forward_hook(self._output_hook(fqn, noise, record, inputs, outputs,
+                                                                             calls)).remove)
+            if record:
+                owners = self.maps.trainable_owners
+                for module in {id(m): m for m in self.model.modules() if any(
+                        (id(m), attr) in owners for attr in m._parameters)}.values():
+                    stack.callback(module.register_forward_pre_hook(self._capture_hook(used)).remove)
+            with torch.enable_grad():
+                loss = self.loss_fn()
+            missing = [f for f in layers if f not in outputs]
+            if missing:
+                raise RuntimeError(f"statistics: layers {missing[:5]} were not called by the loss function")
+            # A weight's gradient is its layer's G^T X when the layer owns it alone and ran once;
+            # otherwise (tied, shared, called twice) it is taken from autograd and held.
+            names_w = self.weight_names
+            recomputed = {} if not record or self.propagation is Propagation.EXACT else {
+                names_w[fqn]: fqn for fqn in layers
+                if names_w[fqn] in params and self.maps.registrations.get(id(params[names_w[fqn]])) == 1
+                and calls[fqn] == 1}
+            names = list(outputs)
+            param_names = [n for n in params if n not in recomputed] if record else []
+            grads = torch.autograd.grad(
+                loss * loss_scale, [outputs[f] for f in names] + [used.get(n, params[n]) for n in param_names],
+                retain_graph=record and self.propagation is Propagation.EXACT, allow_unused=True,
+            )
+        out_grads = {f: g.detach().reshape(-1, g.shape[-1]).float() / loss_scale for f, g in zip(names, grads[: len(names)])}
+        param_grads = {n: g.detach().float() / loss_scale for n, g in zip(param_names, grads[len(names):]) if g is not None}
+        return loss, inputs, out_grads, param_grads, recomputed, calls
+
+    def _capture_hook(self, used: dict):
+        owners = self.maps.trainable_owners
+
+        def capture(module, args):
+            for attr, p in module._parameters.items():
+                name = owners.get((id(module), attr))
+                if name is not None and p is not None:
+                    used.setdefault(name, p)
+
+        return capture
+
+    def _output_hook(self, fqn: str, noise, record: bool, inputs: dict, outputs: dict, calls: dict):
+        def hook(module, args, output):
+            inputs[fqn] = args[0]
+            calls[fqn] = calls.get(fqn, 0) + 1
+            if record:
+                self.compute_dtypes[fqn] = output.dtype
+            if noise is not None and fqn in noise:
+                output = output + noise[fqn].reshape(output.shape).to(output.dtype)
+            outputs[fqn] = output
+            return output
+
+        return hook
 
 
 def _reshard(model: nn.Module) -> None:
