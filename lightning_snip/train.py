@@ -231,12 +231,11 @@ def _load_pretrained(config: TrainConfig, *, quiet: bool):
 def run(config: TrainConfig, *, output_folder: str | None = None, quiet: bool = False) -> dict:
     """Train the configured model with SNIPCallback; return the summary (also printed). ``quiet``:
     the app's, silences third-party progress bars."""
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from lightning_snip.callback import SNIPCallback
-    from lightning_snip.demo.lightning import ByteTextDataModule, CausalLM, DemoLM
+    from lightning_snip.demo.lightning import ByteTextDataModule
 
     t = config.trainer
     hf_model, tokenizer = _load_pretrained(config, quiet=quiet) if config.model.name == "smollm2" else (None, None)
@@ -245,25 +244,9 @@ def run(config: TrainConfig, *, output_folder: str | None = None, quiet: bool = 
                               tokenizer=tokenizer)
     data.load()  # a missing, empty or too short corpus fails here, before anything is built
     ckpt_dir = Path(t.output_dir) / "checkpoints"
-    ckpt_path = t.ckpt_path
-    if ckpt_path == "last":
-        if not (ckpt_dir / "last.ckpt").exists():  # a file, or a folder (FSDP2's distributed checkpoint)
-            raise ConfigError(f"trainer.ckpt_path: 'last', but there is no checkpoint {ckpt_dir / 'last.ckpt'}; "
-                              "allowed: null, last (after a run with the same trainer.output_dir), or a .ckpt file")
-        ckpt_path = str(ckpt_dir / "last.ckpt")
-    elif ckpt_path is not None and not Path(ckpt_path).exists():
-        raise ConfigError(f"trainer.ckpt_path: {ckpt_path!r} does not exist; allowed: null, last, or a .ckpt file "
-                          "(or an FSDP2 checkpoint folder)")
-
+    ckpt_path = _resolve_ckpt_path(t.ckpt_path, ckpt_dir)
     pl.seed_everything(t.seed, workers=True, verbose=False)
-    schedule = dict(lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.lr_warmup_steps,
-                    cosine=t.lr_schedule == "cosine", min_lr_ratio=t.min_lr_ratio)
-    if hf_model is not None:
-        module = CausalLM(hf_model, **schedule)
-        model_name = "smollm2 (SmolLM2-135M-Instruct, continued pretraining from its Q4_1 GGUF weights)"
-    else:
-        module = DemoLM(config.model, **schedule)
-        model_name = "tiny (the demo model, from scratch)"
+    module, model_name = _build_module(config, hf_model)
     num_parameters = sum(p.numel() for p in module.parameters())
     snip = SNIPCallback(config.snip)
     tb = TensorBoardLogger(save_dir=t.output_dir, name="snip")
@@ -271,23 +254,7 @@ def run(config: TrainConfig, *, output_folder: str | None = None, quiet: bool = 
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="step{step:06d}", auto_insert_metric_name=False,
                                  every_n_train_steps=t.checkpoint_every_n_steps, save_top_k=1, save_last=True)
     progress = ProgressLog(snip, every_seconds=t.progress_seconds)
-    strategy = t.strategy
-    if strategy == "fsdp2":  # the demo model shards itself in configure_model (DemoLM)
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        strategy = ModelParallelStrategy(data_parallel_size=t.devices, tensor_parallel_size=1)
-    try:
-        trainer = pl.Trainer(
-            max_steps=t.max_steps, accelerator=t.accelerator, devices=t.devices, strategy=strategy, precision=t.precision,
-            logger=tb, callbacks=[snip, checkpoint, progress], log_every_n_steps=t.log_every_n_steps,
-            val_check_interval=min(t.val_check_interval, t.max_steps), check_val_every_n_epoch=None,
-            enable_model_summary=False, enable_progress_bar=False,
-        )
-    except (ValueError, TypeError, MisconfigurationException) as err:
-        raise ConfigError(f"trainer: Lightning rejects these trainer settings (strategy={t.strategy!r}, accelerator="
-                          f"{t.accelerator!r}, devices={t.devices}, precision={t.precision!r}): "
-                          f"{' '.join(str(err).split())}; allowed: what Lightning supports on this machine "
-                          f"(trainer.strategy: auto, ddp, fsdp2, ...)") from err
+    trainer = _build_trainer(t, tb, [snip, checkpoint, progress])
     start = time.perf_counter()
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
@@ -319,29 +286,84 @@ def run(config: TrainConfig, *, output_folder: str | None = None, quiet: bool = 
         "checkpoint": str(final_ckpt),
     }
     if trainer.is_global_zero:
-        print("\n=== SNIP summary ===")
-        print(f"model: {model_name}, {num_parameters / 1e6:.1f} M parameters, {len(snip.layers)} switchable linear layers")
-        if snip.plan is not None:
-            print(snip.plan.table(max_rows=48))
-        else:
-            print(f"no SNIP plan yet (first statistics round at step {config.snip.warmup_steps}); all layers in {config.snip.initial_format}")
-        steps_per_second = progress.num_steps / seconds if seconds > 0 else 0.0
-        resumed = f" ({progress.num_steps} in this run)" if progress.num_steps != summary["steps"] else ""
-        print(f"steps {summary['steps']}{resumed} in {seconds:.1f} s ({steps_per_second:.2f} steps/s); "
-              f"train loss {_fmt(summary['train_loss'])}; val loss {_fmt(summary['val_loss'])}"
-              + ("" if summary["val_loss_plan"] is None else
-                 f" (high precision; {_fmt(summary['val_loss_plan'])} in the plan's formats)"))
-        print(f"FP4 FLOPs fraction {summary['fp4_fraction']:.3f}; plans applied {summary['plans_applied']}; "
-              f"statistics rounds {summary['stats_rounds']}")
-        if summary["invalid_formats"]:
-            print(f"WARNING: the last statistics round found {summary['invalid_formats']} (layer, format) candidates "
-                  "non-finite and left them out of the plan (snip/invalid_formats; the log names them)")
-        print(f"checkpoint: {Path(final_ckpt).resolve()}  (resume: trainer.ckpt_path=last)")
-        if output_folder:
-            print(f"output folder: {output_folder}")
-        print(f"TensorBoard logs: {Path(summary['log_dir']).resolve()}")
-        print(f"  view: {_tensorboard_command()} --logdir {Path(t.output_dir).resolve()}")
+        _print_summary(summary, config, snip, progress, model_name=model_name, num_parameters=num_parameters,
+                       output_folder=output_folder)
     return summary
+
+
+def _resolve_ckpt_path(ckpt_path: str | None, ckpt_dir: Path) -> str | None:
+    """trainer.ckpt_path checked: "last" -> the latest under the output folder, a path that exists, or None."""
+    if ckpt_path == "last":
+        if not (ckpt_dir / "last.ckpt").exists():  # a file, or a folder (FSDP2's distributed checkpoint)
+            raise ConfigError(f"trainer.ckpt_path: 'last', but there is no checkpoint {ckpt_dir / 'last.ckpt'}; "
+                              "allowed: null, last (after a run with the same trainer.output_dir), or a .ckpt file")
+        return str(ckpt_dir / "last.ckpt")
+    if ckpt_path is not None and not Path(ckpt_path).exists():
+        raise ConfigError(f"trainer.ckpt_path: {ckpt_path!r} does not exist; allowed: null, last, or a .ckpt file "
+                          "(or an FSDP2 checkpoint folder)")
+    return ckpt_path
+
+
+def _build_module(config: TrainConfig, hf_model):
+    """(the LightningModule, its name for the summary): SmolLM2 continued, or the demo model."""
+    from lightning_snip.demo.lightning import CausalLM, DemoLM
+
+    t = config.trainer
+    schedule = dict(lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.lr_warmup_steps,
+                    cosine=t.lr_schedule == "cosine", min_lr_ratio=t.min_lr_ratio)
+    if hf_model is not None:
+        return CausalLM(hf_model, **schedule), "smollm2 (SmolLM2-135M-Instruct, continued pretraining from its Q4_1 GGUF weights)"
+    return DemoLM(config.model, **schedule), "tiny (the demo model, from scratch)"
+
+
+def _build_trainer(t: TrainerConfig, tb, callbacks) -> pl.Trainer:
+    """The Lightning Trainer of the trainer settings; Lightning's refusal is a ConfigError."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    strategy = t.strategy
+    if strategy == "fsdp2":  # the demo model shards itself in configure_model (DemoLM)
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=t.devices, tensor_parallel_size=1)
+    try:
+        return pl.Trainer(
+            max_steps=t.max_steps, accelerator=t.accelerator, devices=t.devices, strategy=strategy, precision=t.precision,
+            logger=tb, callbacks=callbacks, log_every_n_steps=t.log_every_n_steps,
+            val_check_interval=min(t.val_check_interval, t.max_steps), check_val_every_n_epoch=None,
+            enable_model_summary=False, enable_progress_bar=False,
+        )
+    except (ValueError, TypeError, MisconfigurationException) as err:
+        raise ConfigError(f"trainer: Lightning rejects these trainer settings (strategy={t.strategy!r}, accelerator="
+                          f"{t.accelerator!r}, devices={t.devices}, precision={t.precision!r}): "
+                          f"{' '.join(str(err).split())}; allowed: what Lightning supports on this machine "
+                          f"(trainer.strategy: auto, ddp, fsdp2, ...)") from err
+
+
+def _print_summary(summary: dict, config: TrainConfig, snip, progress, *, model_name: str, num_parameters: int,
+                   output_folder: str | None) -> None:
+    seconds, t = summary["seconds"], config.trainer
+    print("\n=== SNIP summary ===")
+    print(f"model: {model_name}, {num_parameters / 1e6:.1f} M parameters, {len(snip.layers)} switchable linear layers")
+    if snip.plan is not None:
+        print(snip.plan.table(max_rows=48))
+    else:
+        print(f"no SNIP plan yet (first statistics round at step {config.snip.warmup_steps}); all layers in {config.snip.initial_format}")
+    steps_per_second = progress.num_steps / seconds if seconds > 0 else 0.0
+    resumed = f" ({progress.num_steps} in this run)" if progress.num_steps != summary["steps"] else ""
+    print(f"steps {summary['steps']}{resumed} in {seconds:.1f} s ({steps_per_second:.2f} steps/s); "
+          f"train loss {_fmt(summary['train_loss'])}; val loss {_fmt(summary['val_loss'])}"
+          + ("" if summary["val_loss_plan"] is None else
+             f" (high precision; {_fmt(summary['val_loss_plan'])} in the plan's formats)"))
+    print(f"FP4 FLOPs fraction {summary['fp4_fraction']:.3f}; plans applied {summary['plans_applied']}; "
+          f"statistics rounds {summary['stats_rounds']}")
+    if summary["invalid_formats"]:
+        print(f"WARNING: the last statistics round found {summary['invalid_formats']} (layer, format) candidates "
+              "non-finite and left them out of the plan (snip/invalid_formats; the log names them)")
+    print(f"checkpoint: {Path(summary['checkpoint']).resolve()}  (resume: trainer.ckpt_path=last)")
+    if output_folder:
+        print(f"output folder: {output_folder}")
+    print(f"TensorBoard logs: {Path(summary['log_dir']).resolve()}")
+    print(f"  view: {_tensorboard_command()} --logdir {Path(t.output_dir).resolve()}")
 
 
 def _fmt(value: float | None) -> str:
