@@ -102,7 +102,7 @@ def main() -> None:
     print(f"# command: python benchmarks/overhead.py {' '.join(os.sys.argv[1:])}; seed 0; {args.repeats} repeats, A and B alternated")
     print(f"# machine: {platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}, 1 thread; FP4/FP8 emulated")
     print(f"# {steps} steps, interval {config.interval}, warmup {config.warmup_steps}, max_rows {config.max_rows}, "
-          f"candidates {list(config.candidate_formats)}")
+          f"candidates {[f.value for f in config.candidate_formats]}")
     print(f"run A (SNIP) wall seconds: {[round(t, 1) for t in times_a]}")
     print(f"run B (frozen plan) wall seconds: {[round(t, 1) for t in times_b]}")
     print(f"amortized overhead A/B - 1 = {a / b - 1:+.2%} (target <= 2%)")

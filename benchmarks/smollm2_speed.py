@@ -140,7 +140,7 @@ def main() -> None:
         cfg = ROUND_SETTINGS[r]
         rows = min(cfg.max_rows, args.batch * args.seq_len)
         print(f"round {r} {med[f'round_{r}']:.1f} {med[f'round_{r}'] / hp:.1f} ({rows} rows: max_rows {cfg.max_rows}, noise_draws "
-              f"{cfg.noise_draws}, wd_probes {cfg.wd_probes}, candidates {'/'.join(cfg.candidate_formats)})")
+              f"{cfg.noise_draws}, wd_probes {cfg.wd_probes}, candidates {'/'.join(f.value for f in cfg.candidate_formats)})")
     print(f"peak_rss_mib rest {rest:.0f} (model and tokenizer loaded: {rest_before:.0f})")
     for name, peak in peaks.items():
         print(f"peak_rss_mib {name} {peak:.0f}")

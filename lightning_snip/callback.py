@@ -165,7 +165,7 @@ def _check_strategy(strategy, config: SNIPConfig) -> None:
                 "by SNIPCallback (a tensor-parallel layer's GEMMs and statistics span ranks); allowed: "
                 "tensor_parallel_size=1 (FSDP2 data parallelism)")
         if Propagation(config.wd_propagation) is Propagation.EXACT:
-            raise ValueError("snip.wd_propagation: exact is not supported under FSDP2 (ModelParallelStrategy): it "
+            raise ValueError("wd_propagation: exact is not supported under FSDP2 (ModelParallelStrategy): it "
                              "holds every parameter's gradient whole; allowed: probe")
 
 

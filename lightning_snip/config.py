@@ -2,8 +2,10 @@
 
 The Hydra app (lightning_snip.train) composes it with its own model, data and trainer configs;
 every field can be overridden on the command line, e.g. ``snip.fp4_fraction=0.8 snip.interval=20``.
-Format names stay strings here (so overrides read ``snip.initial_format=fp8``) and are checked in
-``__post_init__``, which OmegaConf.to_object runs.
+Choices are typed as their Enums (formats.Choice: OmegaConf takes ``snip.initial_format=fp8`` by
+value); a library user may pass the names as strings too, which ``__post_init__`` (run by
+OmegaConf.to_object) turns into the Enums. Errors name the field as this class has it
+(``fp4_fraction: ...``); the app adds its ``snip.`` prefix. Each default is written here only.
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ from typing import Any
 
 from lightning_snip.divergence import CurvatureProbe, LossEstimator
 from lightning_snip.stats import Propagation
-from lightning_snip.formats import CostModel, Format, QuantRecipe
+from lightning_snip.formats import CostModel, Format, Fp8Scaling, QuantRecipe, Rounding
 from lightning_snip.plan import Granularity
 from lightning_snip.planner import DEFAULT_WEIGHT_DIVERGENCE_WEIGHT
 
 
-def _parse_pins(pins, field_name: str = "snip.pins") -> dict[str, str]:
+def _parse_pins(pins, field_name: str = "pins") -> dict[str, str]:
     """Pins as a mapping glob -> format, from a mapping or a list of "glob=format" strings."""
     if isinstance(pins, Mapping):
         return {str(k): v for k, v in pins.items()}
@@ -118,28 +120,28 @@ class SNIPConfig:
     apply_delay: int = 1
     fp4_fraction: float | None = 0.75
     cost_budget: float | None = None
-    candidate_formats: tuple[str, ...] = ("fp8", "mxfp4")
-    initial_format: str = "fp8"
+    candidate_formats: tuple[Format, ...] = (Format.FP8, Format.MXFP4)
+    initial_format: Format = Format.FP8
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ()
     pins: Any = field(default_factory=lambda: ["*lm_head=bf16"])  # Any: a list (as overrides write it) or a mapping
     extra_pins: Any = field(default_factory=list)
     max_rows: int = 1024
-    curvature_probe: str = "error"
+    curvature_probe: CurvatureProbe = CurvatureProbe.ERROR
     noise_draws: int = 2
     noise_scale: float = 0.1
-    loss_estimator: str = "accumulated"
+    loss_estimator: LossEstimator = LossEstimator.ACCUMULATED
     first_order_steps: int = 32
     first_order_rows: int = 1024
-    wd_propagation: str = "probe"
+    wd_propagation: Propagation = Propagation.PROBE
     wd_probes: int = 4
     aggregate_decay: float = 0.5
     weight_divergence_weight: float = DEFAULT_WEIGHT_DIVERGENCE_WEIGHT
     time_limit_seconds: float = 10.0
-    fp8_scaling: str = "rowwise"
-    fp4_grad_rounding: str = "stochastic"
+    fp8_scaling: Fp8Scaling = Fp8Scaling.ROWWISE
+    fp4_grad_rounding: Rounding = Rounding.STOCHASTIC
     relative_cost: dict[str, float] = field(default_factory=dict)
-    granularity: str = "layer"
+    granularity: Granularity = Granularity.LAYER
     replan: bool = True
     max_consecutive_failures: int | None = 3
     noise_guard: bool = False
@@ -148,42 +150,40 @@ class SNIPConfig:
     def __post_init__(self) -> None:
         for name in ("interval", "max_rows", "first_order_rows", "wd_probes"):
             value = getattr(self, name)
-            check_field(isinstance(value, int) and not isinstance(value, bool) and value > 0, f"snip.{name}", value, "an integer > 0")
+            check_field(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, value, "an integer > 0")
         for name in ("warmup_steps", "apply_delay", "noise_draws", "first_order_steps"):
             value = getattr(self, name)
-            check_field(isinstance(value, int) and not isinstance(value, bool) and value >= 0, f"snip.{name}", value, "an integer >= 0")
+            check_field(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name, value, "an integer >= 0")
         check_field(self.max_consecutive_failures is None or (isinstance(self.max_consecutive_failures, int) and not isinstance(
             self.max_consecutive_failures, bool) and self.max_consecutive_failures > 0),
-            "snip.max_consecutive_failures", self.max_consecutive_failures, "an integer > 0, or null (never raise)")
-        check_field(self.apply_delay < self.interval, "snip.apply_delay", self.apply_delay, f"an integer < snip.interval ({self.interval})")
+            "max_consecutive_failures", self.max_consecutive_failures, "an integer > 0, or null (never raise)")
+        check_field(self.apply_delay < self.interval, "apply_delay", self.apply_delay, f"an integer < interval ({self.interval})")
         if (self.fp4_fraction is None) == (self.cost_budget is None):
             raise ValueError(
-                f"snip.fp4_fraction / snip.cost_budget: set exactly one (the other null); got "
+                f"fp4_fraction / cost_budget: set exactly one (the other null); got "
                 f"fp4_fraction={self.fp4_fraction!r}, cost_budget={self.cost_budget!r}"
             )
         if self.fp4_fraction is not None:
-            check_field(0.0 <= self.fp4_fraction <= 1.0, "snip.fp4_fraction", self.fp4_fraction, "a number in [0, 1]")
+            check_field(0.0 <= self.fp4_fraction <= 1.0, "fp4_fraction", self.fp4_fraction, "a number in [0, 1]")
         if self.cost_budget is not None:
-            check_field(self.cost_budget > 0 and math.isfinite(self.cost_budget), "snip.cost_budget", self.cost_budget, "a number > 0")
+            check_field(self.cost_budget > 0 and math.isfinite(self.cost_budget), "cost_budget", self.cost_budget, "a number > 0")
         for name in ("noise_scale", "time_limit_seconds"):
             value = getattr(self, name)
-            check_field(value > 0, f"snip.{name}", value, "a number > 0")
-        check_field(self.granularity in {g.value for g in Granularity}, "snip.granularity", self.granularity,
-                    ", ".join(g.value for g in Granularity))
-        check_field(self.curvature_probe in {c.value for c in CurvatureProbe}, "snip.curvature_probe",
-                    self.curvature_probe, ", ".join(c.value for c in CurvatureProbe))
-        check_field(self.loss_estimator in {e.value for e in LossEstimator}, "snip.loss_estimator", self.loss_estimator,
-               ", ".join(e.value for e in LossEstimator))
-        check_field(self.wd_propagation in {p.value for p in Propagation}, "snip.wd_propagation", self.wd_propagation,
-                    ", ".join(p.value for p in Propagation))
+            check_field(value > 0, name, value, "a number > 0")
+        for name, choice in (("granularity", Granularity), ("curvature_probe", CurvatureProbe),
+                             ("loss_estimator", LossEstimator), ("wd_propagation", Propagation),
+                             ("fp8_scaling", Fp8Scaling), ("fp4_grad_rounding", Rounding)):
+            object.__setattr__(self, name, choice.parse(getattr(self, name), field_name=name))
         check_field(isinstance(self.aggregate_decay, (int, float)) and 0.0 <= self.aggregate_decay < 1.0,
-               "snip.aggregate_decay", self.aggregate_decay, "a number in [0, 1)")
-        check_field(isinstance(self.noise_guard, bool), "snip.noise_guard", self.noise_guard, "true or false")
+                    "aggregate_decay", self.aggregate_decay, "a number in [0, 1)")
+        check_field(isinstance(self.noise_guard, bool), "noise_guard", self.noise_guard, "true or false")
         check_field(isinstance(self.noise_guard_threshold, (int, float)) and not isinstance(self.noise_guard_threshold, bool)
-                    and 0 < self.noise_guard_threshold < math.inf, "snip.noise_guard_threshold", self.noise_guard_threshold,
+                    and 0 < self.noise_guard_threshold < math.inf, "noise_guard_threshold", self.noise_guard_threshold,
                     "a finite number > 0")
-        check_field(self.weight_divergence_weight >= 0, "snip.weight_divergence_weight", self.weight_divergence_weight, "a number >= 0")
-        object.__setattr__(self, "candidate_formats", tuple(self.candidate_formats))
+        check_field(self.weight_divergence_weight >= 0, "weight_divergence_weight", self.weight_divergence_weight, "a number >= 0")
+        object.__setattr__(self, "candidate_formats", tuple(Format.parse(f, field_name="candidate_formats")
+                                                           for f in self.candidate_formats))
+        object.__setattr__(self, "initial_format", Format.parse(self.initial_format, field_name="initial_format"))
         object.__setattr__(self, "include", tuple(self.include))
         object.__setattr__(self, "exclude", tuple(self.exclude))
         # Kept as given (a list stays a list: TrainConfig's default instance is Hydra's schema, and a
@@ -191,35 +191,29 @@ class SNIPConfig:
         object.__setattr__(self, "pins", tuple(self.pins) if isinstance(self.pins, list) else self.pins)
         object.__setattr__(self, "extra_pins", tuple(self.extra_pins) if isinstance(self.extra_pins, list) else self.extra_pins)
         pin_formats = self.pin_formats
-        candidates = [Format.parse(f, field_name="snip.candidate_formats") for f in self.candidate_formats]
-        check_field(bool(candidates), "snip.candidate_formats", self.candidate_formats, "at least one of bf16, fp8, mxfp8, mxfp4, nvfp4")
+        candidates = self.candidate_formats
+        check_field(bool(candidates), "candidate_formats", self.candidate_formats, "at least one of bf16, fp8, mxfp8, mxfp4, nvfp4")
         if self.fp4_fraction and not any(f.is_fp4 for f in candidates):
-            raise ValueError(f"snip.candidate_formats: {list(self.candidate_formats)} holds no FP4 format, but fp4_fraction={self.fp4_fraction}")
-        Format.parse(self.initial_format, field_name="snip.initial_format")
+            raise ValueError(f"candidate_formats: {[f.value for f in candidates]} holds no FP4 format, but "
+                             f"fp4_fraction={self.fp4_fraction}")
         for pattern, fmt in pin_formats.items():
-            Format.parse(fmt, field_name=f"snip.pins[{pattern}]")
-        self.recipe  # validates fp8_scaling and fp4_grad_rounding
+            Format.parse(fmt, field_name=f"pins[{pattern}]")
         self.cost_model  # validates relative_cost
 
     @property
     def pin_formats(self) -> dict[str, str]:
         """``pins`` and ``extra_pins`` as one mapping glob -> format name."""
-        return {**_parse_pins(self.pins), **_parse_pins(self.extra_pins, field_name="snip.extra_pins")}
+        return {**_parse_pins(self.pins), **_parse_pins(self.extra_pins, field_name="extra_pins")}
 
     @property
     def formats(self) -> tuple[Format, ...]:
-        return tuple(Format.parse(f) for f in self.candidate_formats)
+        """The candidate formats (``candidate_formats``)."""
+        return self.candidate_formats
 
     @property
     def recipe(self) -> QuantRecipe:
-        try:
-            return QuantRecipe(fp8_scaling=self.fp8_scaling, fp4_grad_rounding=self.fp4_grad_rounding)
-        except ValueError as err:
-            raise ValueError(f"snip.{err}") from None
+        return QuantRecipe(fp8_scaling=self.fp8_scaling, fp4_grad_rounding=self.fp4_grad_rounding)
 
     @property
     def cost_model(self) -> CostModel:
-        try:
-            return CostModel(self.relative_cost)
-        except ValueError as err:
-            raise ValueError(f"snip.{err}") from None
+        return CostModel(self.relative_cost)

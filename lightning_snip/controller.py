@@ -145,11 +145,10 @@ class SNIPController:
         try:
             self.layers = convert_linears(model, filter=glob_filter(cfg.include, cfg.exclude), pins=cfg.pin_formats,
                                           initial_format=cfg.initial_format, recipe=cfg.recipe)
-        except ValueError as err:  # name the config fields, not convert_linears' arguments
+        except ValueError as err:  # name the config's field, not convert_linears' argument (pins is both)
             message = str(err)
-            for argument, field_name in (("filter:", "snip.include:"), ("pins:", "snip.pins:")):
-                if message.startswith(argument):
-                    raise ValueError(field_name + message[len(argument):]) from None
+            if message.startswith("filter:"):
+                raise ValueError("include:" + message[len("filter:"):]) from None
             raise
         self.flops = layer_flops(self.layers)
         self.first_order_terms = FirstOrderTerms(cfg.formats, recipe=cfg.recipe)
@@ -182,10 +181,10 @@ class SNIPController:
                          key=lambda f: f.value)
         logger.info("SNIP: GEMM kernels: %s", describe_kernels(formats, device))
         if not cfg.noise_guard and cfg.noise_guard_threshold != math.sqrt(3.0):
-            logger.warning("SNIP: snip.noise_guard_threshold=%s has no effect while snip.noise_guard is false "
+            logger.warning("SNIP: noise_guard_threshold=%s has no effect while noise_guard is false "
                            "(the ratios are logged either way)", cfg.noise_guard_threshold)
         if cfg.replan and max_steps is not None and cfg.warmup_steps >= max_steps:
-            logger.warning("SNIP: snip.warmup_steps (%d) >= the run's max_steps (%d): no statistics round will run "
+            logger.warning("SNIP: warmup_steps (%d) >= the run's max_steps (%d): no statistics round will run "
                            "and the layers stay in %s", cfg.warmup_steps, max_steps, cfg.initial_format)
 
     def resume(self, model: torch.nn.Module, collective: Collective = SINGLE_PROCESS) -> None:
@@ -305,8 +304,8 @@ class SNIPController:
         if limit is not None and self.num_consecutive_failures >= limit:
             raise RuntimeError(
                 f"SNIP: {self.num_consecutive_failures} statistics rounds or solves in a row gave no plan "
-                f"(snip.max_consecutive_failures={limit}); the last: {cause}. Fix the cause, or set "
-                "snip.max_consecutive_failures=null to keep training on the last good plan."
+                f"(max_consecutive_failures={limit}); the last: {cause}. Fix the cause, or set "
+                "max_consecutive_failures=null to keep training on the last good plan."
             )
 
     # ------------------------------------------------------------------ evidence -> plan
@@ -445,7 +444,7 @@ def run_statistics_round(model: torch.nn.Module, loss_fn: Callable[[], torch.Ten
                 if stats.sharded or propagation is Propagation.EXACT:
                     raise
                 # Once, loudly, and for the rest of the run: not a failure per round.
-                logger.warning("SNIP: %s. Switching to snip.wd_propagation=exact for the rest of the run "
+                logger.warning("SNIP: %s. Switching to wd_propagation=exact for the rest of the run "
                                "(one vector-Jacobian product per layer: a round's cost grows with depth "
                                "squared); set it in the config to silence this.", err)
                 propagation = Propagation.EXACT

@@ -47,7 +47,6 @@ not the default.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import math
 import weakref
@@ -57,7 +56,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_snip.adamw import AdamState
-from lightning_snip.formats import Format, QuantRecipe
+from lightning_snip.formats import Choice, Format, QuantRecipe
 from lightning_snip.gemm import mm_fp32, quantized_matmul
 from lightning_snip.quantize import fake_quantize
 from lightning_snip.sharding import all_reduce_sum, dense, from_local_parts, is_sharded, local_part
@@ -153,7 +152,7 @@ class DivergenceResult:
 _warned_no_adam = False
 
 
-class CurvatureProbe(enum.Enum):
+class CurvatureProbe(Choice):
     """How the second-order term 1/2 dY^T H_Y dY of LD is estimated.
 
     GAUSSIAN: isotropic noise d_l in every layer's output; kappa_l = <d_l, G' - G>/||d_l||^2 and the
@@ -195,7 +194,7 @@ class CurvatureProbe(enum.Enum):
     FISHER = "fisher"
 
 
-class LossEstimator(enum.Enum):
+class LossEstimator(Choice):
     """How LD combines its first-order term F = <G, dY> and second-order term S = 1/2 dY^T H dY.
 
     BATCH: F + S of the statistics batch (the method text read literally).
@@ -608,7 +607,7 @@ def _probe_propagated(stats: Statistics, adam: Mapping[str, AdamState | None], i
     if missing:
         logger.warning("weight divergence: parameters %s have gradients but were not used by the module that "
                        "registers them; their share of the propagated term is missing (use "
-                       "snip.wd_propagation=exact for this model)", missing[:5])
+                       "wd_propagation=exact for this model)", missing[:5])
     out = {}
     for fqn in input_errors:
         mean = sums[fqn].cpu() / probes
@@ -861,7 +860,7 @@ def _samples_independent(stats: Statistics, output_errors, keys, units) -> bool:
             "error probe: the samples of a round interact: injecting layer errors into the first sample's rows "
             "changed the output gradients of other samples (at %s%s: a sequence-first layout, windows or heads "
             "folded into the batch dimension, or a loss that couples samples); the probe keeps one sign per layer "
-            "for this model (as snip.curvature_probe=error_layer)", ", ".join(leaking[:4]) or "another rank's layers",
+            "for this model (as curvature_probe=error_layer)", ", ".join(leaking[:4]) or "another rank's layers",
             ", ..." if len(leaking) > 4 else "")
     if anchor is not None:
         _independent_samples[anchor] = independent

@@ -122,14 +122,14 @@ def check_reachable(layers: Mapping[str, SNIPLinear], config: SNIPConfig) -> Non
         check_target(layer_candidates(layers, cfg.formats), fp4_fraction=cfg.fp4_fraction,
                      cost_budget=cfg.cost_budget, relative_cost=cfg.cost_model.relative_cost)
     except PlanInfeasibleError as err:
-        field_name = "snip.fp4_fraction" if cfg.fp4_fraction is not None else "snip.cost_budget"
+        field_name = "fp4_fraction" if cfg.fp4_fraction is not None else "cost_budget"
         value = cfg.fp4_fraction if cfg.fp4_fraction is not None else cfg.cost_budget
         pinned = [fqn for fqn, layer in layers.items() if layer.pinned is not None]
         by_shape = [f"{fqn} ({layer.in_features}->{layer.out_features})" for fqn, layer in layers.items()
                     if layer.pinned is None and not any(f.is_fp4 for f in cfg.formats if f in layer.allowed_formats)]
         why = []
         if pinned:
-            why.append(f"pinned (snip.pins): {pinned[:3]}")
+            why.append(f"pinned (pins): {pinned[:3]}")
         if by_shape:
             blocks = ", ".join(f"{f.value} needs dimensions divisible by {f.block_size}" for f in cfg.formats if f.is_fp4)
             why.append(f"no FP4 candidate fits the shape ({blocks}): {by_shape[:3]}")
@@ -155,12 +155,12 @@ def solve_guarded(candidates: list[LayerCandidates], guarded: Mapping[str, froze
     reachable = max_fp4_fraction(items) if guarded and fraction is not None else 1.0
     if fraction is not None and reachable < fraction:
         fraction = reachable * (1 - 1e-9)
-        logger.warning("%sthe largest reachable FP4 fraction, %.3f, is used instead of snip.fp4_fraction=%s",
+        logger.warning("%sthe largest reachable FP4 fraction, %.3f, is used instead of fp4_fraction=%s",
                        why, fraction, cfg.fp4_fraction)
     cheapest = min_relative_cost(items, relative_cost) if guarded and budget is not None else 0.0
     if budget is not None and cheapest > budget:
         budget = cheapest * (1 + 1e-9)
-        logger.warning("%sthe lowest reachable relative GEMM cost, %.3f, is used instead of snip.cost_budget=%s",
+        logger.warning("%sthe lowest reachable relative GEMM cost, %.3f, is used instead of cost_budget=%s",
                        why, budget, cfg.cost_budget)
     plan = solve_plan(items, fp4_fraction=fraction, cost_budget=budget,
                       weight_divergence_weight=cfg.weight_divergence_weight,

@@ -13,7 +13,44 @@ from types import MappingProxyType
 
 
 
-class Format(enum.Enum):
+class _ByNameOrValue(enum.EnumMeta):
+    """OmegaConf (Hydra) reads an enum-typed config field by member name (``Granularity["GEMM"]``);
+    configs and command lines write the value (``snip.granularity=gemm``). Both are accepted: the
+    name as it is, the value case-insensitively. (Written by hand: OmegaConf has no by-value hook.)"""
+
+    def __getitem__(cls, name):
+        try:
+            return super().__getitem__(name)
+        except KeyError:
+            if isinstance(name, str):
+                for member in cls:
+                    if member.value == name.strip().lower():
+                        return member
+            raise
+
+
+class Choice(enum.Enum, metaclass=_ByNameOrValue):
+    """A configuration choice: an Enum whose value is the name configs and logs use."""
+
+    @classmethod
+    def parse(cls, value, *, field_name: str):
+        """A member from itself, its value (case-insensitive) or its name; else ValueError naming the
+        field, the bad value and the allowed values."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls[value]
+            except KeyError:
+                pass
+        valid = ", ".join(m.value for m in cls)
+        raise ValueError(f"{field_name}: invalid value {value!r}; allowed: {valid}")
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Format(Choice):
     """A GEMM operand format. The value is the name used in configs and plans."""
 
     BF16 = "bf16"
@@ -44,8 +81,6 @@ class Format(enum.Enum):
         """Elements per shared scale along the contraction axis, or None for per-row/tensor scaling."""
         return _BLOCK_SIZES.get(self)
 
-    def __str__(self) -> str:
-        return self.value
 
 
 _BLOCK_SIZES = {Format.MXFP8: 32, Format.MXFP4: 32, Format.NVFP4: 16}
@@ -57,19 +92,19 @@ DEFAULT_RELATIVE_COST: Mapping[Format, float] = MappingProxyType(
 )
 
 
-class Rounding(enum.Enum):
+class Rounding(Choice):
     NEAREST = "nearest"
     STOCHASTIC = "stochastic"
 
 
-class Fp8Scaling(enum.Enum):
+class Fp8Scaling(Choice):
     """torchao.float8 scaling granularity for the FP8 format."""
 
     ROWWISE = "rowwise"  # one scale per row of the contraction axis (torchao's AXISWISE)
     TENSORWISE = "tensorwise"
 
 
-class Fp8Dtype(enum.Enum):
+class Fp8Dtype(Choice):
     """Element type of FP8 gradient operands (grid.fp8_dtype gives the torch dtype)."""
 
     E4M3 = "e4m3"

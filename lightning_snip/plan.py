@@ -8,10 +8,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from lightning_snip.formats import DEFAULT_RELATIVE_COST, Format
+from lightning_snip.formats import DEFAULT_RELATIVE_COST, Choice, Format
 
 
-class Granularity(enum.Enum):
+class Granularity(Choice):
     """What a plan gives a format to: a layer (its three GEMMs), or each GEMM direction of a layer
     (the forward GEMM; the backward ones, dgrad and wgrad, together)."""
 

@@ -11,7 +11,6 @@ per layer on the recording pass's retained graph (Propagation.EXACT).
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ import torch
 from torch import nn
 
 from lightning_snip.adamw import AdamState, read_adam_state
-from lightning_snip.formats import Format
+from lightning_snip.formats import Choice, Format
 from lightning_snip.gemm import mm_fp32
 from lightning_snip.linear import SNIPLinear
 from lightning_snip.sharding import is_sharded
@@ -30,7 +29,7 @@ logger = logging.getLogger(__name__)
 LossFn = Callable[[], torch.Tensor]
 
 
-class RoundPrecision(enum.Enum):
+class RoundPrecision(Choice):
     """The dtype of a statistics round's GEMM operands (each layer's X, G, W and their quantized forms).
 
     TRAINING: the dtype the layer's GEMMs ran in during the recording pass (LayerStats.compute_dtype)
@@ -84,7 +83,7 @@ class LayerStats:
         return torch.float32
 
 
-class Propagation(enum.Enum):
+class Propagation(Choice):
     """How WD's propagated term, sum_k ||D_k(J_kl^T E_X)||^2 over the parameters k upstream of layer l
     (the dgrad error's effect on their updates), is computed.
 

@@ -138,6 +138,28 @@ class ConfigError(ValueError):
     """A configuration the app cannot run; its message names the field."""
 
 
+_SNIP_FIELDS = frozenset(f.name for f in dataclasses.fields(SNIPConfig))
+
+
+def app_message(message: str) -> str:
+    """A library error in the app's words: a message that names a SNIPConfig field as the library
+    does (``fp4_fraction: ...``, ``pins[*lm_head]: ...``) gets the app's ``snip.`` prefix."""
+    head = re.match(r"^(\w+)(?=[:\[ =]| /)", message)
+    if head and head.group(1) in _SNIP_FIELDS:
+        message = "snip." + message
+    return re.sub(r"^snip\.(\w+) / (\w+):", lambda m: f"snip.{m.group(1)} / snip.{m.group(2)}:", message)
+
+
+def _allowed(hint) -> str:
+    """A schema field's type as the allowed values (an Enum's values) or the type's name."""
+    import enum
+
+    choices = [a for a in (hint, *typing.get_args(hint)) if isinstance(a, type) and issubclass(a, enum.Enum)]
+    if choices:
+        return ", ".join(m.value for m in choices[0]) + (" (a list)" if typing.get_args(hint) else "")
+    return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
 def check_overrides(args: typing.Sequence[str]) -> None:
     """The command line's overrides of the schema's fields, checked before Hydra composes them: an
     unknown key (``snip.foo=1``; with ``+`` it reaches to_config) or a value of the wrong type
@@ -173,9 +195,9 @@ def check_overrides(args: typing.Sequence[str]) -> None:
         try:
             OmegaConf.update(schema, override.key_or_group, value, merge=True)
         except (OmegaConfBaseException, ValueError, KeyError) as err:
-            allowed = str(hints[top]).replace("typing.", "").replace("<class '", "").replace("'>", "")
-            raise ConfigError(f"{override.key_or_group}: {value!r} is not a valid value "
-                              f"({str(err).splitlines()[0]}); allowed: {allowed}") from None
+            allowed = _allowed(hints[top])
+            detail = "" if "expected one of" in str(err) else f" ({str(err).splitlines()[0]})"  # an Enum's names
+            raise ConfigError(f"{override.key_or_group}: {value!r} is not a valid value{detail}; allowed: {allowed}") from None
 
 
 def to_config(cfg: DictConfig) -> TrainConfig:
@@ -192,7 +214,13 @@ def to_config(cfg: DictConfig) -> TrainConfig:
         unknown = sorted(set(node.keys()) - fields)
         if unknown:
             raise ConfigError(f"{group}.{unknown[0]}: unknown key; allowed: {', '.join(sorted(fields))}")
-    config = OmegaConf.to_object(cfg)
+    try:
+        config = OmegaConf.to_object(cfg)
+    except ValueError as err:  # SNIPConfig names its fields as the library does: here they are snip.<field>
+        message = app_message(str(err))
+        if message == str(err):
+            raise
+        raise ConfigError(message) from None
     if config.model.name != "tiny":
         demo = LlamaConfig()
         for f in dataclasses.fields(LlamaConfig):
@@ -455,7 +483,7 @@ def main(cfg: DictConfig) -> None:
         if isinstance(err, ConfigError) or _FIELD_ERROR.match(str(err)):
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
-            print(f"error: {err}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
+            print(f"error: {app_message(str(err))}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
             sys.exit(2)
         raise
 

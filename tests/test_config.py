@@ -3,6 +3,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf.errors import ValidationError
 
 from lightning_snip.config import SNIPConfig
+from lightning_snip.formats import Format
 from lightning_snip.train import CONF_DIR, TrainConfig, register_configs, to_config
 
 
@@ -17,7 +18,7 @@ def test_compose_with_overrides_builds_the_config():
                               "snip.candidate_formats=[fp8,nvfp4]", "model.num_layers=2", "data.path=/tmp/x.txt"]))
     assert isinstance(cfg, TrainConfig) and isinstance(cfg.snip, SNIPConfig)
     assert cfg.trainer.max_steps == 60 and cfg.snip.interval == 20 and cfg.snip.fp4_fraction == 0.8
-    assert cfg.snip.candidate_formats == ("fp8", "nvfp4") and cfg.model.num_layers == 2
+    assert cfg.snip.candidate_formats == (Format.FP8, Format.NVFP4) and cfg.model.num_layers == 2
     assert cfg.snip.pin_formats == {"*lm_head": "bf16"} and cfg.data.path == "/tmp/x.txt"
     with pytest.raises(Exception):
         cfg.snip.interval = 3  # frozen once built
@@ -33,7 +34,7 @@ def test_defaults_match_the_dataclasses():
     [
         ("snip.fp4_fraction=1.5", "snip.fp4_fraction"),
         ("snip.interval=0", "snip.interval"),
-        ("snip.initial_format=fp6", "snip.initial_format"),
+        ("snip.fp4_fraction=null", "snip.fp4_fraction / snip.cost_budget: set exactly one"),
         ("data.batch_size=0", "data.batch_size"),
     ],
 )
@@ -45,6 +46,24 @@ def test_invalid_values_name_the_field(override, field):
 def test_wrong_type_is_rejected_by_the_schema():
     with pytest.raises(Exception, match="interval"):
         _compose(["snip.interval=often"])
+    with pytest.raises(Exception, match="initial_format"):  # an Enum field: only its members
+        _compose(["snip.initial_format=fp6"])
+
+
+def test_choices_are_enums_read_by_value_or_name():
+    """Enum-typed fields take the value as configs write it (any case) or the member's name, and
+    hold the Enum; a library user's strings become the Enums too."""
+    from lightning_snip.plan import Granularity
+    from lightning_snip.stats import Propagation
+
+    cfg = to_config(_compose(["snip.granularity=gemm", "snip.wd_propagation=EXACT", "snip.initial_format=Mxfp4"]))
+    assert cfg.snip.granularity is Granularity.GEMM and cfg.snip.wd_propagation is Propagation.EXACT
+    assert cfg.snip.initial_format is Format.MXFP4
+    assert SNIPConfig(granularity="gemm", fp8_scaling="tensorwise").granularity is Granularity.GEMM
+    with pytest.raises(ValueError, match="^granularity: invalid value 'gems'; allowed: layer, gemm$"):
+        SNIPConfig(granularity="gems")  # the library names its own field, without the app's prefix
+    with pytest.raises(ValueError, match=r"^fp4_fraction: invalid value 1.5; allowed: a number in \[0, 1\]$"):
+        SNIPConfig(fp4_fraction=1.5)
 
 
 @pytest.mark.parametrize("override,expected", [

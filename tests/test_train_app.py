@@ -56,6 +56,9 @@ def test_progress_plan_lines_clean_output_and_summary(tmp_path):
     (["+snip.foo=1"], "snip.foo: unknown key; allowed:"),
     (["snip.formats=[fp8,int4]"], "snip.formats: unknown key; allowed: aggregate_decay, apply_delay, candidate_formats"),
     (["snip.noise_guard=maybe"], "snip.noise_guard: 'maybe' is not a valid value (Value 'maybe' is not a valid bool"),
+    # an Enum field: its values named; the library's "pins[0]: ..." gets the app's prefix
+    (["snip.granularity=gems"], "snip.granularity: 'gems' is not a valid value; allowed: layer, gemm"),
+    (["snip.pins=[lm_head]"], "snip.pins[0]: 'lm_head' is not 'glob=format'"),
     (["model.dim=1.5"], "model.dim: 1.5 is not a valid value"),
     (["trainer.strategy=nonsense"], "trainer: Lightning rejects these trainer settings (strategy='nonsense'"),
     (["trainer.val_check_interval=-5"], "trainer.val_check_interval: invalid value -5; allowed: an integer > 0"),
