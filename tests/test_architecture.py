@@ -1,0 +1,95 @@
+"""The house rules of docs/architecture.md, checked on the source: imports run one way (no circle
+among lightning_snip's modules), no function over 80 lines, a thin SNIPCallback, and benchmarks on
+the public API (no private lightning_snip name, nothing from tests/)."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "lightning_snip"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[ast.ImportFrom | ast.Import]:
+    return [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+def _package_graph() -> dict[str, set[str]]:
+    """module -> the lightning_snip modules it imports (at any depth of its code)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in _imports(path):
+            targets = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] + [f"{node.module}.{a.name}" for a in node.names] if node.module else [])
+            deps |= {t for t in targets if t in modules and t != name}
+        graph[name] = deps - {"lightning_snip"}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+
+    def visit(node, path):
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                return path + [node, dep]
+            if dep not in state and (found := visit(dep, path + [node])):
+                return found
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node, [])):
+            return found
+    return None
+
+
+def test_no_import_circle_in_the_package():
+    graph = _package_graph()
+    assert _cycle(graph) is None, f"import circle: {' -> '.join(_cycle(graph))}"
+    # and the checker sees one where there is one
+    assert _cycle({**graph, "lightning_snip.formats": graph["lightning_snip.formats"] | {"lightning_snip.quantize"}})
+
+
+def test_formats_and_the_planner_import_no_torch():
+    for name in ("formats", "plan", "planner", "baselines", "aggregate"):
+        modules = {a.name.split(".")[0] for n in _imports(PACKAGE / f"{name}.py") if isinstance(n, ast.Import)
+                   for a in n.names}
+        modules |= {n.module.split(".")[0] for n in _imports(PACKAGE / f"{name}.py")
+                    if isinstance(n, ast.ImportFrom) and n.module}
+        assert "torch" not in modules, name
+
+
+def test_no_function_longer_than_80_lines_and_a_thin_callback():
+    long = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80:
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+            if isinstance(node, ast.ClassDef) and node.name == "SNIPCallback":
+                assert node.end_lineno - node.lineno + 1 < 200
+    assert not long, long
+
+
+def test_benchmarks_use_the_public_api_only():
+    bad = []
+    for path in (ROOT / "benchmarks").glob("*.py"):
+        source = path.read_text()
+        assert "sys.path" not in source, f"{path.name} edits sys.path"
+        for node in _imports(path):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module.startswith("lightning_snip"):
+                    bad += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+                    bad += [f"{path.name}: {node.module}" for part in node.module.split(".") if part.startswith("_")]
+                if node.module.split(".")[0] in ("tests", "conftest") or node.module.startswith("test_"):
+                    bad.append(f"{path.name}: from {node.module}")
+            elif isinstance(node, ast.Import):
+                bad += [f"{path.name}: import {a.name}" for a in node.names if a.name.startswith(("test_", "tests"))]
+    assert not bad, bad
