@@ -9,12 +9,16 @@ is the Lightning adapter over it; a plain PyTorch loop or a benchmark can drive 
 
     controller = SNIPController(SNIPConfig(...))
     controller.attach(model)
+    controller.resume(model)  # a plan given to the controller (or restored by load_state_dict)
     for step, batch in enumerate(batches):
         controller.begin_batch(step)
         controller.apply_due(model, step)
-        if controller.is_stats_step(step):
+        if controller.is_round_due(step):
             controller.statistics_round(model, batch, lambda b: model.loss(b), step=step, optimizer=opt)
-        ...  # forward, backward, optimizer step
+        elif controller.is_first_order_step(step):
+            controller.start_first_order(step)  # samples LD's first-order term on this step
+        loss = model.loss(batch); loss.backward(); opt.step(); opt.zero_grad()
+        controller.end_batch()
 """
 
 from __future__ import annotations
@@ -261,10 +265,11 @@ class SNIPController:
         result = None
         try:
             sliced = slice_batch(batch, cfg.max_rows)
-            result, self.propagation = run_statistics_round(
+            result = run_statistics_round(
                 model, lambda: loss_of(sliced), self.layers, cfg, optimizer=optimizer, loss_scale=loss_scale,
                 propagation=self.propagation, first_order_history=self.first_order_history,
-                generator=round_generator(self.device, step, collective.rank))
+                generator=lambda: round_generator(self.device, step, collective.rank),
+                on_exact=lambda: setattr(self, "propagation", Propagation.EXACT))
         except Exception as err:  # noqa: BLE001 - a failed round must not take training down
             logger.warning("SNIP statistics at step %d failed (%s: %s); keeping the current plan", step, type(err).__name__, err)
             cause = f"statistics at step {step}: {type(err).__name__}: {err}"
@@ -305,7 +310,8 @@ class SNIPController:
             raise RuntimeError(
                 f"SNIP: {self.num_consecutive_failures} statistics rounds or solves in a row gave no plan "
                 f"(max_consecutive_failures={limit}); the last: {cause}. Fix the cause, or set "
-                "max_consecutive_failures=null to keep training on the last good plan."
+                "max_consecutive_failures=None (the app: snip.max_consecutive_failures=null) to keep training on "
+                "the last good plan."
             )
 
     # ------------------------------------------------------------------ evidence -> plan
@@ -419,13 +425,18 @@ class SNIPController:
 def run_statistics_round(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], layers: Mapping[str, SNIPLinear],
                          config: SNIPConfig, *, optimizer=None, loss_scale: float = 1.0,
                          propagation: Propagation | None = None, first_order_history=None,
-                         generator: torch.Generator | None = None) -> tuple[DivergenceResult, Propagation]:
+                         generator: Callable[[], torch.Generator] | torch.Generator | None = None,
+                         on_exact: Callable[[], None] | None = None) -> DivergenceResult:
     """One statistics round as the controller runs it: record (collect_stats; under fp16 a loss scale
     that overflows is lowered by 2^8 as often as it takes, down to 1, instead of losing the round),
     estimate LD and WD with ``config``'s settings, and return the result with LD unclamped (rounds and
     ranks are averaged before the planner's clamp at 0: clamping each one first would bias noisy layers
-    upwards), and the propagation in force after it (probes switch to exact, once and loudly, where a
-    model has no forward-mode derivatives). The model's buffers are left as they were found."""
+    upwards). The model's buffers are left as they were found.
+
+    ``generator``: the random source of the curvature probes and stochastic rounding, or a function
+    returning a fresh one: then an attempt repeated with exact propagation (where the model has no
+    forward-mode derivatives, probes switch to exact once, loudly, and ``on_exact`` is called at once,
+    so the caller keeps exact even if the repeat fails) draws what a round configured exact draws."""
     cfg = config
     propagation = Propagation(cfg.wd_propagation) if propagation is None else propagation
     result = None
@@ -438,7 +449,7 @@ def run_statistics_round(model: torch.nn.Module, loss_fn: Callable[[], torch.Ten
                     curvature_probe=cfg.curvature_probe, loss_estimator=cfg.loss_estimator,
                     first_order_history=first_order_history or {},
                     allowed={fqn: layer.allowed_formats for fqn, layer in layers.items()},
-                    generator=generator, probes=cfg.wd_probes,
+                    generator=generator() if callable(generator) else generator, probes=cfg.wd_probes,
                 )
             except ForwardModeUnsupportedError as err:
                 if stats.sharded or propagation is Propagation.EXACT:
@@ -448,13 +459,14 @@ def run_statistics_round(model: torch.nn.Module, loss_fn: Callable[[], torch.Ten
                                "(one vector-Jacobian product per layer: a round's cost grows with depth "
                                "squared); set it in the config to silence this.", err)
                 propagation = Propagation.EXACT
+                if on_exact is not None:
+                    on_exact()
             finally:
                 stats.release()
-    unclamped = DivergenceResult(
+    return DivergenceResult(
         layers={fqn: dataclasses.replace(d, loss_divergence=d.loss_divergence_as(cfg.loss_estimator, clamp=False))
                 for fqn, d in result.layers.items()},
         loss=result.loss, used_adam=result.used_adam)
-    return unclamped, propagation
 
 
 def _collect(model, loss_fn, layers, optimizer, loss_scale: float, propagation: Propagation):

@@ -305,9 +305,7 @@ def estimate_divergence(
         for fmt in formats:
             if fmt not in fmts:
                 metrics[fqn]["ld"][fmt] = metrics[fqn]["wd"][fmt] = math.inf
-    # (FSDP2: m_hat is sharded; the MOMENTUM estimator's parts are not computed there.)
-    moments = {fqn: _momentum_and_variance(None if stats.sharded else stats.layers[fqn].adam) for fqn in valid}
-    curvature = _forward_divergence(r, valid, metrics, moments, curvature_probe, noise_draws, noise_scale)
+    curvature, moments = _forward_divergence(r, valid, metrics, curvature_probe, noise_draws, noise_scale)
     # Backward (WD): the dgrad errors E_X of every (layer, format), drawn before any propagation (one
     # order of stochastic-rounding draws for both Propagation modes), then each layer's wgrad error.
     r = dataclasses.replace(r, denominator=_update_energy(stats, adam, precision) or 1.0)
@@ -366,10 +364,11 @@ def _valid_formats(stats: Statistics, formats: list[Format], allowed) -> tuple[d
     return valid, invalid
 
 
-def _forward_divergence(r: _RoundInputs, valid: dict, metrics: dict, moments: dict, curvature_probe: CurvatureProbe,
-                        noise_draws: int, noise_scale: float) -> dict[str, float]:
+def _forward_divergence(r: _RoundInputs, valid: dict, metrics: dict, curvature_probe: CurvatureProbe,
+                        noise_draws: int, noise_scale: float) -> tuple[dict[str, float], dict]:
     """LD's parts of every valid (layer, format) into ``metrics`` (formats that turn out non-finite
-    leave ``valid``); returns the GAUSSIAN probe's curvature per layer ({} for the others)."""
+    leave ``valid``); returns the GAUSSIAN probe's curvature per layer ({} for the others) and the
+    Adam moments the MOMENTUM estimator used, per layer."""
     stats, precision, generator = r.stats, r.precision, r.generator
     # One format at a time, so the round holds one format's dY of every layer (the error probe
     # injects them all at once), not all of them; Y = X W^T of every layer is computed once and
@@ -388,6 +387,8 @@ def _forward_divergence(r: _RoundInputs, valid: dict, metrics: dict, moments: di
     tokens = max((st.num_rows for st in stats.layers.values()), default=0)
     if curvature_probe is CurvatureProbe.GAUSSIAN:
         curvature = _estimate_curvature(stats, output_rms, noise_draws, noise_scale, generator)
+    # (FSDP2: m_hat is sharded; the MOMENTUM estimator's parts are not computed there.)
+    moments = {fqn: _momentum_and_variance(None if stats.sharded else stats.layers[fqn].adam) for fqn in valid}
     for fmt in r.formats:
         output_errors = {}
         for fqn, fmts in valid.items():
@@ -408,7 +409,7 @@ def _forward_divergence(r: _RoundInputs, valid: dict, metrics: dict, moments: di
             _forward_metrics(r, stats.layers[fqn], fmt, dy, references[fqn], second_order[fqn, fmt], output_rms[fqn],
                              moments[fqn], metrics[fqn])
         del output_errors
-    return curvature
+    return curvature, moments
 
 
 def _drop_non_finite(r: _RoundInputs, output_errors: dict, fmt: Format, valid: dict, metrics: dict) -> None:

@@ -268,7 +268,7 @@ def collect_stats(
     if sharded and propagation is Propagation.EXACT:
         raise ValueError("wd_propagation: exact is not supported with sharded (FSDP2) parameters; allowed: probe")
     # Each layer's weight by its registered name: a DTensor under FSDP2 (all-gathered where needed,
-    # stats.dense), the Parameter otherwise.
+    # sharding.dense), the Parameter otherwise.
     weight_names = {fqn: p.owner_names.get((id(layer), "weight"), fqn + ".weight") for fqn, layer in layers.items()}
     passes = _Passes(model, loss_fn, layers, p, weight_names, _RandomStreams.capture(model), propagation, loss_scale)
     loss, inputs, out_grads, param_grads, recomputed, recorded_calls = passes.run(None, record=True)

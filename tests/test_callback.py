@@ -585,6 +585,15 @@ def test_a_model_without_forward_mode_derivatives_switches_to_exact_propagation_
     switches = [r for r in caplog.records if "wd_propagation=exact" in r.getMessage()]
     assert len(switches) == 1 and "forward-mode derivative" in switches[0].getMessage()
     assert snip.controller.propagation.value == "exact"
+    # The round that switched repeats with a fresh random source: it measures what a run configured
+    # exact from the start measures (the failed probe attempt's draws do not shift it).
+    torch.manual_seed(0)
+    first = SNIPCallback(_snip(interval=2, max_consecutive_failures=1))
+    _fit(tmp_path / "probe", first, max_steps=3, module=_CustomOpLM(SMALL))
+    torch.manual_seed(0)
+    exact = SNIPCallback(_snip(interval=2, max_consecutive_failures=1, wd_propagation="exact"))
+    _fit(tmp_path / "exact", exact, max_steps=3, module=_CustomOpLM(SMALL))
+    assert first.history[0]["divergence"] == exact.history[0]["divergence"]
 
 
 def test_non_finite_candidates_are_counted_logged_and_kept_out_of_plans(tmp_path, monkeypatch, caplog):
