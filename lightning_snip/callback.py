@@ -80,6 +80,7 @@ class SNIPCallback(Callback):
         """
         super().__init__()
         self.controller = SNIPController(config, plan=plan)
+        self._collective: Collective | None = None  # the trainer's ranks, built once per fit
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -91,17 +92,18 @@ class SNIPCallback(Callback):
         # Converted here, not in setup: layers built (or compiled) in ``configure_model`` exist only
         # after setup, and the strategy has moved the model to its device.
         self.controller.attach(pl_module, device=pl_module.device)
+        self._collective = _collective(trainer)
         if trainer.is_global_zero:  # the run's setup lines once, not once per rank
             max_steps = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps >= 0 else None
             self.controller.log_setup(pl_module.device, max_steps)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.controller.resume(pl_module, _collective(trainer))
+        self.controller.resume(pl_module, self._collective)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
-        controller, step, collective = self.controller, trainer.global_step, _collective(trainer)
+        controller, step, collective = self.controller, trainer.global_step, self._collective
         controller.begin_batch(step, batch_idx, trainer.global_rank)
         applied = controller.apply_due(pl_module, step, collective)
         if applied is not None:

@@ -81,6 +81,32 @@ class PendingSolve:
     plan: Plan | None = None
     error: BaseException | None = None
 
+    def start(self, candidates, guarded: Mapping[str, frozenset[Format]], config: SNIPConfig) -> None:
+        """Solve in a daemon thread (it never blocks exit)."""
+        self.thread = threading.Thread(target=self._solve, args=(candidates, guarded, config), daemon=True,
+                                       name="snip-solver")
+        self.thread.start()
+
+    def _solve(self, candidates, guarded, config: SNIPConfig) -> None:
+        try:
+            self.plan = solve_guarded(candidates, guarded, config)
+        except BaseException as err:  # noqa: BLE001 - reported on the training thread at apply time
+            self.error = err
+
+    def outcome(self, collective: Collective) -> tuple[str | None, str | None]:
+        """(the plan as JSON or None, the failure's cause or None), the same on every rank: rank 0 joins
+        the thread (a failure logs a warning) and broadcasts."""
+        message, error = None, None
+        if collective.is_rank_zero:
+            if self.thread is not None:
+                self.thread.join()
+            if self.error is not None:
+                logger.warning("SNIP solve for step %d failed (%s: %s); keeping the current plan",
+                               self.stats_step, type(self.error).__name__, self.error)
+                error = f"solve for step {self.stats_step}: {type(self.error).__name__}: {self.error}"
+            message = self.plan.to_json() if self.plan is not None else None
+        return collective.broadcast((message, error))
+
 
 class SNIPController:
     """Adaptive per-layer FP4/FP8 precision (SNIP) for a model's linear layers, trainer-free.
@@ -117,10 +143,9 @@ class SNIPController:
         self.restored_pending: tuple[int, int] | None = None  # (stats_step, apply_step) from a checkpoint
         self.propagation = Propagation(self.config.wd_propagation)  # exact after probes proved unsupported
         self.flops: dict[str, float] = {}
-        self.sampler: FirstOrderSampler | None = None
-        self.first_order_terms: FirstOrderTerms | None = None
+        self.schedule = RoundSchedule(self.config)
+        self.recorder: FirstOrderRecorder | None = None
         self.last_round_step: int | None = None  # one round per optimizer step (not per micro-batch)
-        self._recording: contextlib.ExitStack | None = None
         # (fqn, format) -> first-order terms of the batches sampled since the last round.
         self.first_order_history: dict[tuple[str, Format], list[float]] = {}
         self.device = torch.device("cpu")  # the model's, from attach
@@ -155,11 +180,8 @@ class SNIPController:
                 raise ValueError("include:" + message[len("filter:"):]) from None
             raise
         self.flops = layer_flops(self.layers)
-        self.first_order_terms = FirstOrderTerms(cfg.formats, recipe=cfg.recipe)
         self.propagation = Propagation(cfg.wd_propagation)
-        # Pinned layers never change format: their LD is never used, so they are not sampled.
-        self.sampler = FirstOrderSampler({fqn: layer for fqn, layer in self.layers.items() if layer.pinned is None},
-                                         cfg.first_order_rows, self.first_order_terms.add)
+        self.recorder = FirstOrderRecorder(self.layers, cfg)
         if self.plan is not None:
             apply_plan(model, self.plan)  # a given plan that does not fit the model fails here
         if cfg.replan:
@@ -177,19 +199,7 @@ class SNIPController:
 
     def log_setup(self, device, max_steps: int | None) -> None:
         """The run's setup lines (call on one rank)."""
-        cfg = self.config
-        num_pinned = sum(1 for layer in self.layers.values() if layer.pinned is not None)
-        logger.info("SNIP: %d switchable layers (%d pinned), initial format %s", len(self.layers), num_pinned,
-                    cfg.initial_format)
-        formats = sorted({Format.parse(f) for f in (cfg.initial_format, *cfg.formats, *cfg.pin_formats.values())},
-                         key=lambda f: f.value)
-        logger.info("SNIP: GEMM kernels: %s", describe_kernels(formats, device))
-        if not cfg.noise_guard and cfg.noise_guard_threshold != math.sqrt(3.0):
-            logger.warning("SNIP: noise_guard_threshold=%s has no effect while noise_guard is false "
-                           "(the ratios are logged either way)", cfg.noise_guard_threshold)
-        if cfg.replan and max_steps is not None and cfg.warmup_steps >= max_steps:
-            logger.warning("SNIP: warmup_steps (%d) >= the run's max_steps (%d): no statistics round will run "
-                           "and the layers stay in %s", cfg.warmup_steps, max_steps, cfg.initial_format)
+        log_setup(self.config, self.layers, device, max_steps)
 
     def resume(self, model: torch.nn.Module, collective: Collective = SINGLE_PROCESS) -> None:
         """At train start: apply the plan held (given, or restored from a checkpoint), and restart a
@@ -208,17 +218,11 @@ class SNIPController:
     # ------------------------------------------------------------------ schedule
 
     def is_stats_step(self, step: int) -> bool:
-        cfg = self.config
-        return cfg.replan and step >= cfg.warmup_steps and (step - cfg.warmup_steps) % cfg.interval == 0
+        return self.schedule.is_stats_step(step)
 
     def is_first_order_step(self, step: int) -> bool:
         """Whether ``step`` is one of the ``first_order_steps`` steps before a statistics round."""
-        cfg = self.config
-        if not cfg.replan or cfg.first_order_steps == 0 or LossEstimator(cfg.loss_estimator) is not LossEstimator.ACCUMULATED:
-            return False
-        next_round = cfg.warmup_steps if step < cfg.warmup_steps else (
-            cfg.warmup_steps + ((step - cfg.warmup_steps) // cfg.interval + 1) * cfg.interval)
-        return 1 <= next_round - step <= cfg.first_order_steps
+        return self.schedule.is_first_order_step(step)
 
     def is_round_due(self, step: int) -> bool:
         """A statistics step whose round has not run yet (with gradient accumulation, only the
@@ -232,25 +236,19 @@ class SNIPController:
     def start_first_order(self, step: int, grad_scale: float = 1.0) -> None:
         """Sample the first-order term on this training step's forward and backward (until
         end_batch); ``grad_scale``: the factor the step's gradients carry (accumulation, loss scale)."""
-        if self._recording is not None:
-            return
-        self.first_order_terms.grad_scale = grad_scale
-        self._recording = contextlib.ExitStack()
-        self._recording.enter_context(self.sampler.recording(offset=step))
+        self.recorder.start(step, grad_scale)
 
     def end_batch(self) -> None:
         """Stop sampling and keep what this micro-batch's steps sampled."""
-        self.stop_recording()
-        if self.first_order_terms is None:
+        if self.recorder is None:
             return
-        for key, values in self.first_order_terms.take().items():
+        for key, values in self.recorder.stop_and_take().items():
             self.first_order_history.setdefault(key, []).extend(values)
 
     def stop_recording(self) -> None:
         """Remove the sampler's hooks from the model (also on an exception or at teardown)."""
-        if self._recording is not None:
-            self._recording.close()
-            self._recording = None
+        if self.recorder is not None:
+            self.recorder.stop()
 
     # ------------------------------------------------------------------ the round
 
@@ -331,18 +329,9 @@ class SNIPController:
 
     def start_solve(self, stats_step: int, apply_step: int, collective: Collective = SINGLE_PROCESS) -> None:
         """Rank 0 solves the plan on the current aggregate in a background thread."""
-        pending = PendingSolve(stats_step=stats_step, apply_step=apply_step)
+        self.pending = PendingSolve(stats_step=stats_step, apply_step=apply_step)
         if collective.is_rank_zero:
-            pending.thread = threading.Thread(target=self._solve, args=(pending, self.candidates(), self.guarded()),
-                                              daemon=True, name="snip-solver")
-            pending.thread.start()
-        self.pending = pending
-
-    def _solve(self, pending: PendingSolve, candidates, guarded: Mapping[str, frozenset[Format]]) -> None:
-        try:
-            pending.plan = solve_guarded(candidates, guarded, self.config)
-        except BaseException as err:  # noqa: BLE001 - reported on the training thread at apply time
-            pending.error = err
+            self.pending.start(self.candidates(), self.guarded(), self.config)
 
     def apply_due(self, model: torch.nn.Module, step: int,
                   collective: Collective = SINGLE_PROCESS) -> tuple[dict[str, float], Plan] | None:
@@ -351,16 +340,7 @@ class SNIPController:
         if self.pending is None or step < self.pending.apply_step:
             return None
         pending, self.pending = self.pending, None
-        message, error = None, None
-        if collective.is_rank_zero:
-            if pending.thread is not None:
-                pending.thread.join()
-            if pending.error is not None:
-                logger.warning("SNIP solve for step %d failed (%s: %s); keeping the current plan",
-                               pending.stats_step, type(pending.error).__name__, pending.error)
-                error = f"solve for step {pending.stats_step}: {type(pending.error).__name__}: {pending.error}"
-            message = pending.plan.to_json() if pending.plan is not None else None
-        message, error = collective.broadcast((message, error))
+        message, error = pending.outcome(collective)
         if message is None:
             self.count_failure(error or f"solve for step {pending.stats_step} gave no plan")
             return None
@@ -379,9 +359,7 @@ class SNIPController:
             self.history[-1]["plan"] = json.loads(message)
         # Layers with a changed format (in a per-GEMM plan: in either direction).
         num_changed = len({split_key(key)[0] for key, fmt in plan.items() if before.get(key) is not fmt})
-        scalars = {**plan_scalars(plan, num_changed), "snip/solver_seconds": plan.solve_seconds,
-                   "snip/noise_guarded_layers": len(plan.noise_guarded),
-                   "snip/plan_agreement": plan_agreement(plan, before, self.layers)}
+        scalars = applied_plan_scalars(plan, num_changed, plan_agreement(plan, before, self.layers))
         status = "" if plan.status is SolveStatus.OPTIMAL else f" ({plan.status.value})"
         if collective.is_rank_zero:  # every rank applied it; one line for the run
             logger.info("SNIP plan applied at step %d: FP4 FLOPs fraction %.3f, %d of %d layers changed%s",
@@ -417,6 +395,79 @@ class SNIPController:
         self.first_order_history = {(fqn, Format(fmt)): [float(v) for v in values]
                                     for fqn, fmt, values in state_dict.get("first_order_history", [])}
         self.num_consecutive_failures = int(state_dict.get("num_consecutive_failures", 0))
+
+
+class RoundSchedule:
+    """Which steps run a statistics round (every ``interval`` from ``warmup_steps``) and which sample
+    LD's first-order term (the ``first_order_steps`` before each round, for the accumulated estimator)."""
+
+    def __init__(self, config: SNIPConfig) -> None:
+        self.config = config
+
+    def is_stats_step(self, step: int) -> bool:
+        cfg = self.config
+        return cfg.replan and step >= cfg.warmup_steps and (step - cfg.warmup_steps) % cfg.interval == 0
+
+    def is_first_order_step(self, step: int) -> bool:
+        """Whether ``step`` is one of the ``first_order_steps`` steps before a statistics round."""
+        cfg = self.config
+        if not cfg.replan or cfg.first_order_steps == 0 or LossEstimator(cfg.loss_estimator) is not LossEstimator.ACCUMULATED:
+            return False
+        next_round = cfg.warmup_steps if step < cfg.warmup_steps else (
+            cfg.warmup_steps + ((step - cfg.warmup_steps) // cfg.interval + 1) * cfg.interval)
+        return 1 <= next_round - step <= cfg.first_order_steps
+
+
+class FirstOrderRecorder:
+    """LD's first-order term sampled on live training steps: stats.FirstOrderSampler's hooks on the
+    unpinned layers (pinned ones never change format, so their LD is never used), measuring into
+    divergence.FirstOrderTerms."""
+
+    def __init__(self, layers: Mapping[str, SNIPLinear], config: SNIPConfig) -> None:
+        self.terms = FirstOrderTerms(config.formats, recipe=config.recipe)
+        self.sampler = FirstOrderSampler({fqn: layer for fqn, layer in layers.items() if layer.pinned is None},
+                                         config.first_order_rows, self.terms.add)
+        self._recording: contextlib.ExitStack | None = None
+
+    def start(self, step: int, grad_scale: float) -> None:
+        if self._recording is not None:
+            return
+        self.terms.grad_scale = grad_scale
+        self._recording = contextlib.ExitStack()
+        self._recording.enter_context(self.sampler.recording(offset=step))
+
+    def stop(self) -> None:
+        if self._recording is not None:
+            self._recording.close()
+            self._recording = None
+
+    def stop_and_take(self) -> dict[tuple[str, Format], list[float]]:
+        """Stop, and the terms sampled since the last take."""
+        self.stop()
+        return self.terms.take()
+
+
+def applied_plan_scalars(plan: Plan, num_changed: int, agreement: float) -> dict[str, float]:
+    """What an applied plan logs (the metrics SNIPCallback's docstring lists)."""
+    return {**plan_scalars(plan, num_changed), "snip/solver_seconds": plan.solve_seconds,
+            "snip/noise_guarded_layers": len(plan.noise_guarded), "snip/plan_agreement": agreement}
+
+
+def log_setup(config: SNIPConfig, layers: Mapping[str, SNIPLinear], device, max_steps: int | None) -> None:
+    """The run's setup lines: layers, GEMM kernels, settings that have no effect (call on one rank)."""
+    cfg = config
+    num_pinned = sum(1 for layer in layers.values() if layer.pinned is not None)
+    logger.info("SNIP: %d switchable layers (%d pinned), initial format %s", len(layers), num_pinned,
+                cfg.initial_format)
+    formats = sorted({Format.parse(f) for f in (cfg.initial_format, *cfg.formats, *cfg.pin_formats.values())},
+                     key=lambda f: f.value)
+    logger.info("SNIP: GEMM kernels: %s", describe_kernels(formats, device))
+    if not cfg.noise_guard and cfg.noise_guard_threshold != math.sqrt(3.0):
+        logger.warning("SNIP: noise_guard_threshold=%s has no effect while noise_guard is false "
+                       "(the ratios are logged either way)", cfg.noise_guard_threshold)
+    if cfg.replan and max_steps is not None and cfg.warmup_steps >= max_steps:
+        logger.warning("SNIP: warmup_steps (%d) >= the run's max_steps (%d): no statistics round will run "
+                       "and the layers stay in %s", cfg.warmup_steps, max_steps, cfg.initial_format)
 
 
 # ---------------------------------------------------------------------- the round's parts
