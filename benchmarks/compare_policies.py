@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as futures
 import datetime
+import functools
 import json
 import logging
 import math
@@ -68,18 +69,29 @@ SEARCH_POLICIES = ("oracle", "oracle_gemm", "min_rel_err") + FIXED_RULES
 
 @dataclass(frozen=True)
 class Setup:
-    dim: int
-    num_layers: int
-    hidden_dim: int
-    seq_len: int
-    batch_size: int
-    lr: float
-    pretrain_steps: int
-    continue_steps: int
-    snip_interval: int
+    dim: int = 0  # the demo model's shape (model "demo"); SmolLM2's is its checkpoint's
+    num_layers: int = 0
+    hidden_dim: int = 0
+    seq_len: int = 128
+    batch_size: int = 16
+    lr: float = 3e-3
+    pretrain_steps: int = 300  # smollm2: the shared high-precision steps before the checkpoint (lr warmup)
+    continue_steps: int = 60
+    snip_interval: int = 20
     low: str = "nvfp4"  # the fixed rules' FP4 format (and all_fp4's)
     truth_batches: int = 32  # K: batches of LD's truth
     truth_sr_seeds: int = 2  # stochastic-rounding seeds of WD's truth
+    model: str = "demo"  # demo (trained from scratch here) | smollm2 (SmolLM2-135M-Instruct, continued)
+    candidates: tuple[str, ...] = CANDIDATES
+    eval_batches: int = 10**6  # held-out batches evaluated (the demo: the whole held-out tail)
+    max_rows: int = 1024  # SNIP's statistics round (SNIPConfig's defaults unless the setting says)
+    first_order_steps: int = 32
+    first_order_rows: int = 1024
+    accelerator: str = "cpu"  # the Trainer's (smollm2_gpu: "gpu", one device)
+    precision: str = "32-true"
+
+    def __post_init__(self):
+        object.__setattr__(self, "candidates", tuple(self.candidates))  # from a JSON list
 
 
 SETTINGS = {
@@ -106,6 +118,26 @@ SETTINGS = {
                     pretrain_steps=300, continue_steps=60, snip_interval=20),
     "quick": Setup(dim=64, num_layers=3, hidden_dim=192, seq_len=64, batch_size=8, lr=3e-3,
                    pretrain_steps=30, continue_steps=8, snip_interval=4, truth_batches=4),
+    # Issue 32: continued pretraining of SmolLM2-135M-Instruct (211 linears, massive activations in a few
+    # down_projs), sized by benchmarks/results/smollm2_speed_2026-12-01.md (a high-precision step of
+    # 4 x 128 tokens 3.7 s on 2 threads, a plan's ~1.6x, a round of 256 rows ~12 steps): 4 shared
+    # high-precision steps (the lr warmup; AdamW's moments for WD and the truths), then 16 steps under
+    # each policy, cosine to 0.1 x lr; SNIP's rounds at the checkpoint and 8 steps later, each plan
+    # applied one step after; the candidates and the rules' FP4 format those of the app's preset
+    # (fp8, mxfp4); the held-out loss over 16 batches (8192 tokens) of the corpus's tail.
+    "smollm2": Setup(model="smollm2", seq_len=128, batch_size=4, lr=3e-4, pretrain_steps=4, continue_steps=16,
+                     snip_interval=8, low="mxfp4", candidates=("fp8", "mxfp4"), truth_batches=4, truth_sr_seeds=1,
+                     eval_batches=16, max_rows=256, first_order_steps=4, first_order_rows=256),
+    # The GPU protocol (issue 32): the same benchmark at 10x the tokens (4 x 128 -> 8 x 256 per step, 2.5x
+    # the steps: 81920 tokens per run), bf16-mixed on one GPU, the truths and the round at the batch's
+    # rows; one worker (the GPU), every run cached under --store as it ends (a cut-off run keeps them).
+    "smollm2_gpu": Setup(model="smollm2", seq_len=256, batch_size=8, lr=3e-4, pretrain_steps=10, continue_steps=40,
+                         snip_interval=20, low="mxfp4", candidates=("fp8", "mxfp4"), truth_batches=4, truth_sr_seeds=2,
+                         eval_batches=10**6, max_rows=2048, first_order_steps=4, first_order_rows=2048,
+                         accelerator="gpu", precision="bf16-mixed"),
+    "smollm2_quick": Setup(model="smollm2", seq_len=32, batch_size=2, lr=3e-4, pretrain_steps=2, continue_steps=3,
+                           snip_interval=2, low="mxfp4", candidates=("fp8", "mxfp4"), truth_batches=2,
+                           truth_sr_seeds=1, eval_batches=2, max_rows=64, first_order_steps=1, first_order_rows=64),
 }
 
 
@@ -115,62 +147,171 @@ def _model_config(s: Setup):
     return LlamaConfig(dim=s.dim, num_layers=s.num_layers, num_heads=4, num_kv_heads=2, hidden_dim=s.hidden_dim)
 
 
+@functools.lru_cache(maxsize=1)
+def _smollm2():
+    """(model, tokenizer) of SmolLM2, loaded once per process (~25 s); every run deep-copies the model."""
+    from lightning_snip.hf import load_smollm2
+
+    return load_smollm2(progress=False)
+
+
+def _module(s: Setup, *, continuation: bool = False):
+    """The LightningModule of a run: the demo's DemoLM (the continuation decays its learning rate
+    linearly to 0: its final iterate depends far less on the data order, which lowers the seed-to-seed
+    noise floor of the comparison), or SmolLM2 in CausalLM (linear warmup over the shared
+    pretrain_steps, then cosine decay to 0.1 x lr at the continuation's end: a real continuation's
+    schedule, the checkpoint at the warmup's end)."""
+    import copy
+
+    from lightning_snip.demo.lightning import CausalLM, DemoLM
+
+    if s.model == "smollm2":
+        return CausalLM(copy.deepcopy(_smollm2()[0]), lr=s.lr, warmup_steps=s.pretrain_steps, cosine=True, min_lr_ratio=0.1)
+    if continuation:
+        return DemoLM(_model_config(s), lr=s.lr, lr_decay_start=s.pretrain_steps, lr_decay_steps=s.continue_steps)
+    return DemoLM(_model_config(s), lr=s.lr)
+
+
 def _data(s: Setup, seed: int):
     from lightning_snip.demo.lightning import ByteTextDataModule
 
     # val_batches large enough to cover the whole held-out tail: a low-noise eval.
-    return ByteTextDataModule(seq_len=s.seq_len, batch_size=s.batch_size, val_batches=10**6, seed=seed)
+    tokenizer = _smollm2()[1] if s.model == "smollm2" else None
+    return ByteTextDataModule(seq_len=s.seq_len, batch_size=s.batch_size, val_batches=s.eval_batches, seed=seed,
+                              tokenizer=tokenizer)
 
 
-def _trainer(max_steps: int, callbacks, root: Path):
+def _trainer(s: Setup, max_steps: int, callbacks, root: Path):
     import lightning.pytorch as pl
 
-    return pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, callbacks=callbacks, logger=False,
+    return pl.Trainer(max_steps=max_steps, accelerator=s.accelerator, devices=1, precision=s.precision,
+                      callbacks=callbacks, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       limit_val_batches=0, default_root_dir=root)
 
 
-def pretrain(s: Setup, root: Path) -> tuple[Path, dict]:
+def pretrain(s: Setup, root: Path, *, with_truths: bool = True) -> tuple[Path, dict]:
     """High-precision pretraining -> checkpoint, and what the checkpoint-dependent policies plan from:
-    each layer's relative local error in the low format (min_rel_err) and the oracle's truths."""
+    each layer's relative local error in the low format (min_rel_err) and (``with_truths``) the
+    oracle's truths (measure_truths). ``fingerprint`` tells whether a regenerated checkpoint is the
+    one the cached runs continued from."""
     import lightning.pytorch as pl
     import torch
 
-    from harness import batches, loss_increase, spearman, update_deviation
-    from lightning_snip.convert import convert_linears
-    from lightning_snip.demo.data import ByteWindows
-    from lightning_snip.demo.lightning import DemoLM
     from lightning_snip.divergence import estimate_divergence
     from lightning_snip.formats import Format
     from lightning_snip.stats import collect_stats, slice_batch
 
     torch.set_num_threads(2)
     pl.seed_everything(1234)
-    module = DemoLM(_model_config(s), lr=s.lr)
+    module = _module(s)
     data = _data(s, seed=1234)
-    trainer = _trainer(s.pretrain_steps, [], root)
+    trainer = _trainer(s, s.pretrain_steps, [], root)
     trainer.fit(module, datamodule=data)
     ckpt = root / "pretrained.ckpt"
     trainer.save_checkpoint(ckpt)
 
-    model, optimizer = module.model, trainer.optimizers[0]
-    layers = {fqn: layer for fqn, layer in convert_linears(model).items() if not fqn.endswith("lm_head")}
+    model, layers = _truth_model(s, module)
     low = Format.parse(s.low)
-    batch = slice_batch(next(iter(data.train_dataloader())), 1024)
+    device = next(module.parameters()).device
+    batch = [t.to(device) for t in slice_batch(next(iter(data.train_dataloader())), 1024)]
     stats = collect_stats(model, lambda: model.loss(batch), layers=layers)
     rel_error = {f"model.{fqn}": d.rel_error_forward[low] for fqn, d in estimate_divergence(stats, [low], noise_draws=0).layers.items()}
     stats.release()
+    measured = {"rel_error": rel_error, "fingerprint": fingerprint(module), "checkpoint_eval_loss": held_out_loss(module, data),
+                "pretrain_loss": float(trainer.callback_metrics.get("train/loss", float("nan")))}
+    if with_truths:
+        measured.update(measure_truths(s, model, trainer.optimizers[0], layers, data))
+    return ckpt, measured
 
-    # The oracle's truths, on training-distribution batches drawn apart from the continuation's stream
-    # (their own generator); the eval data (the corpus's tail) is never used.
+
+def held_out_loss(module, data) -> float:
+    """The mean next-token loss over the held-out batches (the corpus's tail), in the layers' formats."""
+    import torch
+
+    losses = []
+    device = next(module.parameters()).device
+    with torch.no_grad():
+        for batch in data.val_dataloader():
+            batch = [t.to(device) for t in batch]
+            losses.append((module.snip_loss(batch).item(), len(batch[0])))
+    return sum(l * n for l, n in losses) / sum(n for _, n in losses)
+
+
+def fingerprint(module) -> str:
+    """The checkpoint's weights in one number (the sum of |w| in float64, to 12 digits)."""
+    import torch
+
+    with torch.no_grad():
+        return f"{sum(float(p.double().abs().sum()) for p in module.parameters()):.12e}"
+
+
+def _truth_model(s: Setup, module):
+    """(the model with ``loss(batch)`` the truths and rel_error measure, its switchable linears but the
+    LM head): the demo's TinyLlama, or SmolLM2 wrapped in harness.HFLoss."""
+    from harness import HFLoss
+    from lightning_snip.convert import convert_linears
+
+    model = HFLoss(module.model) if s.model == "smollm2" else module.model
+    layers = {fqn: layer for fqn, layer in convert_linears(module.model).items() if not fqn.endswith("lm_head")}
+    return model, layers
+
+
+def from_checkpoint(s: Setup, ckpt: Path):
+    """(module, AdamW with the checkpoint's moments, data set up) as the pretraining left them."""
+    import torch
+
+    torch.set_num_threads(2)
+    module = _module(s)
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    module.load_state_dict(state["state_dict"])
+    module.to("cuda" if s.accelerator == "gpu" else "cpu")
+    optimizer = torch.optim.AdamW(module.parameters(), lr=s.lr, weight_decay=module.weight_decay, betas=(0.9, 0.95))
+    optimizer.load_state_dict(state["optimizer_states"][0])
+    data = _data(s, seed=1234)
+    data.setup()
+    return module, optimizer, data
+
+
+def measure_truths(s: Setup, model, optimizer, layers, data, parts: Path | None = None, chunk: int | None = None) -> dict:
+    """The oracle's truths at the checkpoint, on training-distribution batches drawn apart from the
+    continuation's stream (their own generator; the eval data, the corpus's tail, is never used): per
+    layer and candidate format, LD's truth (the mean relative loss increase over ``truth_batches``
+    batches with only its forward in the format) and WD's (the one-step AdamW update deviation with
+    only its backward in it, mean over ``truth_sr_seeds`` SR seeds), with their split-half ceilings.
+    ``parts``: a JSON file each finished batch (LD) and each ``chunk`` of layers (WD) is saved to as it
+    ends, and read back instead of measured again (SmolLM2's truths take tens of minutes)."""
+    import torch
+
+    from harness import batches, loss_increase, spearman, update_deviation
+    from lightning_snip.demo.data import ByteWindows
+    from lightning_snip.formats import Format
+
     start = time.perf_counter()
-    formats = [Format.parse(f) for f in CANDIDATES]
+    formats = [Format.parse(f) for f in s.candidates]
     stream = batches(ByteWindows(data.train_set.data, s.seq_len), s.batch_size, torch.Generator().manual_seed(777))
-    per = [next(stream) for _ in range(s.truth_batches)]
+    device = next(model.parameters()).device
+    per = [tuple(t.to(device) for t in next(stream)) for _ in range(s.truth_batches)]
+    wd_batch = tuple(t.to(device) for t in next(stream))
+    saved = json.loads(parts.read_text()) if parts is not None and parts.exists() else {}
+
+    def cached(key: str, measure):
+        if key not in saved:
+            saved[key] = [[fqn, fmt.value, v] for (fqn, fmt), v in measure().items()]
+            if parts is not None:
+                parts.write_text(json.dumps(saved))
+        return {(fqn, Format.parse(fmt)): v for fqn, fmt, v in saved[key]}
+
     with torch.no_grad():
         base = [float(model.loss(b)) for b in per]
-    per_batch = [loss_increase(model, layers, b, formats) for b in per]
-    devs = update_deviation(model, optimizer, layers, next(stream), s.truth_sr_seeds, formats)
+    per_batch = [cached(f"ld{i}", lambda b=b: loss_increase(model, layers, b, formats)) for i, b in enumerate(per)]
+    names = list(layers)
+    size = chunk or len(names)
+    devs = {}
+    for i in range(0, len(names), size):
+        part = {n: layers[n] for n in names[i:i + size]}
+        devs.update(cached(f"wd{i}", lambda part=part: {
+            k: v for k, v in update_deviation(model, optimizer, part, wd_batch, s.truth_sr_seeds, formats).items()}))
     seconds = time.perf_counter() - start
     mean_loss = sum(base) / len(base)
     keys = sorted(per_batch[0], key=lambda k: (k[0], k[1].value))
@@ -191,11 +332,10 @@ def pretrain(s: Setup, root: Path) -> tuple[Path, dict]:
         "loss_divergence": {f"model.{fqn}|{fmt.value}": v for (fqn, fmt), v in ld_truth.items()},
         "weight_divergence": {f"model.{fqn}|{fmt.value}": v for (fqn, fmt), v in wd_truth.items()},
     }
-    return ckpt, {"rel_error": rel_error, "truths": truths, "ceilings": ceilings, "truth_seconds": seconds,
-                  "pretrain_loss": float(trainer.callback_metrics.get("train/loss", float("nan")))}
+    return {"truths": truths, "ceilings": ceilings, "truth_seconds": seconds}
 
 
-def _candidates(module, measured: dict | None):
+def _candidates(module, measured: dict | None, candidates=CANDIDATES):
     """The planner's LayerCandidates for the continuation's model, as SNIP's own are built
     (evidence.layer_candidates: the shape's formats, its FLOPs, the clamp at 0): the oracle's truths
     where given, else zeros and bf16 as a candidate (the fixed rules need only the FLOPs, candidates and
@@ -207,7 +347,7 @@ def _candidates(module, measured: dict | None):
     from lightning_snip.formats import Format
 
     layers = convert_linears(module, pins=PINS)  # converted again by the callback: a no-op
-    formats = [Format.parse(f) for f in CANDIDATES]
+    formats = [Format.parse(f) for f in candidates]
     if measured is None:
         return layer_candidates(layers, [*formats, Format.BF16])
     nested = {metric: {} for metric in ("loss_divergence", "weight_divergence")}
@@ -265,10 +405,11 @@ def fixed_plan(policy: str, fraction: float, seed: int, module, s: Setup, measur
     if base.startswith("oracle"):
         truths = pooled_truths(measured["truths"]) if base.startswith("oracle_pooled") else measured["truths"]
         solve = planner.solve_gemm_plan if base.endswith("_gemm") else planner.solve_plan
-        return solve(_candidates(module, truths), fp4_fraction=fraction, weight_divergence_weight=_oracle_lambda(policy))
+        return solve(_candidates(module, truths, s.candidates), fp4_fraction=fraction,
+                     weight_divergence_weight=_oracle_lambda(policy))
     context = PolicyContext(fp4_fraction=fraction, seed=seed, low=Format.parse(s.low), high=Format.FP8,
                             relative_error=measured.get("rel_error"))
-    return baseline_plan(policy, _candidates(module, None), context)
+    return baseline_plan(policy, _candidates(module, None, s.candidates), context)
 
 
 def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measured: dict, root: str) -> dict:
@@ -278,47 +419,45 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
 
     from lightning_snip.callback import SNIPCallback
     from lightning_snip.config import SNIPConfig
-    from lightning_snip.demo.lightning import DemoLM
     from lightning_snip.stats import high_precision
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*(LeafSpec|dataloader is not resumable).*")
     torch.set_num_threads(1)
+    if s.model == "smollm2":
+        _smollm2()  # loaded once per worker, before the seed: every run's random streams start alike
     pl.seed_everything(seed)
-    # The continuation decays the learning rate linearly to 0: its final iterate depends far less on
-    # the data order, which lowers the seed-to-seed noise floor of the comparison.
-    module = DemoLM(_model_config(s), lr=s.lr, lr_decay_start=s.pretrain_steps, lr_decay_steps=s.continue_steps)
+    module = _module(s, continuation=True)
     base, _, lam = policy.partition("@")  # "snip_gemm@0.3": SNIP with weight_divergence_weight 0.3
     granularity = "gemm" if base.endswith("_gemm") or base == "backward_only" else "layer"
     if base in ("snip", "snip_gemm"):
         # The first round runs at the checkpoint (no first-order history yet), then every interval.
         config = SNIPConfig(warmup_steps=s.pretrain_steps, interval=s.snip_interval, apply_delay=1, fp4_fraction=fraction,
-                            candidate_formats=CANDIDATES, initial_format="fp8", pins=PINS, granularity=granularity,
-                            first_order_steps=min(32, s.snip_interval - 1),
+                            candidate_formats=s.candidates, initial_format="fp8", pins=PINS, granularity=granularity,
+                            first_order_steps=min(s.first_order_steps, s.snip_interval - 1), max_rows=s.max_rows,
+                            first_order_rows=s.first_order_rows,
                             **({"weight_divergence_weight": float(lam)} if lam else {}))
         callback = SNIPCallback(config)
     else:
-        plan = fixed_plan(policy, fraction, seed, DemoLM(_model_config(s)), s, measured)
+        plan = fixed_plan(policy, fraction, seed, _module(s), s, measured)
         callback = SNIPCallback(SNIPConfig(replan=False, fp4_fraction=fraction or 0.0, pins=PINS, granularity=granularity,
-                                           candidate_formats=CANDIDATES), plan=plan)
+                                           candidate_formats=s.candidates), plan=plan)
     data = _data(s, seed)
     start = time.perf_counter()
-    trainer = _trainer(s.pretrain_steps + s.continue_steps, [callback], Path(root))
+    trainer = _trainer(s, s.pretrain_steps + s.continue_steps, [callback], Path(root))
     trainer.fit(module, datamodule=data, ckpt_path=ckpt)
     seconds = time.perf_counter() - start
 
-    def held_out_loss() -> float:
-        losses = []
-        with torch.no_grad():
-            for batch in data.val_dataloader():
-                losses.append((module.snip_loss(batch).item(), len(batch[0])))
-        return sum(l * n for l, n in losses) / sum(n for _, n in losses)
-
     with high_precision(callback.layers):
-        eval_loss = held_out_loss()  # the trained weights, evaluated in high precision (the headline)
-    eval_loss_plan = held_out_loss()  # ... and with every forward GEMM in its plan's format (serving in it)
+        eval_loss = held_out_loss(module, data)  # the trained weights, evaluated in high precision (the headline)
+    eval_loss_plan = held_out_loss(module, data)  # ... and with every forward GEMM in its plan's format (serving in it)
     plan = callback.plan
     extra = {"oracle_lambda": _oracle_lambda(policy)} if base.startswith("oracle") else {}
+    history = callback.controller.history
+    if history:  # SNIP's estimates at its first round (the checkpoint): the objective study prices plans with them
+        extra["estimates"] = {metric: {f"{fqn}|{fmt}": v for fqn, d in history[0]["divergence"]["layers"].items()
+                                       for fmt, v in d.get(metric, {}).items()}
+                              for metric in ("loss_divergence", "weight_divergence")}
     return {"policy": policy, "fraction": fraction, "seed": seed, "eval_loss": eval_loss, "eval_loss_plan": eval_loss_plan, **extra,
             "achieved_fraction": plan.fp4_fraction if plan else 0.0, "seconds": seconds,
             "plans": callback.num_plans_applied, "plan": {k: f.value for k, f in plan.items()} if plan else {}}
@@ -345,9 +484,8 @@ def jobs_for(fractions, seeds: int, policies=FRACTION_POLICIES, uniform=True, na
 def natural_fractions(s: Setup) -> dict[str, float]:
     """The FP4 fractions the industry rule and backward-only FP4 reach by themselves on this model."""
     from lightning_snip.baselines import backward_only_plan, natural_fp4_fraction
-    from lightning_snip.demo.lightning import DemoLM
 
-    cands = _candidates(DemoLM(_model_config(s)), None)
+    cands = _candidates(_module(s), None, s.candidates)
     return {"industry_tail": round(natural_fp4_fraction(cands), 6),
             "backward_only": round(backward_only_plan(cands, low=s.low).fp4_fraction, 6)}
 
@@ -440,10 +578,12 @@ def verdicts(summary: dict) -> list[str]:
     return lines
 
 
-def run_jobs(s: Setup, ckpt, measured, jobs, work: Path, workers: int) -> list[dict]:
-    """Runs the jobs not yet in ``work``/rows.jsonl (appending each finished row there); returns the
-    rows of all the jobs."""
-    done_path = work / "rows.jsonl"
+def run_jobs(s: Setup, ckpt, measured, jobs, store: Path, workers: int, root: Path, truths=None) -> list[dict]:
+    """Runs the jobs not yet in ``store``/rows.jsonl (appending each finished row there as it ends);
+    returns the rows of all the jobs. ``truths``: a callable that adds the oracle's truths to
+    ``measured`` when they are missing (SmolLM2's, measured after every other job: a session cut off
+    before them has its other runs)."""
+    done_path = store / "rows.jsonl"
     done, stale = {}, 0
     if done_path.exists():
         for line in done_path.read_text().splitlines():
@@ -459,16 +599,21 @@ def run_jobs(s: Setup, ckpt, measured, jobs, work: Path, workers: int) -> list[d
     jobs = [job for job in jobs if job not in done]
     if rows:
         print(f"# reusing {len(rows)} finished runs from {done_path}", flush=True)
+    needs_truths = [job for job in jobs if job[0].startswith("oracle")] if "truths" not in measured else []
+    batches = [[job for job in jobs if job not in needs_truths], needs_truths]
     ctx = multiprocessing.get_context("spawn")
     with futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        pending = [pool.submit(run_one, s, str(ckpt), p, f, seed, measured, str(work)) for p, f, seed in jobs]
-        for fut in futures.as_completed(pending):
-            row = fut.result()
-            rows.append(row)
-            with done_path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-            print(f"{row['policy']:<14} frac {row['fraction']:.2f} seed {row['seed']} eval {row['eval_loss']:.4f} "
-                  f"achieved {row['achieved_fraction']:.3f} plans {row['plans']} {row['seconds']:.0f}s", flush=True)
+        for batch in batches:
+            if batch is needs_truths and batch:
+                truths()
+            pending = [pool.submit(run_one, s, str(ckpt), p, f, seed, measured, str(root)) for p, f, seed in batch]
+            for fut in futures.as_completed(pending):
+                row = fut.result()
+                rows.append(row)
+                with done_path.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(f"{row['policy']:<14} frac {row['fraction']:.2f} seed {row['seed']} eval {row['eval_loss']:.4f} "
+                      f"achieved {row['achieved_fraction']:.3f} plans {row['plans']} {row['seconds']:.0f}s", flush=True)
     return rows
 
 
@@ -481,39 +626,84 @@ def table(summary: dict) -> list[str]:
     return out
 
 
-def objective_study(rows: list[dict], measured: dict) -> list[str]:
-    """Does the ILP's objective, priced with the measured truths, predict a plan's outcome? Per run: the
-    plan's total truth (forward GEMMs priced by LD's truth, backward GEMMs by WD's; a per-layer plan
-    pays both for its one format) vs its measured gap; Spearman over the runs at each fraction (the
-    rules' plans are the same for every seed, random's differ), for each eval precision. A SNIP run is
-    priced by its last plan (its earlier plans held for part of the run)."""
+def plan_objective(plan: dict, prices: dict, lam: float) -> float:
+    """The ILP's objective of a plan priced with ``prices`` ({"loss_divergence" / "weight_divergence":
+    {"<fqn>|<format>": value}}): forward GEMMs by LD, backward GEMMs by lambda x WD, each clamped at 0
+    as the planner does; a per-layer plan pays both for its one format."""
+    total = 0.0
+    for key, fmt in plan.items():
+        fqn, _, direction = key.partition(":")
+        if fmt == "bf16":
+            continue
+        if direction in ("", "forward"):
+            total += max(0.0, prices["loss_divergence"].get(f"{fqn}|{fmt}", 0.0))
+        if direction in ("", "backward"):
+            total += lam * max(0.0, prices["weight_divergence"].get(f"{fqn}|{fmt}", 0.0))
+    return total
+
+
+def snip_estimates(rows: list[dict]) -> dict | None:
+    """SNIP's estimates at the checkpoint: the mean over the SNIP runs (every seed, both granularities)
+    of their first round's LD and WD, which all ran at the checkpoint (only their random draws differ)."""
+    found = [r["estimates"] for r in rows if r.get("estimates")]
+    if not found:
+        return None
+    return {metric: {key: statistics.fmean(e[metric][key] for e in found if key in e[metric])
+                     for key in found[0][metric]} for metric in ("loss_divergence", "weight_divergence")}
+
+
+def outcome_ceiling(runs: list[dict], gap) -> float:
+    """How well the gaps themselves rank the plans across seeds: over the policies run with >= 2
+    seeds, Spearman between the mean gap of the first half of each policy's seeds and of the rest (the
+    seed noise's bound on any objective's Spearman with single runs' gaps)."""
     from scipy.stats import spearmanr
 
-    truths, lam = measured["truths"], _oracle_lambda("oracle")
+    by: dict[str, list[tuple[int, float]]] = {}
+    for r in runs:
+        by.setdefault(r["policy"], []).append((r["seed"], gap(r)))
+    pairs = []
+    for values in by.values():
+        values.sort()
+        if len(values) >= 2:
+            half = len(values) // 2
+            pairs.append((statistics.fmean(v for _, v in values[:half]), statistics.fmean(v for _, v in values[half:])))
+    if len(pairs) < 3:
+        return float("nan")
+    return float(spearmanr([a for a, _ in pairs], [b for _, b in pairs]).statistic)
+
+
+def objective_study(rows: list[dict], measured: dict) -> list[str]:
+    """Does the ILP's objective predict a plan's outcome? Per run (every fixed-plan and SNIP run at a
+    fraction strictly between 0 and 1, backward_only aside): the plan's objective (plan_objective)
+    priced with the oracle's truths and with SNIP's own estimates at the checkpoint (snip_estimates),
+    against its measured gap; Spearman over the runs at each fraction, over all of them and per
+    granularity (layer: per-layer plans, gemm: per-GEMM plans), for each eval precision, beside the
+    gaps' own seed-split ceiling. A SNIP run is priced by its last plan (its earlier plans held for
+    part of the run)."""
+    from scipy.stats import spearmanr
+
+    lam = _oracle_lambda("oracle")
+    pricings = {"truths": measured.get("truths"), "snip_estimates": snip_estimates(rows)}
+    pricings = {k: v for k, v in pricings.items() if v}
     bf16 = {m: {r["seed"]: r[m] for r in rows if r["policy"] == "all_bf16" and m in r} for m in ("eval_loss", "eval_loss_plan")}
-
-    def objective(plan: dict) -> float:
-        total = 0.0
-        for key, fmt in plan.items():
-            fqn, _, direction = key.partition(":")
-            if fmt == "bf16":
-                continue
-            if direction in ("", "forward"):
-                total += max(0.0, truths["loss_divergence"].get(f"{fqn}|{fmt}", 0.0))  # as the oracle's ILP
-            if direction in ("", "backward"):
-                total += lam * max(0.0, truths["weight_divergence"].get(f"{fqn}|{fmt}", 0.0))
-        return total
-
     lines = []
     for frac in sorted({r["fraction"] for r in rows if 0 < r["fraction"] < 1 and r["policy"] != "backward_only"}):
-        runs = [r for r in rows if r["fraction"] == frac and r["plan"] and r["policy"] != "backward_only"]
-        for metric in ("eval_loss", "eval_loss_plan"):
-            if not all(metric in r and r["seed"] in bf16[metric] for r in runs) or len(runs) < 3:
-                continue
-            x = [objective(r["plan"]) for r in runs]
-            y = [r[metric] - bf16[metric][r["seed"]] for r in runs]
-            lines.append(f"objective_vs_gap {frac:g} {metric} {spearmanr(x, y).statistic:.2f} over {len(runs)} runs "
-                         f"(the ILP objective priced with the truths at lambda {lam:g} vs the run's gap)")
+        at = [r for r in rows if r["fraction"] == frac and r["plan"] and r["policy"] != "backward_only"]
+        for granularity, runs in (("all", at), ("layer", [r for r in at if not any(":" in k for k in r["plan"])]),
+                                  ("gemm", [r for r in at if any(":" in k for k in r["plan"])])):
+            for metric in ("eval_loss", "eval_loss_plan"):
+                if not all(metric in r and r["seed"] in bf16[metric] for r in runs) or len(runs) < 3:
+                    continue
+
+                def gap(r, metric=metric):
+                    return r[metric] - bf16[metric][r["seed"]]
+
+                y = [gap(r) for r in runs]
+                for name, prices in pricings.items():
+                    x = [plan_objective(r["plan"], prices, lam) for r in runs]
+                    lines.append(f"objective_vs_gap {frac:g} {granularity} {metric} {name} {spearmanr(x, y).statistic:.2f} "
+                                 f"over {len(runs)} runs (the ILP objective at lambda {lam:g} vs the run's gap; gaps' "
+                                 f"seed-split ceiling {outcome_ceiling(runs, gap):.2f})")
     return lines
 
 
@@ -523,7 +713,7 @@ def objective_study(rows: list[dict], measured: dict) -> list[str]:
 # SNIP and oracle runs mix mxfp4 in, so a format column would price those policies, not the format.
 STRUCTURE_FEATURES = (
     ("forward FP4", "forward", lambda fqn, block, first, last: True),
-    ("+ attention (forward)", "forward", lambda fqn, block, first, last: ".attn." in fqn),
+    ("+ attention (forward)", "forward", lambda fqn, block, first, last: "attn." in fqn),  # demo attn., HF self_attn.
     ("+ first block (forward)", "forward", lambda fqn, block, first, last: block == first),
     ("+ last block (forward)", "forward", lambda fqn, block, first, last: block == last and last != first),
     ("backward FP4", "backward", lambda fqn, block, first, last: True),
@@ -570,9 +760,7 @@ def structure_study(rows: list[dict], s: Setup) -> list[str]:
     classes are equivalent, and a rule that orders the classes right leaves an oracle little headroom."""
     import numpy as np
 
-    from lightning_snip.demo.lightning import DemoLM
-
-    flops = {c.fqn: c.flops for c in _candidates(DemoLM(_model_config(s)), None) if c.pinned is None}
+    flops = {c.fqn: c.flops for c in _candidates(_module(s), None, s.candidates) if c.pinned is None}
     names = [n for n, _, _ in STRUCTURE_FEATURES]
     lines = []
     for metric in ("eval_loss", "eval_loss_plan"):
@@ -660,10 +848,57 @@ def _structural_headroom(runs: list[dict], gaps, coef, offset: float, flops: dic
     return lines
 
 
+def _setting(s: Setup) -> dict:
+    return json.loads(json.dumps(asdict(s)))  # as the JSON cache holds it (tuples as lists)
+
+
+def _prefix(s: Setup) -> str:
+    """The results files' name: compare_policies_v2* (the demo's settings), compare_policies_smollm2* (issue 32)."""
+    return "compare_policies_smollm2" if s.model == "smollm2" else "compare_policies_v2"
+
+
+def wall_times(rows: list[dict]) -> str:
+    """Wall time per run (mean by kind of policy) and in all, from the rows' own timings."""
+    kinds: dict[str, list[float]] = {}
+    for r in rows:
+        kind = "snip" if r["policy"].startswith("snip") else "all_bf16" if r["policy"] == "all_bf16" else "fixed plan"
+        kinds.setdefault(kind, []).append(r["seconds"])
+    return ("wall time per run (fit, 1 thread; mean): " + ", ".join(f"{k} {statistics.fmean(v):.0f} s ({len(v)} runs)"
+            for k, v in sorted(kinds.items())) + f"; all runs {sum(r['seconds'] for r in rows) / 60:.1f} min")
+
+
+def quick_setting(name: str) -> str:
+    return f"{name}_quick" if f"{name}_quick" in SETTINGS else "quick"
+
+
+def prepare(s: Setup, work: Path, store: Path) -> tuple[Path, dict]:
+    """The checkpoint and its measurements, from the cache where they are this setting's. The
+    pretraining (seed 1234) is deterministic: a checkpoint regenerated in a later session (the
+    checkpoint lives in ``work``, the measurements and runs in ``store``) whose fingerprint matches
+    the cached one keeps the cached truths and runs; any other discards them (renamed *_stale_*), so a
+    changed protocol never reuses a stale run. The cache does not know the code: after changing
+    lightning_snip or run_one, use a fresh store."""
+    cache, ckpt = store / "measured.json", work / "pretrained.ckpt"
+    cached = json.loads(cache.read_text()) if cache.exists() else None
+    if cached is not None and cached["setting"] != _setting(s):
+        cached = None
+    if cached is not None and ckpt.exists() and "fingerprint" in cached["measured"]:
+        return ckpt, cached["measured"]
+    ckpt, measured = pretrain(s, work, with_truths=s.model == "demo")
+    if cached is not None and cached["measured"].get("fingerprint") == measured["fingerprint"]:
+        return ckpt, cached["measured"]
+    for old in ("rows.jsonl", "truth_parts.json"):
+        if (store / old).exists():  # runs of another setting or checkpoint: never mixed in
+            (store / old).rename(store / f"{Path(old).stem}_stale_{int(time.time())}{Path(old).suffix}")
+    cache.write_text(json.dumps({"setting": _setting(s), "measured": measured}))
+    return ckpt, measured
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--setting", choices=sorted(SETTINGS), default="deep8")
-    parser.add_argument("--quick", action="store_true", help="the tiny 'quick' setting, 1 seed, nothing written")
+    parser.add_argument("--quick", action="store_true",
+                        help="the setting's tiny version ('quick', or '<setting>_quick'), 1 seed, nothing written")
     parser.add_argument("--search", nargs="+", choices=sorted(SETTINGS),
                         help="the setting search: oracle, min_rel_err and the fixed rules at 0.75 in each setting")
     parser.add_argument("--seeds", type=int, default=5)
@@ -676,6 +911,9 @@ def main() -> None:
     parser.add_argument("--natural-seeds", type=int, help="seeds of the runs at the rules' natural fractions (default --seeds)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--store", type=Path, help="where the finished runs (rows.jsonl), the checkpoint's measurements "
+                        "and the truths are kept and resumed from (default: benchmarks/results/compare_policies_"
+                        "<setting>_cache for SmolLM2, committed; $SNIP_BENCH_DIR/<setting> for the demo's)")
     parser.add_argument("--objective-study", type=Path, metavar="RUNS_JSON",
                         help="from a compare_policies_v2_runs.json: the objective-vs-gap correlation, then exit")
     parser.add_argument("--structure-study", type=Path, metavar="RUNS_JSON",
@@ -690,40 +928,42 @@ def main() -> None:
         data = json.loads(args.structure_study.read_text())
         print("\n".join(structure_study(data["rows"], Setup(**data["setting"]))))
         return
-    work = Path(os.environ.get("SNIP_BENCH_DIR", "/tmp/snip_compare_v2"))
+    bench = Path(os.environ.get("SNIP_BENCH_DIR", "/tmp/snip_compare_v2"))
     date = datetime.date.today().isoformat()
     command = "python benchmarks/compare_policies.py " + " ".join(sys.argv[1:])
     machine = f"{platform.machine()} ({os.cpu_count()} cores), Python {platform.python_version()}; FP4 emulated"
     start = time.perf_counter()
-    names = args.search or ["quick" if args.quick else args.setting]
+    names = args.search or [quick_setting(args.setting) if args.quick else args.setting]
     report = [f"# compare_policies v2 {'setting search ' if args.search else ''}— {date}",
               f"command: `{command.strip()}`; {args.seeds} seeds; machine: {machine}", ""]
     for name in names:
         s = SETTINGS[name]
-        (work / name).mkdir(parents=True, exist_ok=True)
+        work = bench / name
+        store = args.store or (RESULTS / f"compare_policies_{name}_cache" if s.model == "smollm2" else work)
+        work.mkdir(parents=True, exist_ok=True)
+        store.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        # The pretraining (seed 1234) and the truths are deterministic per setting: a later run of the
-        # same setting (e.g. the full benchmark after the search) reuses them and every finished
-        # continuation (policy, fraction, seed), from SNIP_BENCH_DIR; new truths discard the runs. The
-        # cache does not know the code: after changing lightning_snip or run_one, use a fresh directory.
-        cache = work / name / "measured.json"
-        ckpt = work / name / "pretrained.ckpt"
-        if cache.exists() and ckpt.exists() and json.loads(cache.read_text())["setting"] == asdict(s):
-            measured = json.loads(cache.read_text())["measured"]
-        else:
-            ckpt, measured = pretrain(s, work / name)
-            cache.write_text(json.dumps({"setting": asdict(s), "measured": measured}))
-            stale = work / name / "rows.jsonl"
-            if stale.exists():  # runs of another setting or other truths: never mixed in
-                stale.rename(work / name / f"rows_stale_{int(time.time())}.jsonl")
-        print(f"# [{name}] pretrained {s.pretrain_steps} steps + truths ({measured['truth_seconds']:.0f} s) in "
-              f"{time.perf_counter() - t0:.0f} s; truth ceilings (split-half Spearman) "
-              + ", ".join(f"{k} {v:.2f}" for k, v in measured["ceilings"].items()), flush=True)
+        ckpt, measured = prepare(s, work, store)
+        print(f"# [{name}] checkpoint after {s.pretrain_steps} high-precision steps ({time.perf_counter() - t0:.0f} s; "
+              f"fingerprint {measured['fingerprint']}); truth ceilings (split-half Spearman) "
+              + (", ".join(f"{k} {v:.2f}" for k, v in measured["ceilings"].items()) if "ceilings" in measured
+                 else "not measured yet"), flush=True)
+
+        def truths(s=s, ckpt=ckpt, measured=measured, store=store):
+            t = time.perf_counter()
+            module, optimizer, data = from_checkpoint(s, ckpt)
+            model, layers = _truth_model(s, module)
+            measured.update(measure_truths(s, model, optimizer, layers, data, parts=store / "truth_parts.json", chunk=30))
+            (store / "measured.json").write_text(json.dumps({"setting": _setting(s), "measured": measured}))
+            print(f"# [{s.model}] truths in {time.perf_counter() - t:.0f} s; ceilings "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in measured["ceilings"].items()), flush=True)
+
         if args.search:
             jobs = jobs_for([0.75], args.seeds, SEARCH_POLICIES, uniform=False)
         else:
-            jobs = jobs_for(args.fractions, 1 if args.quick else args.seeds, natural=natural_fractions(s),
-                            natural_seeds=args.natural_seeds)
+            # SmolLM2: no runs at the rules' natural fractions (a run there costs what one at 0.75 does)
+            natural = natural_fractions(s) if s.model == "demo" else None
+            jobs = jobs_for(args.fractions, 1 if args.quick else args.seeds, natural=natural, natural_seeds=args.natural_seeds)
             jobs += [(f"{p}@{lam:g}", f, seed) for seed in range(1 if args.quick else args.seeds)
                      for f in args.fractions for lam in args.lambdas for p in ("snip", "snip_gemm", "oracle", "oracle_gemm")]
         if args.policies:
@@ -732,15 +972,16 @@ def main() -> None:
                 parser.error(f"--policies: {sorted(unknown)} not among this invocation's policies "
                              f"{sorted({j[0] for j in jobs})} (snip@<lambda> needs --lambdas <lambda>)")
             jobs = [j for j in jobs if j[0] in set(args.policies) | {"all_bf16"}]
-        rows = run_jobs(s, ckpt, measured, jobs, work / name, args.workers)
+        rows = run_jobs(s, ckpt, measured, jobs, store, args.workers, work, truths)
         summary = summarize(rows)
         summary_plan = summarize(rows, "eval_loss_plan") if all("eval_loss_plan" in r for r in rows) else {}
         bf16 = [r["eval_loss"] for r in sorted(rows, key=lambda r: r["seed"]) if r["policy"] == "all_bf16"]
         lines = [f"## setting {name}: {asdict(s)}",
                  f"wall {time.perf_counter() - t0:.0f} s (this invocation: pretraining and truths unless cached, and the "
                  f"runs not cached); truth ceilings (split-half "
-                 f"Spearman; loss: batches 1..K/2 vs the rest, weights: SR seeds) "
-                 + ", ".join(f"{k} {v:.2f}" for k, v in measured["ceilings"].items()),
+                 f"Spearman; loss: batches 1..K/2 vs the rest, weights: SR seeds; nan: one seed) "
+                 + ", ".join(f"{k} {v:.2f}" for k, v in measured.get("ceilings", {}).items()),
+                 wall_times(rows),
                  f"bf16 eval loss over seeds: mean {statistics.fmean(bf16):.4f}, std "
                  f"{statistics.stdev(bf16) if len(bf16) > 1 else 0.0:.5f}", ""] + table(summary) + [""]
         lines += [f"    {v}" for v in verdicts(summary)] + [""]
@@ -757,18 +998,20 @@ def main() -> None:
             noise = {"bf16_eval_loss_mean": statistics.fmean(bf16), "bf16_eval_loss_std": statistics.stdev(bf16),
                      "seeds": bf16, "note": "the seed-to-seed spread of the all-bf16 run's eval loss (all_bf16's "
                      "own gap is 0 by construction)"}
-            (args.out / "compare_policies_v2.json").write_text(json.dumps(dict(summary, noise_floor=noise), indent=2))
-            (args.out / "compare_policies_v2_plan_precision.json").write_text(json.dumps(summary_plan, indent=2))
-            (args.out / "compare_policies_v2_runs.json").write_text(json.dumps(
+            prefix = _prefix(s)
+            (args.out / f"{prefix}.json").write_text(json.dumps(dict(summary, noise_floor=noise), indent=2))
+            (args.out / f"{prefix}_plan_precision.json").write_text(json.dumps(summary_plan, indent=2))
+            (args.out / f"{prefix}_runs.json").write_text(json.dumps(
                 {"setting": asdict(s), "measured": measured, "rows": rows}, indent=1))
-            plot(summary, args.out / "compare_policies_v2.png")
+            plot(summary, args.out / f"{prefix}.png")
     report.append(f"total {(time.perf_counter() - start) / 60:.1f} min")
     if args.quick:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     # A --policies study is named by its policies: two studies of a day do not overwrite each other.
     suffix = f"study_{'-'.join(args.policies)}_" if args.policies else "search_" if args.search else ""
-    (args.out / f"compare_policies_v2_{suffix}{date}.md").write_text("\n".join(report) + "\n")
+    prefix = _prefix(SETTINGS[names[0]]) if len(names) == 1 else "compare_policies_v2"
+    (args.out / f"{prefix}_{suffix}{date}.md").write_text("\n".join(report) + "\n")
 
 
 def plot(summary: dict, path: Path) -> None:

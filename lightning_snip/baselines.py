@@ -21,6 +21,13 @@ DEFAULT_LAYER_TYPE_ORDER = ("up", "gate", "down", "o", "v", "q", "k")
 """Layer types from the most to the least FP4-tolerant by a common rule of thumb (MLP first)."""
 
 
+def layer_type(fqn: str) -> str:
+    """A layer's type for the type rules: the fqn's last component without a ``_proj`` suffix, so that
+    Hugging Face's names (``mlp.up_proj``, ``self_attn.q_proj``) rank as the demo's (``mlp.up``, ``attn.q``)."""
+    name = fqn.rsplit(".", 1)[-1]
+    return name[: -len("_proj")] if name.endswith("_proj") else name
+
+
 def uniform_plan(layers: Sequence[LayerCandidates], fmt: Format | str) -> Plan:
     """Every unpinned layer in ``fmt``; pinned layers keep their pin.
 
@@ -130,7 +137,7 @@ def layer_type_plan(
     def key(item_fqn: str):
         fqn, direction = split_key(item_fqn)
         distance = edge.get(fqn, 1.0)
-        return (direction == FORWARD, distance <= 0, rank.get(fqn.rsplit(".", 1)[-1], len(rank)), -distance)
+        return (direction == FORWARD, distance <= 0, rank.get(layer_type(fqn), len(rank)), -distance)
 
     items = _items(layers, granularity)
     order = sorted((item.fqn for item in items), key=key)

@@ -333,3 +333,72 @@ def test_smollm2_profile_class_rule_fit():
     assert fit["loo_variance_explained_log"] < exact["loo_variance_explained_log"] - 0.05
     assert profile.layer_class("llama.model.layers.0.mlp.down_proj", 30) == ("down_proj", "first")
     assert profile.layer_class("llama.model.layers.29.self_attn.o_proj", 30) == ("o_proj", "last")
+
+
+def test_quality_objective_study_prices_plans_with_truths_and_snips_estimates():
+    """plan_objective: forward GEMMs by LD, backward ones by lambda x WD, clamped at 0, a per-layer plan
+    paying both; objective_study: Spearman per fraction and granularity for the truths and for SNIP's
+    first-round estimates (their mean over the SNIP runs), beside the gaps' seed-split ceiling."""
+    cp = _benchmark("compare_policies")
+    prices = {"loss_divergence": {"a|mxfp4": 2.0, "b|mxfp4": -1.0, "a|fp8": 0.5},
+              "weight_divergence": {"a|mxfp4": 10.0, "b|mxfp4": 4.0}}
+    assert cp.plan_objective({"a": "mxfp4", "b": "mxfp4"}, prices, 0.1) == pytest.approx(2.0 + 1.0 + 0.0 + 0.4)
+    assert cp.plan_objective({"a:forward": "fp8", "a:backward": "mxfp4", "b:forward": "bf16"}, prices, 0.1) == pytest.approx(1.5)
+    assert cp.snip_estimates([{"estimates": prices}, {"estimates": {"loss_divergence": {"a|mxfp4": 4.0},
+                                                                    "weight_divergence": {}}}, {}]) == {
+        "loss_divergence": {"a|mxfp4": 3.0, "b|mxfp4": -1.0, "a|fp8": 0.5},
+        "weight_divergence": {"a|mxfp4": 10.0, "b|mxfp4": 4.0}}
+
+    # Four layers; layer i's FP4 costs i in truth; SNIP's estimates rank them in reverse.
+    truths = {"loss_divergence": {f"l{i}|mxfp4": float(i) for i in range(4)},
+              "weight_divergence": {f"l{i}|mxfp4": 0.0 for i in range(4)}}
+    reverse = {"loss_divergence": {f"l{i}|mxfp4": float(3 - i) for i in range(4)},
+               "weight_divergence": {f"l{i}|mxfp4": 0.0 for i in range(4)}}
+    rows = [{"policy": "all_bf16", "fraction": 0.0, "seed": s, "eval_loss": 3.0, "plan": {}} for s in range(2)]
+    for i in range(4):
+        for s in range(2):
+            plan = {f"l{j}": "mxfp4" if j == i else "fp8" for j in range(4)}
+            rows.append({"policy": f"rule{i}", "fraction": 0.25, "seed": s, "eval_loss": 3.0 + 0.01 * i + 0.001 * s, "plan": plan})
+    rows.append({"policy": "snip", "fraction": 0.25, "seed": 0, "eval_loss": 3.0 + 0.02, "estimates": reverse,
+                 "plan": {"l2": "mxfp4", "l0": "fp8", "l1": "fp8", "l3": "fp8"}})
+    lines = "\n".join(cp.objective_study(rows, {"truths": truths}))
+    # The truths rank the gaps but for the ties of a plan's two seeds (0.97); the estimates, reversed.
+    truth = re.search(r"^objective_vs_gap 0.25 all eval_loss truths ([-0-9.]+) over 9 runs .* ceiling 1.00\)$", lines, re.M)
+    snip = re.search(r"^objective_vs_gap 0.25 layer eval_loss snip_estimates ([-0-9.]+) over 9 runs", lines, re.M)
+    assert truth and snip and float(truth[1]) > 0.95 and float(snip[1]) < -0.95, lines
+    assert "gemm eval_loss" not in lines  # no per-GEMM plan among the runs
+
+
+def test_quality_cache_keeps_runs_only_for_the_same_checkpoint(tmp_path, monkeypatch):
+    """prepare(): cached measurements and runs are reused while the setting and the checkpoint's
+    fingerprint are the same; a regenerated checkpoint with the same fingerprint keeps them, another
+    fingerprint or setting renames the runs and truth parts stale and starts afresh."""
+    import json
+
+    cp = _benchmark("compare_policies")
+    s = cp.SETTINGS["smollm2_quick"]
+    work, store = tmp_path / "work", tmp_path / "store"
+    work.mkdir()
+    store.mkdir()
+    fingerprints = iter(["1.0", "1.0", "2.0", "3.0"])
+    calls = []
+
+    def fake_pretrain(setting, root, *, with_truths=True):
+        calls.append(with_truths)
+        (root / "pretrained.ckpt").write_text("ckpt")
+        return root / "pretrained.ckpt", {"fingerprint": next(fingerprints), "rel_error": {}}
+
+    monkeypatch.setattr(cp, "pretrain", fake_pretrain)
+    ckpt, measured = cp.prepare(s, work, store)
+    assert measured["fingerprint"] == "1.0" and calls == [False]  # SmolLM2's truths are measured later
+    (store / "rows.jsonl").write_text('{"policy": "all_bf16"}\n')
+    measured["truths"] = {"x": 1}
+    (store / "measured.json").write_text(json.dumps({"setting": cp._setting(s), "measured": measured}))
+    assert cp.prepare(s, work, store)[1]["truths"] == {"x": 1} and len(calls) == 1  # all cached
+    ckpt.unlink()  # a new session: the checkpoint is regenerated, the same weights
+    assert cp.prepare(s, work, store)[1]["truths"] == {"x": 1} and (store / "rows.jsonl").exists()
+    ckpt.unlink()  # regenerated with other weights: nothing cached is this checkpoint's
+    assert "truths" not in cp.prepare(s, work, store)[1]
+    assert not (store / "rows.jsonl").exists() and len(list(store.glob("rows_stale_*.jsonl"))) == 1
+    other = cp.Setup(**{**cp._setting(s), "continue_steps": s.continue_steps + 1})
+    assert cp.prepare(other, work, store)[1]["fingerprint"] == "3.0"  # another protocol: measured afresh

@@ -157,3 +157,30 @@ def test_corpus_tokenized_in_pieces_equals_the_whole_text(smollm2):
     assert len(pieces) > 5 and "".join(pieces) == text
     whole = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert [i for p in tokenizer(pieces, add_special_tokens=False)["input_ids"] for i in p] == whole
+
+
+def test_layer_type_rules_rank_hugging_face_names_as_the_demos(smollm2):
+    """The type rules read ``mlp.up_proj`` as ``up``: on SmolLM2 layer_type fills the MLPs (up, gate,
+    down in every block) before any attention layer, and its per-GEMM version backward GEMMs first (the
+    names used to fall through to "unknown type": model order)."""
+    from lightning_snip.baselines import PolicyContext, baseline_plan, layer_type
+    from lightning_snip.evidence import layer_candidates
+    from lightning_snip.plan import BACKWARD, split_key
+
+    assert layer_type("model.layers.3.mlp.up_proj") == "up" and layer_type("model.layers.3.attn.q") == "q"
+    layers = convert_linears(copy.deepcopy(smollm2[0]), pins={"*lm_head": "bf16"})
+    cands = layer_candidates(layers, [Format.FP8, Format.MXFP4])
+    context = PolicyContext(fp4_fraction=0.5, seed=0, low=Format.MXFP4, high=Format.FP8)
+    plan = baseline_plan("layer_type", cands, context)
+    fp4 = {k for k, f in plan.items() if f.is_fp4}
+    # The blocks are 0.79 of the linear FLOPs (the pinned head the rest), the MLP 0.75 of a block's: at
+    # 0.5, 0.63 of the blocks' FLOPs: every up and gate (0.5), then down_projs in model order.
+    assert all(f"model.layers.{b}.mlp.{t}_proj" in fp4 for b in range(30) for t in ("up", "gate")), sorted(fp4)[:5]
+    downs = {k for k in fp4 if layer_type(k) == "down"}
+    assert 10 <= len(downs) <= 20 and len(fp4) == 60 + len(downs)  # no attention layer
+    assert "model.layers.0.mlp.down_proj" in downs and "model.layers.29.mlp.down_proj" not in downs
+    gemm = baseline_plan("layer_type_gemm", cands, context)
+    # Backward GEMMs are 2/3 of the blocks' FLOPs (0.53 > 0.5): FP4 holds only backward GEMMs, the MLP's first.
+    low = {split_key(k) for k, f in gemm.items() if f.is_fp4}
+    assert low and all(direction == BACKWARD for _, direction in low), sorted(low)[:5]
+    assert all((f"model.layers.{b}.mlp.{t}_proj", BACKWARD) in low for b in range(30) for t in ("up", "gate"))
