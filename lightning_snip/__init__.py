@@ -4,6 +4,10 @@
 ``lightning_snip.plan`` stay importable without torch or Lightning.
 """
 
+from lightning_snip import _logging
+
+_logging.setup()  # the package's lines shown as Lightning's are; two third-party notices dropped (see there)
+
 __version__ = "0.1.0"
 __all__ = ["SNIPCallback", "SNIPConfig", "Format", "Plan"]
 

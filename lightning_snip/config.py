@@ -21,6 +21,9 @@ from lightning_snip.formats import CostModel, Format, Fp8Scaling, QuantRecipe, R
 from lightning_snip.plan import Granularity
 from lightning_snip.planner import DEFAULT_WEIGHT_DIVERGENCE_WEIGHT
 
+DEFAULT_PINS = ("*lm_head=bf16",)
+"""SNIPConfig's default pins: the LM head in bf16 (a model without an ``lm_head`` simply has none to pin)."""
+
 
 def _parse_pins(pins, field_name: str = "pins") -> dict[str, str]:
     """Pins as a mapping glob -> format, from a mapping or a list of "glob=format" strings."""
@@ -59,7 +62,9 @@ class SNIPConfig:
         include / exclude: fqn globs selecting the nn.Linear layers to switch.
         pins: fqn glob -> format kept fixed (the LM head in bf16 by default): a mapping, or a list of
             "glob=format" strings (the form Hydra overrides can write: ``snip.pins=[]`` clears them,
-            ``'snip.pins=["*lm_head=bf16","*.attn.q=fp8"]'`` replaces them).
+            ``'snip.pins=["*lm_head=bf16","*.attn.q=fp8"]'`` replaces them). A pin you write must match
+            a converted layer (setup fails naming it); the default one may match none (a model whose
+            head is not called ``lm_head``).
         extra_pins: more pins in the same forms, added to ``pins``: how one is added from the command
             line without restating the defaults (``'snip.extra_pins=["*.attn.q=fp8"]'``); an
             extra pin wins over a ``pins`` entry with the same glob.
@@ -124,7 +129,7 @@ class SNIPConfig:
     initial_format: Format = Format.FP8
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ()
-    pins: Any = field(default_factory=lambda: ["*lm_head=bf16"])  # Any: a list (as overrides write it) or a mapping
+    pins: Any = field(default_factory=lambda: list(DEFAULT_PINS))  # Any: a list (as overrides write it) or a mapping
     extra_pins: Any = field(default_factory=list)
     max_rows: int = 1024
     curvature_probe: CurvatureProbe = CurvatureProbe.ERROR
@@ -204,6 +209,14 @@ class SNIPConfig:
     def pin_formats(self) -> dict[str, str]:
         """``pins`` and ``extra_pins`` as one mapping glob -> format name."""
         return {**_parse_pins(self.pins), **_parse_pins(self.extra_pins, field_name="extra_pins")}
+
+    @property
+    def optional_pins(self) -> frozenset[str]:
+        """The globs of ``pins`` that may match no layer: the default pins' while ``pins`` is the default
+        (and extra_pins does not restate them); every pin a user wrote must match one."""
+        if not (isinstance(self.pins, tuple) and self.pins == DEFAULT_PINS):
+            return frozenset()
+        return frozenset(_parse_pins(self.pins)) - frozenset(_parse_pins(self.extra_pins, field_name="extra_pins"))
 
     @property
     def formats(self) -> tuple[Format, ...]:

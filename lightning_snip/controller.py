@@ -173,7 +173,8 @@ class SNIPController:
         cfg = self.config
         try:
             self.layers = convert_linears(model, filter=glob_filter(cfg.include, cfg.exclude), pins=cfg.pin_formats,
-                                          initial_format=cfg.initial_format, recipe=cfg.recipe)
+                                          optional_pins=cfg.optional_pins, initial_format=cfg.initial_format,
+                                          recipe=cfg.recipe)
         except ValueError as err:  # name the config's field, not convert_linears' argument (pins is both)
             message = str(err)
             if message.startswith("filter:"):

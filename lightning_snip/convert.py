@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from torch import nn
 
@@ -34,6 +34,7 @@ def convert_linears(
     *,
     filter: LinearFilter | None = None,
     pins: Mapping[str, Format | str] | None = None,
+    optional_pins: Collection[str] = (),
     initial_format: Format | str = Format.BF16,
     recipe: QuantRecipe = QuantRecipe(),
 ) -> dict[str, SNIPLinear]:
@@ -43,7 +44,8 @@ def convert_linears(
         model: converted in place.
         filter: ``(fqn, module) -> bool``; None selects every nn.Linear.
         pins: fqn glob -> format; a matching layer is fixed to that format (``layer.pinned``) and no
-            plan may change it. Every pin must match a selected layer.
+            plan may change it. Every pin must match a selected layer, but those in ``optional_pins``
+            (SNIPConfig's default pin of the LM head, on a model that has none).
         initial_format: the format of unpinned layers until the first plan. Where a layer's shape
             does not support it (block formats need dimensions divisible by the block), the layer
             stays in bf16 and a warning names it.
@@ -67,9 +69,12 @@ def convert_linears(
             targets.append((fqn, m))
     if not targets:
         raise ValueError("filter: selects no nn.Linear layer of the model; check the include/exclude patterns")
-    unused = [p for p in pin_formats if not any(fnmatch.fnmatchcase(fqn, p) for fqn, _ in targets)]
+    unused = [p for p in pin_formats if p not in optional_pins and not any(fnmatch.fnmatchcase(fqn, p) for fqn, _ in targets)]
     if unused:
-        raise ValueError(f"pins: pattern(s) {unused} match no converted layer")
+        names = [fqn for fqn, _ in targets]
+        shown = names if len(names) <= 4 else names[:3] + ["...", names[-1]]
+        raise ValueError(f"pins: pattern(s) {unused} match no converted layer; the converted layers are "
+                         f"{', '.join(shown)} ({len(names)} in all)")
 
     converted: dict[str, SNIPLinear] = {}
     for fqn, linear in targets:

@@ -450,10 +450,10 @@ def quiet_third_party_output() -> None:
         lightning_logger = logging.getLogger(name)
         lightning_logger.handlers.clear()  # Lightning's own handler duplicated every line
         lightning_logger.propagate = True
-    for name, level in (("torchao", logging.ERROR),  # optional CUDA/Triton extensions absent on CPU
-                        ("torch.utils._pytree", logging.ERROR),  # torchao's enum registrations
-                        ("mip", logging.WARNING)):
-        logging.getLogger(name).setLevel(level)
+    # torchao's notices of its absent CUDA extensions and torch's of torchao's enum registrations are
+    # dropped by the package itself (lightning_snip._logging), by their exact wording. python-mip's INFO
+    # lines (the solver's progress) are the planner's to report.
+    logging.getLogger("mip").setLevel(logging.WARNING)
     for handler in logging.getLogger().handlers:
         handler.addFilter(_DropNoise())
     warnings.filterwarnings("ignore", message=r".*treespec, LeafSpec.*")

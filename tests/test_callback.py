@@ -175,6 +175,20 @@ def test_filter_matching_nothing_fails_at_setup(tmp_path):
         _fit(tmp_path, SNIPCallback(_snip(include=("nothing.*",))), max_steps=1)
 
 
+def test_the_default_pin_may_match_no_layer_but_a_written_pin_must(tmp_path):
+    """A model without an ``lm_head`` (here: excluded from conversion) trains at SNIPConfig's default
+    pins; a pin the user wrote that matches nothing fails at setup, naming converted layers."""
+    snip = SNIPCallback(_snip(exclude=("*lm_head",)))
+    _fit(tmp_path, snip, max_steps=4)
+    assert snip.num_plans_applied == 1 and "model.lm_head" not in snip.layers
+    with pytest.raises(ValueError, match=r"^pins: pattern\(s\) \['\*\.attn\.qq'\] match no converted layer; the converted "
+                       r"layers are model\.layers\.0\.attn\.q, model\.layers\.0\.attn\.k, model\.layers\.0\.attn\.v, \.\.\., "
+                       r"model\.lm_head \(15 in all\)$"):
+        _fit(tmp_path, SNIPCallback(_snip(extra_pins=["*.attn.qq=fp8"])), max_steps=1)
+    with pytest.raises(ValueError, match=r"^pins: pattern\(s\) \['\*lm_head'\] match no"):  # written as a mapping
+        _fit(tmp_path, SNIPCallback(_snip(exclude=("*lm_head",), pins={"*lm_head": "bf16"})), max_steps=1)
+
+
 def test_unsupported_strategy_fails_at_setup(tmp_path, monkeypatch):
     # FSDP/DeepSpeed cannot be built on a CPU-only machine: narrow the supported set instead, so the
     # single-device strategy this test runs under is the unsupported one.

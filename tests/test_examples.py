@@ -26,3 +26,31 @@ def test_readme_main_job_command_runs(tmp_path):
     assert list((tmp_path / "runs").rglob("events.out.tfevents.*"))
     readme = (ROOT / "README.md").read_text()
     assert "python -m lightning_snip.train" in readme and "make demo" in readme
+
+
+def test_a_library_user_sees_snips_lines_and_not_torchaos_notices(tmp_path):
+    """A script that only adds the callback (no logging set up) prints SNIP's setup and plan lines, as
+    Lightning prints its own, and none of torchao's notices of absent CUDA extensions or torch's of
+    torchao's enum registrations; a script that configures logging gets each line once."""
+    script = (
+        "import sys, logging, lightning.pytorch as pl\n"
+        "from lightning_snip import SNIPCallback, SNIPConfig\n"
+        "from lightning_snip.demo.lightning import ByteTextDataModule, DemoLM\n"
+        "from lightning_snip.demo.model import LlamaConfig\n"
+        "if sys.argv[1] == 'configured':\n"
+        "    logging.basicConfig(level=logging.INFO, format='ROOT %(name)s: %(message)s')\n"
+        "snip = SNIPCallback(SNIPConfig(warmup_steps=2, interval=4, max_rows=64, noise_draws=1, first_order_steps=1))\n"
+        "pl.Trainer(max_steps=4, callbacks=[snip], accelerator='cpu', limit_val_batches=0, logger=False,\n"
+        "           enable_checkpointing=False, enable_progress_bar=False).fit(\n"
+        "    DemoLM(LlamaConfig(dim=64, num_layers=2, hidden_dim=160)), datamodule=ByteTextDataModule(seq_len=32, batch_size=4))\n"
+    )
+    for mode in ("bare", "configured"):
+        proc = subprocess.run([sys.executable, "-c", script, mode], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        log = proc.stderr + proc.stdout
+        setup = [line for line in log.splitlines() if "SNIP: 15 switchable layers (1 pinned)" in line]
+        applied = [line for line in log.splitlines() if "SNIP plan applied at step 3: FP4 FLOPs fraction" in line]
+        assert len(setup) == 1 and len(applied) == 1, log[-3000:]
+        assert applied[0].startswith("ROOT lightning_snip.controller: " if mode == "configured" else "SNIP plan"), applied
+        for noise in ("Failed to load", "register_constant", "Detected no triton"):
+            assert noise not in log, noise
