@@ -18,6 +18,7 @@ import sys
 import time
 import typing
 import warnings
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,6 +183,10 @@ def check_overrides(args: typing.Sequence[str]) -> None:
     groups = typing.get_type_hints(TrainConfig)
     for override in overrides:
         group, _, name = override.key_or_group.partition(".")
+        if not (override.is_hydra_override() or override.is_delete() or group in groups):
+            # Hydra's own message is 7 lines with no allowed keys, and its hint (+foo=1) ends in a traceback
+            raise ConfigError(f"{override.key_or_group}: unknown key; allowed: {', '.join(sorted(groups))} and their "
+                              f"fields (e.g. snip.fp4_fraction=0.9), model=<preset> ({', '.join(MODELS)}), hydra.*")
         if (override.is_hydra_override() or group not in groups or not name or override.is_delete()
                 or override.is_sweep_override()):
             continue
@@ -325,10 +330,20 @@ def _resolve_ckpt_path(ckpt_path: str | None, ckpt_dir: Path) -> str | None:
         if not (ckpt_dir / "last.ckpt").exists():  # a file, or a folder (FSDP2's distributed checkpoint)
             raise ConfigError(f"trainer.ckpt_path: 'last', but there is no checkpoint {ckpt_dir / 'last.ckpt'}; "
                               "allowed: null, last (after a run with the same trainer.output_dir), or a .ckpt file")
-        return str(ckpt_dir / "last.ckpt")
-    if ckpt_path is not None and not Path(ckpt_path).exists():
+        ckpt_path = str(ckpt_dir / "last.ckpt")
+    elif ckpt_path is not None and not Path(ckpt_path).exists():
         raise ConfigError(f"trainer.ckpt_path: {ckpt_path!r} does not exist; allowed: null, last, or a .ckpt file "
                           "(or an FSDP2 checkpoint folder)")
+    if ckpt_path is not None and Path(ckpt_path).is_file():
+        # torch.save's files are zip archives whose directory ends the file: opening one reads that
+        # directory only, so a truncated or foreign file fails here in milliseconds, not in a traceback
+        # from inside Trainer.fit
+        try:
+            with zipfile.ZipFile(ckpt_path):
+                pass
+        except (zipfile.BadZipFile, OSError) as err:
+            raise ConfigError(f"trainer.ckpt_path: {ckpt_path!r} is not a readable checkpoint ({err}); allowed: a "
+                              "checkpoint this app or Lightning wrote (a truncated copy cannot resume)") from None
     return ckpt_path
 
 

@@ -81,7 +81,9 @@ def test_pins_from_the_command_line(override, expected):
     ("snip.pins=[lm_head]", r"snip.pins\[0\]: 'lm_head' is not 'glob=format'"),
     ('snip.pins=["*lm_head=fp5"]', r"snip.pins\[\*lm_head\]: unknown format 'fp5'"),
     ("+snip.foo=1", r"snip.foo: unknown key; allowed: .*interval"),
-    ("model.num_heads=3", r"model.num_heads: 3 with model.dim 128"),
+    ("model.num_heads=3", r"model.num_heads: 3 does not divide model.dim 128; allowed: a divisor of 128"),
+    ("model.dim=65", r"model.dim: 65 is not a multiple of model.num_heads 4; allowed: a multiple of 4"),  # the field set
+    ("model.num_kv_heads=3", r"model.num_kv_heads: 3 does not divide model.num_heads 4; allowed: a divisor of 4"),
     ("model.dim=60", r"model.dim: 60 gives an odd head size 15"),
     ("data.seq_len=600", r"data.seq_len: 600 exceeds model.max_seq_len 512"),
     ("trainer.precision=bogus", r"trainer.precision: invalid value 'bogus'; allowed: 32-true"),

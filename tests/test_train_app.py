@@ -54,6 +54,8 @@ def test_progress_plan_lines_clean_output_and_summary(tmp_path):
     (["data.path={empty}"], "data.path: '{empty}' holds 0 bytes; at least"),
     (["data.path={short}"], "data.path: '{short}' holds 100 bytes; at least 661 are needed"),
     (["+snip.foo=1"], "snip.foo: unknown key; allowed:"),
+    (["foo=1"], "foo: unknown key; allowed: data, model, snip, trainer and their fields"),
+    (["+foo.bar=1"], "foo.bar: unknown key; allowed: data, model, snip, trainer and their fields"),
     (["snip.formats=[fp8,int4]"], "snip.formats: unknown key; allowed: aggregate_decay, apply_delay, candidate_formats"),
     (["snip.noise_guard=maybe"], "snip.noise_guard: 'maybe' is not a valid value (Value 'maybe' is not a valid bool"),
     # an Enum field: its values named; the library's "pins[0]: ..." gets the app's prefix
@@ -68,11 +70,16 @@ def test_progress_plan_lines_clean_output_and_summary(tmp_path):
     (["model.name=smollm2"], "model.name: 'smollm2' with the model preset 'tiny'; allowed: choose the model with "
                              "model=smollm2"),
     (["trainer.lr_warmup_steps=-1"], "trainer.lr_warmup_steps: invalid value -1; allowed: an integer >= 0"),
+    (["trainer.ckpt_path={truncated}"], "trainer.ckpt_path: '{truncated}' is not a readable checkpoint ("),
 ])
 def test_configuration_errors_are_one_line_before_training(tmp_path, overrides, message):
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "short.txt").write_bytes(b"x" * 100)
-    paths = {"empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt"}
+    import torch
+
+    torch.save({"state_dict": {"w": torch.zeros(4096)}}, tmp_path / "whole.ckpt")
+    (tmp_path / "truncated.ckpt").write_bytes((tmp_path / "whole.ckpt").read_bytes()[:10000])  # a copy cut off
+    paths = {"empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt", "truncated": tmp_path / "truncated.ckpt"}
     overrides = [o.format(**paths) for o in overrides]
     proc = _run(tmp_path, "trainer.max_steps=4", *overrides)
     assert proc.returncode == 2, proc.stderr[-3000:]

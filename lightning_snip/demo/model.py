@@ -5,6 +5,7 @@ Linear layers are named q/k/v/o (attention) and gate/up/down (MLP), plus lm_head
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +28,20 @@ class LlamaConfig:
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "hidden_dim", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name}: must be > 0, got {getattr(self, name)}")
-        if self.dim % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"model.num_heads: {self.num_heads} with model.dim {self.dim} and model.num_kv_heads "
-                f"{self.num_kv_heads}; allowed: a divisor of dim that num_kv_heads divides"
-            )
+        # Two fields disagree: the message names the one the user changed (the other at its default).
+        changed = {f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
+        if self.dim % self.num_heads:
+            if "num_heads" in changed and "dim" not in changed:
+                raise ValueError(f"model.num_heads: {self.num_heads} does not divide model.dim {self.dim}; allowed: "
+                                 f"a divisor of {self.dim} that model.num_kv_heads {self.num_kv_heads} divides")
+            raise ValueError(f"model.dim: {self.dim} is not a multiple of model.num_heads {self.num_heads}; allowed: a "
+                             f"multiple of {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            if "num_heads" in changed and "num_kv_heads" not in changed:
+                raise ValueError(f"model.num_heads: {self.num_heads} is not a multiple of model.num_kv_heads "
+                                 f"{self.num_kv_heads}; allowed: a multiple of {self.num_kv_heads} dividing {self.dim}")
+            raise ValueError(f"model.num_kv_heads: {self.num_kv_heads} does not divide model.num_heads "
+                             f"{self.num_heads}; allowed: a divisor of {self.num_heads}")
         if (self.dim // self.num_heads) % 2:
             raise ValueError(f"model.dim: {self.dim} gives an odd head size {self.dim // self.num_heads} "
                              f"(model.num_heads {self.num_heads}); allowed: dim / num_heads even (RoPE rotates pairs)")
