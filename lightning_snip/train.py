@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_snip.config import SNIPConfig, check_field
 from lightning_snip.demo.model import LlamaConfig
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = str(Path(__file__).resolve().parent / "conf")  # inside the package: a wheel carries it
 logger = logging.getLogger("lightning_snip.train")  # also when run as __main__
 
 # The app's configuration: the library's SNIPConfig plus the demo's model, data and trainer.
