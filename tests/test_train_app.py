@@ -1,6 +1,7 @@
 """The Hydra app as a user runs it: a subprocess per run (few steps, a small model)."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,6 +41,13 @@ def test_progress_plan_lines_clean_output_and_summary(tmp_path):
     assert "compiled kernel _mx_sr_kernel for cpu in" in log  # compiled, its first-call time reported
     for noise in ("💡", "Failed to load", "Detected no triton", "LeafSpec", "register_constant", "INFO: "):
         assert noise not in log, noise
+    # Every line before the summary is Lightning's or the project's, once, in Hydra's format; nothing on stderr.
+    assert not proc.stderr.strip(), proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.split("=== SNIP summary ===")[0].splitlines() if line.strip()]
+    logged = re.compile(r"^\[[\d\- :,]+\]\[(lightning_snip|lightning\.pytorch)[\w.]*\]\[(INFO|WARNING)\] - ")
+    assert all(logged.match(line) for line in lines), [line for line in lines if not logged.match(line)]
+    assert [line.split("] - ", 1)[1][:22] for line in lines[:4]] == [
+        "GPU available: False, ", "TPU available: False, ", "SNIP: 15 switchable la", "SNIP: GEMM kernels: fp"]
     summary = proc.stdout.split("=== SNIP summary ===", 1)[1]
     assert f"checkpoint: {tmp_path}/runs/checkpoints/last.ckpt" in summary
     assert "plans applied 2; statistics rounds 2" in summary and "non-finite" not in summary
