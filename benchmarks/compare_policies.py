@@ -620,7 +620,11 @@ def run_jobs(s: Setup, ckpt, measured, jobs, store: Path, workers: int, root: Pa
     needs_truths = [job for job in jobs if job[0].startswith("oracle")] if "truths" not in measured else []
     batches = [[job for job in jobs if job not in needs_truths], needs_truths]
     ctx = multiprocessing.get_context("spawn")
-    with futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+    # SmolLM2: a fresh process per run (its load, ~20 s, is cheaper than what a reused worker's heap
+    # grows to: a worker reached 10.5 GB and two of them with the main process ran out of 24 GB on
+    # 2026-12-02); the demo's workers are reused.
+    per_run = 1 if s.model == "smollm2" else None
+    with futures.ProcessPoolExecutor(workers, mp_context=ctx, max_tasks_per_child=per_run) as pool:
         for batch in batches:
             if batch is needs_truths and batch:
                 truths()
@@ -901,6 +905,18 @@ def quick_setting(name: str) -> str:
     return f"{name}_quick" if f"{name}_quick" in SETTINGS else "quick"
 
 
+def release_memory() -> None:
+    """Collect cycles and hand freed heap pages back to the OS (glibc's malloc_trim; a no-op elsewhere)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def prepare(s: Setup, work: Path, store: Path) -> tuple[Path, dict]:
     """The checkpoint and its measurements, from the cache where they are this setting's. The
     pretraining (seed 1234) is deterministic: a checkpoint regenerated in a later session (the
@@ -977,6 +993,7 @@ def main() -> None:
         store.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         ckpt, measured = prepare(s, work, store)
+        release_memory()  # the pretraining's model and optimizer, before the workers start
         print(f"# [{name}] checkpoint after {s.pretrain_steps} high-precision steps ({time.perf_counter() - t0:.0f} s; "
               f"fingerprint {measured['fingerprint']}); truth ceilings (split-half Spearman) "
               + (", ".join(f"{k} {v:.2f}" for k, v in measured["ceilings"].items()) if "ceilings" in measured
