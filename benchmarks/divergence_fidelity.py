@@ -1,4 +1,4 @@
-"""Fidelity of the divergence estimates out of sample (../SNIP_METHOD.md section 9).
+"""Fidelity of the divergence estimates out of sample (docs/method.md section 9).
 
 For each model (the 4-block demo model on the stdlib corpus; an 8-block model of the same
 architecture on a second corpus, the prose of Python's own documentation, pydoc_data/topics.py;

@@ -1,7 +1,7 @@
 """Evidence accumulated across statistics rounds: an exponential moving average of each layer's LD
 and WD per format, which the planner solves on instead of the last round alone.
 
-One round's LD is one batch's estimate and carries that batch's noise (../SNIP_METHOD.md section 4);
+One round's LD is one batch's estimate and carries that batch's noise (docs/method.md section 4);
 averaging rounds is the largest single gain measured for it (benchmarks/results/divergence_fidelity_*).
 Rounds come from different checkpoints of a run, so older ones go stale: an EMA weighs them down.
 

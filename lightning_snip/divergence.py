@@ -1,6 +1,6 @@
 """Forward loss divergence LD and backward weight divergence WD per (layer, format).
 
-../SNIP_METHOD.md sections 4 and 5. For layer l with recorded X, G, W and candidate format p:
+docs/method.md sections 4 and 5. For layer l with recorded X, G, W and candidate format p:
 
     dY     = Q_p(X) Q_p(W)^T - X W^T
     LD     = <G, dY> + 1/2 kappa_l ||dY||^2,   kappa_l = <d_l, G'_l - G_l> / ||d_l||^2
@@ -540,8 +540,8 @@ def _update_energy(stats: Statistics, adam: Mapping[str, AdamState | None],
     slice's own gradient), or the gradient itself without Adam moments.
 
     WD perturbs the next AdamW step, the one that takes this batch's gradient: its moments include
-    that gradient (SNIP_METHOD section 5 reads them before it; measured, that let one batch with
-    unusually large gradients dominate a round: WD's two-round agreement fell to 0.16-0.36)."""
+    that gradient (the method text reads them before it, docs/method.md section 5; measured, that let one
+    batch with unusually large gradients dominate a round: WD's two-round agreement fell to 0.16-0.36)."""
     parts, like = [], None  # one device sync at the end, not one per parameter
     for name in stats.param_names:
         grad = stats.param_grad(name, precision)

@@ -1,7 +1,7 @@
 """SNIPLinear: an nn.Linear whose forward, dgrad and wgrad GEMMs follow a switchable format.
 
 For X (N x k), W (m x k), G = dL/dY (N x m), each GEMM quantizes both operands along its own
-contraction axis (../SNIP_METHOD.md section 1):
+contraction axis (docs/method.md section 1):
 
     fwd    Y  = Q(X) Q(W)^T      contraction over k
     dgrad  dX = Q(G) Q(W)        contraction over m
