@@ -1,5 +1,5 @@
 """The package as `pip install .` makes it (not editable): a wheel that carries the app's Hydra config, and
-its `snip-train` run from a folder outside the checkout, with the checkout off the path."""
+installed by pip into a fresh venv, whose `snip-train` runs from a folder outside the checkout, the checkout off the path."""
 
 import os
 import shutil
@@ -36,18 +36,25 @@ def test_the_wheel_carries_the_config_and_its_app_trains_outside_the_checkout(tm
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"lightning_snip/conf/config.yaml", "lightning_snip/conf/model/tiny.yaml",
             "lightning_snip/conf/model/smollm2.yaml"} <= names, sorted(n for n in names if "conf" in n)
-    site = tmp_path / "site"
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", str(site),
+    # A fresh venv with the wheel installed by pip; its dependencies are this venv's, reached by a path
+    # line (a .pth file's path line adds the folder but runs none of its .pth files: this venv's
+    # editable hook to the checkout stays out).
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=600)
+    (site,) = (venv / "lib").glob("python3.*/site-packages")
+    deps = next(p for p in map(Path, sys.path) if p.name == "site-packages" and (p / "torch").is_dir())
+    (site / "_this_venvs_dependencies.pth").write_text(f"{deps}\n")
+    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
                            str(wheel)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "elsewhere"
     run.mkdir()
-    # The installed copy first on the path (the dependencies still come from this venv).
-    env = {**os.environ, "PYTHONPATH": str(site)}
-    where = subprocess.run([sys.executable, "-c", "import lightning_snip.train as t; print(t.__file__); print(t.CONF_DIR)"],
-                           cwd=run, env=env, capture_output=True, text=True, timeout=600)
-    assert where.returncode == 0 and all(line.startswith(str(site)) for line in where.stdout.split()), where.stdout
-    app = subprocess.run([str(site / "bin" / "snip-train"), "trainer.max_steps=5", *SMALL], cwd=run, env=env,
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import lightning_snip.train as t; print(t.__file__); "
+                            "print(t.CONF_DIR)"], cwd=run, env=env, capture_output=True, text=True, timeout=600)
+    assert where.returncode == 0 and all(line.startswith(str(site)) for line in where.stdout.split()), (where.stdout,
+                                                                                                      where.stderr[-2000:])
+    app = subprocess.run([str(venv / "bin" / "snip-train"), "trainer.max_steps=5", *SMALL], cwd=run, env=env,
                          capture_output=True, text=True, timeout=600)
     assert app.returncode == 0, app.stderr[-3000:]
     assert "=== SNIP summary ===" in app.stdout
