@@ -1,4 +1,4 @@
-"""The package as `pip install .` makes it (not editable): a wheel that carries the app's Hydra config, and
+"""The package as `pip install .` makes it (not editable): a wheel that carries the app's Hydra config,
 installed by pip into a fresh venv, whose `snip-train` runs from a folder outside the checkout, the checkout off the path."""
 
 import os
