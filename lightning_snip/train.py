@@ -49,7 +49,8 @@ class DataConfig:
         check_field(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "a number in (0, 1)")
 
 
-_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
+# (64-true is not among them: the FP4/FP8 quantizers work on float32 bit patterns)
+_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
 MODELS = ("tiny", "smollm2")  # the demo model (trained from scratch); SmolLM2-135M-Instruct (continued)
@@ -285,7 +286,8 @@ def run(config: TrainConfig, *, output_folder: str | None = None, quiet: bool = 
     tb = TensorBoardLogger(save_dir=t.output_dir, name="snip")
     # Names without "=" (Lightning's default), so a checkpoint path can be a Hydra override value.
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="step{step:06d}", auto_insert_metric_name=False,
-                                 every_n_train_steps=t.checkpoint_every_n_steps, save_top_k=1, save_last=True)
+                                 every_n_train_steps=t.checkpoint_every_n_steps, save_top_k=1, save_last=True,
+                                 enable_version_counter=False)  # a reused output folder: "last" is this run's
     progress = ProgressLog(snip, every_seconds=t.progress_seconds)
     trainer = _build_trainer(t, tb, [snip, checkpoint, progress])
     start = time.perf_counter()
@@ -334,6 +336,9 @@ def _resolve_ckpt_path(ckpt_path: str | None, ckpt_dir: Path) -> str | None:
     elif ckpt_path is not None and not Path(ckpt_path).exists():
         raise ConfigError(f"trainer.ckpt_path: {ckpt_path!r} does not exist; allowed: null, last, or a .ckpt file "
                           "(or an FSDP2 checkpoint folder)")
+    if ckpt_path is not None and Path(ckpt_path).is_dir() and not (Path(ckpt_path) / ".metadata").is_file():
+        raise ConfigError(f"trainer.ckpt_path: {ckpt_path!r} is a folder but not an FSDP2 checkpoint (no .metadata in "
+                          "it); allowed: null, last, a .ckpt file, or an FSDP2 checkpoint folder")
     if ckpt_path is not None and Path(ckpt_path).is_file():
         # torch.save's files are zip archives whose directory ends the file: opening one reads that
         # directory only, so a truncated or foreign file fails here in milliseconds, not in a traceback
@@ -390,7 +395,7 @@ def _print_summary(summary: dict, config: TrainConfig, snip, progress, *, model_
     if snip.plan is not None:
         print(snip.plan.table(max_rows=48))
     else:
-        print(f"no SNIP plan yet (first statistics round at step {config.snip.warmup_steps}); all layers in {config.snip.initial_format}")
+        print(f"no SNIP plan yet (first statistics round at step {config.snip.warmup_steps}); unpinned layers in {config.snip.initial_format}")
     steps_per_second = progress.num_steps / seconds if seconds > 0 else 0.0
     resumed = f" ({progress.num_steps} in this run)" if progress.num_steps != summary["steps"] else ""
     print(f"steps {summary['steps']}{resumed} in {seconds:.1f} s ({steps_per_second:.2f} steps/s); "
@@ -434,7 +439,7 @@ class ProgressLog(pl.Callback):
         self._last_step = trainer.global_step
         cfg = self.snip.config
         if trainer.is_global_zero:
-            logger.info("training %d steps from step %d; SNIP statistics every %d steps from step %d",
+            logger.info("training to step %d from step %d; SNIP statistics every %d steps from step %d",
                         trainer.max_steps, trainer.global_step, cfg.interval, cfg.warmup_steps)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

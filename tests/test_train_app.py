@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,6 +80,8 @@ def test_progress_plan_lines_clean_output_and_summary(tmp_path):
                              "model=smollm2"),
     (["trainer.lr_warmup_steps=-1"], "trainer.lr_warmup_steps: invalid value -1; allowed: an integer >= 0"),
     (["trainer.ckpt_path={truncated}"], "trainer.ckpt_path: '{truncated}' is not a readable checkpoint ("),
+    (["trainer.ckpt_path={folder}"], "trainer.ckpt_path: '{folder}' is a folder but not an FSDP2 checkpoint"),
+    (["trainer.precision=64-true"], "trainer.precision: invalid value '64-true'; allowed: 32-true"),
 ])
 def test_configuration_errors_are_one_line_before_training(tmp_path, overrides, message):
     (tmp_path / "empty.txt").write_bytes(b"")
@@ -87,7 +90,8 @@ def test_configuration_errors_are_one_line_before_training(tmp_path, overrides, 
 
     torch.save({"state_dict": {"w": torch.zeros(4096)}}, tmp_path / "whole.ckpt")
     (tmp_path / "truncated.ckpt").write_bytes((tmp_path / "whole.ckpt").read_bytes()[:10000])  # a copy cut off
-    paths = {"empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt", "truncated": tmp_path / "truncated.ckpt"}
+    paths = {"empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt", "truncated": tmp_path / "truncated.ckpt",
+             "folder": tmp_path}
     overrides = [o.format(**paths) for o in overrides]
     proc = _run(tmp_path, "trainer.max_steps=4", *overrides)
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -103,6 +107,11 @@ def test_killed_run_resumes_to_the_uninterrupted_runs_plan(tmp_path):
     full = _run(tmp_path / "full", *steps)
     assert full.returncode == 0, full.stderr[-3000:]
 
+    # The output folder of an earlier run (its last.ckpt at step 16): the new run's checkpoints replace
+    # it, so that "last" resumes the new run (Lightning's version counter wrote last-v1.ckpt beside it).
+    old = tmp_path / "killed" / "runs" / "checkpoints"
+    old.mkdir(parents=True)
+    shutil.copy(tmp_path / "full" / "runs" / "checkpoints" / "last.ckpt", old / "last.ckpt")
     proc = subprocess.Popen(_cmd(tmp_path / "killed", *steps), cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     checkpoint = tmp_path / "killed" / "runs" / "checkpoints" / "step000008.ckpt"
@@ -116,7 +125,8 @@ def test_killed_run_resumes_to_the_uninterrupted_runs_plan(tmp_path):
 
     resumed = _run(tmp_path / "killed", *steps, "trainer.ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "training 16 steps from step 0" not in resumed.stderr + resumed.stdout
+    assert re.search(r"training to step 16 from step (8|12)\b", resumed.stderr + resumed.stdout), resumed.stdout[-2000:]
+    assert not list(old.glob("*-v*.ckpt"))
     assert _plan_table(resumed.stdout) == _plan_table(full.stdout)
 
 
