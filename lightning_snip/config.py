@@ -211,6 +211,11 @@ class SNIPConfig:
         return {**_parse_pins(self.pins), **_parse_pins(self.extra_pins, field_name="extra_pins")}
 
     @property
+    def extra_pin_globs(self) -> frozenset[str]:
+        """The globs ``extra_pins`` pins (an error about them names that field)."""
+        return frozenset(_parse_pins(self.extra_pins, field_name="extra_pins"))
+
+    @property
     def optional_pins(self) -> frozenset[str]:
         """The globs of ``pins`` that may match no layer: the default pins' while ``pins`` is the default
         (and extra_pins does not restate them); every pin a user wrote must match one."""

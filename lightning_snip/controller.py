@@ -23,11 +23,13 @@ is the Lightning adapter over it; a plain PyTorch loop or a benchmark can drive 
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import json
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -179,6 +181,9 @@ class SNIPController:
             message = str(err)
             if message.startswith("filter:"):
                 raise ValueError("include:" + message[len("filter:"):]) from None
+            unused = re.match(r"pins: pattern\(s\) (\[.*?\]) match no", message)
+            if unused and set(ast.literal_eval(unused.group(1))) <= cfg.extra_pin_globs:
+                raise ValueError("extra_pins:" + message[len("pins:"):]) from None
             raise
         self.flops = layer_flops(self.layers)
         self.propagation = Propagation(cfg.wd_propagation)

@@ -211,7 +211,7 @@ def solve_plan(
     if not (isinstance(weight_divergence_weight, (int, float)) and weight_divergence_weight >= 0 and math.isfinite(weight_divergence_weight)):
         raise ValueError(f"weight_divergence_weight: must be a finite number >= 0, got {weight_divergence_weight!r}")
     if not (isinstance(time_limit_seconds, (int, float)) and time_limit_seconds > 0):
-        raise ValueError(f"time_limit_seconds: must be > 0, got {time_limit_seconds!r}")
+        raise ValueError(f"time_limit_seconds: invalid value {time_limit_seconds!r}; allowed: a number of seconds > 0")
     target, groups = _validate(layers, fp4_fraction, cost_budget, stages, relative_cost)
     start = time.perf_counter()
 

@@ -184,6 +184,9 @@ def check_overrides(args: typing.Sequence[str]) -> None:
     groups = typing.get_type_hints(TrainConfig)
     for override in overrides:
         group, _, name = override.key_or_group.partition(".")
+        if group == "model" and not name and not override.is_delete() and override.value() not in MODELS:
+            # Hydra's own message for an unknown preset is 11 lines
+            raise ConfigError(f"model: {override.value()!r} is not a model preset; allowed: {', '.join(MODELS)}")
         if not (override.is_hydra_override() or override.is_delete() or group in groups):
             # Hydra's own message is 7 lines with no allowed keys, and its hint (+foo=1) ends in a traceback
             raise ConfigError(f"{override.key_or_group}: unknown key; allowed: {', '.join(sorted(groups))} and their "

@@ -181,7 +181,7 @@ def test_the_default_pin_may_match_no_layer_but_a_written_pin_must(tmp_path):
     snip = SNIPCallback(_snip(exclude=("*lm_head",)))
     _fit(tmp_path, snip, max_steps=4)
     assert snip.num_plans_applied == 1 and "model.lm_head" not in snip.layers
-    with pytest.raises(ValueError, match=r"^pins: pattern\(s\) \['\*\.attn\.qq'\] match no converted layer; the converted "
+    with pytest.raises(ValueError, match=r"^extra_pins: pattern\(s\) \['\*\.attn\.qq'\] match no converted layer; the converted "
                        r"layers are model\.layers\.0\.attn\.q, model\.layers\.0\.attn\.k, model\.layers\.0\.attn\.v, \.\.\., "
                        r"model\.lm_head \(15 in all\)$"):
         _fit(tmp_path, SNIPCallback(_snip(extra_pins=["*.attn.qq=fp8"])), max_steps=1)

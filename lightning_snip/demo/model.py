@@ -27,7 +27,7 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "hidden_dim", "max_seq_len"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"model.{name}: must be > 0, got {getattr(self, name)}")
+                raise ValueError(f"model.{name}: invalid value {getattr(self, name)!r}; allowed: an integer > 0")
         # Two fields disagree: the message names the one the user changed (the other at its default).
         changed = {f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
         if self.dim % self.num_heads:
