@@ -23,13 +23,11 @@ is the Lightning adapter over it; a plain PyTorch loop or a benchmark can drive 
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
 import json
 import logging
 import math
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -39,7 +37,7 @@ import torch
 
 from lightning_snip.aggregate import METRICS, DivergenceAggregate
 from lightning_snip.config import SNIPConfig
-from lightning_snip.convert import apply_plan, convert_linears, glob_filter, layer_assignment
+from lightning_snip.convert import UnmatchedPinsError, apply_plan, convert_linears, glob_filter, layer_assignment
 from lightning_snip.divergence import (DivergenceResult, FirstOrderTerms, LayerDivergence, LossEstimator,
                                        estimate_divergence)
 from lightning_snip.evidence import (check_reachable, grad_noise_ratios, guarded_formats, invalid_formats,
@@ -110,6 +108,17 @@ class PendingSolve:
         return collective.broadcast((message, error))
 
 
+def _config_field_error(err: ValueError, cfg) -> ValueError:
+    """convert_linears' error in the config's words: its ``filter`` is ``include``, and unmatched pins
+    that all come from ``extra_pins`` are named as that field."""
+    message = str(err)
+    if message.startswith("filter:"):
+        return ValueError("include:" + message[len("filter:"):])
+    if isinstance(err, UnmatchedPinsError) and set(err.patterns) <= cfg.extra_pin_globs:
+        return ValueError("extra_pins:" + message[len("pins:"):])
+    return err
+
+
 class SNIPController:
     """Adaptive per-layer FP4/FP8 precision (SNIP) for a model's linear layers, trainer-free.
 
@@ -178,13 +187,7 @@ class SNIPController:
                                           optional_pins=cfg.optional_pins, initial_format=cfg.initial_format,
                                           recipe=cfg.recipe)
         except ValueError as err:  # name the config's field, not convert_linears' argument (pins is both)
-            message = str(err)
-            if message.startswith("filter:"):
-                raise ValueError("include:" + message[len("filter:"):]) from None
-            unused = re.match(r"pins: pattern\(s\) (\[.*?\]) match no", message)
-            if unused and set(ast.literal_eval(unused.group(1))) <= cfg.extra_pin_globs:
-                raise ValueError("extra_pins:" + message[len("pins:"):]) from None
-            raise
+            raise _config_field_error(err, cfg) from None
         self.flops = layer_flops(self.layers)
         self.propagation = Propagation(cfg.wd_propagation)
         self.recorder = FirstOrderRecorder(self.layers, cfg)

@@ -29,6 +29,14 @@ def glob_filter(include: Sequence[str] = ("*",), exclude: Sequence[str] = ()) ->
     return keep
 
 
+class UnmatchedPinsError(ValueError):
+    """A pin glob matches no converted layer; ``patterns`` holds them (the caller names its own field)."""
+
+    def __init__(self, patterns: Sequence[str], message: str) -> None:
+        super().__init__(message)
+        self.patterns = tuple(patterns)
+
+
 def convert_linears(
     model: nn.Module,
     *,
@@ -73,8 +81,8 @@ def convert_linears(
     if unused:
         names = [fqn for fqn, _ in targets]
         shown = names if len(names) <= 4 else names[:3] + ["...", names[-1]]
-        raise ValueError(f"pins: pattern(s) {unused} match no converted layer; the converted layers are "
-                         f"{', '.join(shown)} ({len(names)} in all)")
+        raise UnmatchedPinsError(unused, f"pins: pattern(s) {unused} match no converted layer; the converted layers "
+                                         f"are {', '.join(shown)} ({len(names)} in all)")
 
     converted: dict[str, SNIPLinear] = {}
     for fqn, linear in targets:

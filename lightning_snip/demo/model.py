@@ -30,18 +30,12 @@ class LlamaConfig:
                 raise ValueError(f"model.{name}: invalid value {getattr(self, name)!r}; allowed: an integer > 0")
         # Two fields disagree: the message names the one the user changed (the other at its default).
         changed = {f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
-        if self.dim % self.num_heads:
-            if "num_heads" in changed and "dim" not in changed:
-                raise ValueError(f"model.num_heads: {self.num_heads} does not divide model.dim {self.dim}; allowed: "
-                                 f"a divisor of {self.dim} that model.num_kv_heads {self.num_kv_heads} divides")
-            raise ValueError(f"model.dim: {self.dim} is not a multiple of model.num_heads {self.num_heads}; allowed: a "
-                             f"multiple of {self.num_heads}")
-        if self.num_heads % self.num_kv_heads:
-            if "num_heads" in changed and "num_kv_heads" not in changed:
-                raise ValueError(f"model.num_heads: {self.num_heads} is not a multiple of model.num_kv_heads "
-                                 f"{self.num_kv_heads}; allowed: a multiple of {self.num_kv_heads} dividing {self.dim}")
-            raise ValueError(f"model.num_kv_heads: {self.num_kv_heads} does not divide model.num_heads "
-                             f"{self.num_heads}; allowed: a divisor of {self.num_heads}")
+        for small, large in (("num_heads", "dim"), ("num_kv_heads", "num_heads")):
+            a, b = getattr(self, small), getattr(self, large)
+            if b % a and small in changed and large not in changed:
+                raise ValueError(f"model.{small}: {a} does not divide model.{large} {b}; allowed: a divisor of {b}")
+            if b % a:
+                raise ValueError(f"model.{large}: {b} is not a multiple of model.{small} {a}; allowed: a multiple of {a}")
         if (self.dim // self.num_heads) % 2:
             raise ValueError(f"model.dim: {self.dim} gives an odd head size {self.dim // self.num_heads} "
                              f"(model.num_heads {self.num_heads}); allowed: dim / num_heads even (RoPE rotates pairs)")
