@@ -58,11 +58,17 @@ def round_to_grid(v: torch.Tensor, grid: tuple[int, int, float]) -> torch.Tensor
     return torch.copysign(torch.where(mag < 2.0**emin, sub, normal), v)
 
 
-def random_bits(n: int, generator: torch.Generator | None, device) -> torch.Tensor:
+def random_bits(n: int, generator: torch.Generator | torch.Tensor | None, device) -> torch.Tensor:
     """Random bits for ``n`` stochastic-rounding uniforms: ceil(n / 2) int64 draws, each holding two
     24-bit uniforms (uniforms_from_bits). Half the generator calls of torch.rand (the CPU generator's
     cost dominated SR), and the same distribution as torch.rand's float32: multiples of 2^-24 in [0, 1).
-    Drawn eagerly from the caller's generator by both quantizer paths, so they agree for one state."""
+    Drawn eagerly from the caller's generator by both quantizer paths, so they agree for one state.
+    ``generator`` may be an RNG token (lightning_snip.rng): the same draw through a custom operator
+    that torch.compile traces (SNIPLinear's GEMMs pass their layer's token)."""
+    if isinstance(generator, torch.Tensor):
+        from lightning_snip.rng import random_bits_op
+
+        return random_bits_op(generator, n, torch.device(device))
     return torch.empty((n + 1) // 2, dtype=torch.int64, device=device).random_(generator=generator)
 
 

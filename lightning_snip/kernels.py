@@ -182,6 +182,10 @@ def _default_stance():
 def run_compiled(kernel: Callable, *args):
     """Run ``kernel`` compiled for the first input's device type, or eagerly where compiling failed
     (or under LIGHTNING_SNIP_QUANTIZERS=eager)."""
+    if torch.compiler.is_compiling():
+        # Traced into a user's compiled graph (a SNIPLinear in a compiled model): the kernel's ops
+        # become part of that graph, which inductor fuses with their neighbours.
+        return kernel(*args)
     name = kernel.__name__
     device_type = args[0].device.type
     key = (name, device_type)

@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_snip.formats import Format, QuantRecipe
 from lightning_snip.gemm import quantized_matmul
+from lightning_snip.rng import generator_of, token_for
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class SNIPLinear(nn.Linear):
         self._backward_format: Format | None = None
         # Random source of the stochastic rounding of gradient operands; None: torch's global one.
         # SNIPCallback gives every layer one generator per rank, seeded per step from the run's seed.
-        self.generator: torch.Generator | None = None
+        self.generator = None
         self._format = Format.BF16
         self.format = format
 
@@ -131,6 +132,27 @@ class SNIPLinear(nn.Linear):
                 f"allowed: {allowed}"
             )
         self._format = fmt
+        self._update_gemm_formats()
+
+    def _update_gemm_formats(self) -> None:
+        # What forward reads: the forward and backward formats' names in one string. A compiled graph
+        # guards on it (a new assignment recompiles once). Not the Format members themselves: dynamo
+        # (torch 2.13) guarded an enum attribute of only the first of two layers holding the same
+        # member, so a later change of the second's format ran the stale graph
+        # (tests/test_compile.py::test_a_new_format_assignment_recompiles_once_and_a_seen_one_never).
+        backward = self._backward_format or self._format
+        self._gemm_formats = f"{self._format.value}/{backward.value}"
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The random source of stochastic rounding (None: torch's default generator). Held as an RNG
+        token (lightning_snip.rng), which a compiled graph draws through; a deep copy of the layer
+        draws from the same generator as the original."""
+        return generator_of(self._rng_token)
+
+    @generator.setter
+    def generator(self, value: torch.Generator | None) -> None:
+        self._rng_token = token_for(value)
 
     @property
     def backward_format(self) -> Format | None:
@@ -144,15 +166,13 @@ class SNIPLinear(nn.Linear):
             raise ValueError(f"backward_format: {fmt.value} is not supported by a {self.in_features}->"
                              f"{self.out_features} layer; allowed: {allowed}")
         self._backward_format = fmt
+        self._update_gemm_formats()
 
-    # Under torch.compile a SNIPLinear runs eagerly (a graph break; the model around it compiles).
-    # Traced, it became one frame per layer guarded on its format (stochastic rounding's
-    # torch.Generator and torchao's scale code break graphs inside it anyway): a model with more
-    # layers than recompile_limit (8) hit the limit, and plan changes recompiled.
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        backward_format = self.backward_format or self._format
-        if self._format is Format.BF16 and backward_format is Format.BF16:
+        # Traced by torch.compile into the model's graph in every format (no graph break; the GEMMs'
+        # quantizers fuse with their neighbours), guarded on the formats (_update_gemm_formats).
+        forward_format, backward_format = _GEMM_FORMATS[self._gemm_formats]
+        if forward_format is Format.BF16 and backward_format is Format.BF16:
             return F.linear(x, self.weight, self.bias)
         weight, bias = self.weight, self.bias
         device_type = x.device.type
@@ -163,13 +183,16 @@ class SNIPLinear(nn.Linear):
             x, weight = x.to(dtype), weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
             with torch.autocast(device_type, enabled=False):
-                return _SNIPLinearFunction.apply(x, weight, bias, self._format, backward_format, self.recipe, self.generator)
-        return _SNIPLinearFunction.apply(x, weight, bias, self._format, backward_format, self.recipe, self.generator)
+                return _SNIPLinearFunction.apply(x, weight, bias, forward_format, backward_format, self.recipe, self._rng_token)
+        return _SNIPLinearFunction.apply(x, weight, bias, forward_format, backward_format, self.recipe, self._rng_token)
 
     def extra_repr(self) -> str:
         backward = "" if self._backward_format is None else f", backward_format={self._backward_format.value}"
         return f"{super().extra_repr()}, format={self._format.value}{backward}"
 
+
+# "fwd/bwd" -> (forward Format, backward Format): SNIPLinear._gemm_formats' values.
+_GEMM_FORMATS = {f"{f.value}/{b.value}": (f, b) for f in Format for b in Format}
 
 _SWITCHABLE_CLASSES: dict[type, type] = {}
 

@@ -600,13 +600,15 @@ class FirstOrderSampler:
         so successive steps sample all token positions, not every stride-th one alone."""
         handles = [layer.register_forward_hook(self._make_hook(fqn, offset)) for fqn, layer in self.layers.items()]
         try:
-            yield self
+            # A compiled model runs these steps eagerly: traced, each hook (eager code) broke the graph
+            # at every layer, and the pieces became a frame per layer, past dynamo's recompile limit.
+            with torch.compiler.set_stance("force_eager"):
+                yield self
         finally:
             for handle in handles:
                 handle.remove()
 
     def _make_hook(self, fqn: str, offset: int):
-        @torch.compiler.disable  # eager under torch.compile: no frame per layer, no guard on its name
         def hook(module, args, output):
             if not (torch.is_grad_enabled() and output.requires_grad):
                 return None
