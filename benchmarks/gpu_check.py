@@ -23,6 +23,10 @@
    ``train_fp4`` (not in the default parts): the demo model trained 50 steps with every linear layer in one
    format (bf16, fp8, mxfp4, nvfp4; bf16 autocast, AdamW), first and last loss and whether every step was finite.
 4. A 50-step demo run with SNIPCallback in bf16-mixed (statistics round at step 20, plan applied).
+``block`` (not in the default parts; issue 36): a Llama-style block at width 4096 (2 x 2048 tokens),
+   forward and backward under bf16 autocast, timed in bf16, torchao's Float8Linear (compiled) and
+   SNIPLinear fp8 (compiled, and eager as before issue 36); with ``round_cost``, issue 36's GPU check:
+   ``python benchmarks/gpu_check.py --parts block round_cost --repeats 10``.
 5. ``quality`` (not in the default parts; issue 32's GPU protocol, one run of ~8 minutes):
    compare_policies --setting smollm2_gpu, SmolLM2-135M continued under every policy at FP4 fraction
    0.75 at 10x the CPU protocol's tokens, cut at --quality-budget seconds and reported from its cached
@@ -323,6 +327,75 @@ def train_fp4(device, steps, lines):
         print(lines[-1], flush=True)
 
 
+def block_speed(device, lines, width, tokens, repeats):
+    """Issue 36: one Llama-style block (RMSNorm, GQA attention, SwiGLU 2.75x; the demo's Block) forward
+    and backward under bf16 autocast with fp32 master weights, as bf16-mixed trains it: ms per step in
+    bf16 (eager and compiled), torchao's own Float8Linear compiled (tensorwise and rowwise recipes), and
+    SNIPLinear in fp8 compiled (rowwise, SNIP's default, and tensorwise) and eager (the layer before
+    issue 36). Speed-ups are over compiled bf16; ``vs_torchao`` is SNIP's speed-up over torchao's for the
+    same recipe (target >= 0.95, and > 1 over bf16). On a CPU: torchao emulated, width 256 (a smoke run)."""
+    import copy
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from lightning_snip.convert import convert_linears
+    from lightning_snip.demo.model import Block, LlamaConfig, rope_tables
+    from lightning_snip.formats import Fp8Scaling
+
+    cfg = LlamaConfig(dim=width, num_heads=max(2, width // 128), num_kv_heads=max(1, width // 512),
+                      hidden_dim=(width * 11 // 4) // 256 * 256, max_seq_len=tokens[1])
+    torch.manual_seed(0)
+    base = Block(cfg)
+    cos, sin = (t.to(device) for t in rope_tables(width // cfg.num_heads, tokens[1], cfg.rope_theta))
+    x = torch.randn(*tokens, width, device=device)
+
+    def torchao(recipe):
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        if device.type != "cuda":
+            config = dataclasses.replace(config, emulate=True)
+        block = copy.deepcopy(base).to(device)
+        return convert_to_float8_training(block, config=config)
+
+    def snip(scaling):
+        block = copy.deepcopy(base).to(device)
+        convert_linears(block, initial_format="fp8", recipe=QuantRecipe(fp8_scaling=scaling))
+        return block
+
+    variants = {"bf16_eager": (lambda: copy.deepcopy(base).to(device), False),
+                "bf16": (lambda: copy.deepcopy(base).to(device), True),
+                "torchao_tensorwise": (lambda: torchao("tensorwise"), True),
+                "torchao_rowwise": (lambda: torchao("rowwise"), True),
+                "snip_fp8_rowwise": (lambda: snip(Fp8Scaling.ROWWISE), True),
+                "snip_fp8_tensorwise": (lambda: snip(Fp8Scaling.TENSORWISE), True),
+                "snip_fp8_rowwise_eager": (lambda: snip(Fp8Scaling.ROWWISE), False)}
+    ms = {}
+    for name, (build, compiled) in variants.items():
+        block = build()
+        fn = torch.compile(block) if compiled else block
+
+        def step():
+            with torch.autocast(device.type, torch.bfloat16):
+                loss = fn(x, cos, sin).float().square().mean()
+            loss.backward()
+            for p in block.parameters():
+                p.grad = None
+
+        start = time.perf_counter()
+        step()  # compiles
+        first = time.perf_counter() - start
+        ms[name] = timed(step, repeats) * 1e3
+        lines.append(f"block width={width} tokens={tokens[0]}x{tokens[1]} {name} ms {ms[name]:.2f} "
+                     f"first_call_s {first:.1f}")
+        print(lines[-1], flush=True)
+        del block, fn
+    for recipe in ("rowwise", "tensorwise"):
+        ours, theirs = ms["bf16"] / ms[f"snip_fp8_{recipe}"], ms["bf16"] / ms[f"torchao_{recipe}"]
+        lines.append(f"block {recipe}: speedup over compiled bf16 snip {ours:.3f} torchao {theirs:.3f} "
+                     f"vs_torchao {ours / theirs:.3f} (target >= 0.95, snip > 1)")
+    lines.append(f"block snip fp8 rowwise: compiled vs eager speedup {ms['snip_fp8_rowwise_eager'] / ms['snip_fp8_rowwise']:.2f}")
+
+
 def demo_run(device, steps, lines):
     import logging
 
@@ -396,7 +469,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--parts", nargs="+", default=["fused_vs_reference", "numerics", "speed", "round_cost", "demo"],
                         choices=["fused_vs_reference", "numerics", "speed", "round_cost", "round_profile", "train_fp4",
-                                 "demo", "quality"])
+                                 "demo", "quality", "block"])
     parser.add_argument("--quality-budget", type=float, default=420.0,
                         help="seconds the quality part's benchmark may run before its finished runs are reported")
     args = parser.parse_args()
@@ -410,6 +483,8 @@ def main() -> None:
              "numerics": lambda: numerics(device, lines), "speed": lambda: speed(device, sizes, args.repeats, lines),
              "round_cost": lambda: round_cost(device, shapes, lines), "demo": lambda: demo_run(device, args.steps, lines),
              "train_fp4": lambda: train_fp4(device, args.steps, lines),
+             "block": lambda: block_speed(device, lines, *((4096, (2, 2048), args.repeats) if device.type == "cuda"
+                                                           else (256, (2, 128), 3))),
              "quality": lambda: quality(device, lines, args.out, args.quality_budget),
              "round_profile": lambda: round_profile(device, lines, *((4096, 4) if device.type == "cuda" else (128, 2)))}
     for part_name in args.parts:

@@ -99,6 +99,20 @@ def test_compiled_layer_is_bit_equal_to_eager(fmt, backward_fmt):
     assert torch.equal(compiled[0], other_seed[0])  # forward: round to nearest
 
 
+@pytest.mark.compiled_quantizers
+def test_compiled_torchao_fp8_path_is_bit_equal_to_eager(monkeypatch):
+    # torchao.float8's training tensors and torch._scaled_mm, as on an FP8 GPU (this CPU has the op).
+    monkeypatch.setattr(gemm, "kernel_for", lambda f, device: gemm.Kernel.TORCHAO_FP8)
+    generator = torch.Generator().manual_seed(0)
+    block = _block(Format.FP8, generator=generator)
+    x = torch.randn(2, 48, 64)
+    torch._dynamo.reset()
+    eager = _run(block, x, generator, 5, compiled=False)
+    compiled = _run(block, x, generator, 5, compiled=True)
+    for name, e, c in zip(("output", "dX", "dW up", "dW down"), eager, compiled):
+        assert torch.equal(e, c), name
+
+
 def test_a_new_format_assignment_recompiles_once_and_a_seen_one_never():
     from torch._dynamo.utils import counters
 
