@@ -66,6 +66,19 @@ def describe_kernels(formats: Iterable[Format], device: torch.device) -> str:
     return line
 
 
+def emulated_layers(formats: Iterable[Format], device: torch.device, shapes) -> dict[Format, list[str]]:
+    """Per format with a native kernel on ``device``: the layers (``shapes``: fqn -> (in, out) features)
+    whose weight dimensions the native GEMM does not take (multiples of 16 for FP8, 32 for block
+    formats), so that their GEMMs in that format are emulated. The token dimension is checked per GEMM."""
+    out: dict[Format, list[str]] = {}
+    for fmt in formats:
+        if fmt is Format.BF16 or kernel_for(fmt, device) is Kernel.EMULATED:
+            continue
+        multiple = 16 if fmt is Format.FP8 else 32
+        out[fmt] = [fqn for fqn, (k, m) in shapes.items() if k % multiple or m % multiple]
+    return out
+
+
 _MM_OUT_DTYPE_WORKS: dict[str, bool] = {}
 
 

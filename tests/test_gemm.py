@@ -47,6 +47,24 @@ def test_kernel_choice_without_cuda_and_the_setup_line(monkeypatch):
     assert describe_kernels([Format.MXFP4], torch.device("cpu")) == "mxfp4: emulated (cpu)"
 
 
+def test_setup_names_the_layers_a_native_kernel_does_not_take(monkeypatch, caplog):
+    from lightning_snip.config import SNIPConfig
+    from lightning_snip.controller import log_setup
+
+    layers = {"ok": SNIPLinear(64, 96), "odd": SNIPLinear(64, 40), "narrow": SNIPLinear(48, 64)}
+    shapes = {n: (l.in_features, l.out_features) for n, l in layers.items()}
+    assert gemm_mod.emulated_layers([Format.FP8, Format.MXFP4], torch.device("cpu"), shapes) == {}
+    _mock_gpu(monkeypatch, (10, 0))
+    cuda = torch.device("cuda", 0)
+    found = gemm_mod.emulated_layers([Format.BF16, Format.FP8, Format.MXFP4], cuda, shapes)
+    assert found == {Format.FP8: ["odd"], Format.MXFP4: ["odd", "narrow"]}
+    with caplog.at_level("INFO", logger="lightning_snip"):
+        log_setup(SNIPConfig(candidate_formats=("fp8", "mxfp4")), layers, cuda, None)
+    assert "1 of 3 layers run fp8 emulated (weight dimensions not multiples of 16): odd (64->40)" in caplog.text
+    assert "2 of 3 layers run mxfp4 emulated (weight dimensions not multiples of 32): odd (64->40), narrow (48->64)" \
+        in caplog.text
+
+
 def _spy_scaled_mm(monkeypatch):
     calls = []
     real = torch._scaled_mm
