@@ -471,15 +471,13 @@ def log_setup(config: SNIPConfig, layers: Mapping[str, SNIPLinear], device, max_
     formats = sorted({Format.parse(f) for f in (cfg.initial_format, *cfg.formats, *cfg.pin_formats.values())},
                      key=lambda f: f.value)
     logger.info("SNIP: GEMM kernels: %s", describe_kernels(formats, device))
-    shapes = {fqn: (layer.in_features, layer.out_features) for fqn, layer in layers.items()}
-    for fmt, names in emulated_layers(formats, device, shapes).items():
+    for fmt, names in emulated_layers(formats, device, layers).items():
         if names:  # which layers run emulated although the format has a native kernel: said once
-            shown = ", ".join(f"{n} ({shapes[n][0]}->{shapes[n][1]})" for n in names[:8])
-            logger.info("SNIP: %d of %d layers run %s emulated (weight dimensions not multiples of %d): %s%s",
-                        len(names), len(layers), fmt.value, 16 if fmt is Format.FP8 else 32, shown,
-                        ", ..." if len(names) > 8 else "")
+            shown = ", ".join(f"{n} ({layers[n].in_features}->{layers[n].out_features})" for n in names[:8])
+            logger.info("SNIP: %d layer(s) run %s emulated (weight dimensions not multiples of %d): %s%s",
+                        len(names), fmt.value, 16 if fmt is Format.FP8 else 32, shown, ", ..." if len(names) > 8 else "")
         else:
-            logger.info("SNIP: every layer's %s GEMMs run natively (%d layers)", fmt.value, len(layers))
+            logger.info("SNIP: every layer that can run %s has weight dimensions its native kernel takes", fmt.value)
     if not cfg.noise_guard and cfg.noise_guard_threshold != math.sqrt(3.0):
         logger.warning("SNIP: noise_guard_threshold=%s has no effect while noise_guard is false "
                        "(the ratios are logged either way)", cfg.noise_guard_threshold)

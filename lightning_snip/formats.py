@@ -125,6 +125,17 @@ class QuantRecipe:
     fp8_grad_dtype: Fp8Dtype = Fp8Dtype.E4M3
     fp4_grad_rounding: Rounding = Rounding.STOCHASTIC
 
+    @property
+    def key(self) -> str:
+        """The recipe as one string (from_key inverts it): what compiled graphs guard on and custom
+        operators take (SNIPLinear, gemm.opaque_quantized_matmul)."""
+        return f"{self.fp8_scaling.value},{self.fp8_grad_dtype.value},{self.fp4_grad_rounding.value}"
+
+    @classmethod
+    def from_key(cls, key: str) -> "QuantRecipe":
+        scaling, grad_dtype, rounding = key.split(",")
+        return cls(fp8_scaling=scaling, fp8_grad_dtype=grad_dtype, fp4_grad_rounding=rounding)
+
     def __post_init__(self) -> None:
         for name, enum_type in (
             ("fp8_scaling", Fp8Scaling),

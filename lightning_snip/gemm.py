@@ -66,16 +66,19 @@ def describe_kernels(formats: Iterable[Format], device: torch.device) -> str:
     return line
 
 
-def emulated_layers(formats: Iterable[Format], device: torch.device, shapes) -> dict[Format, list[str]]:
-    """Per format with a native kernel on ``device``: the layers (``shapes``: fqn -> (in, out) features)
-    whose weight dimensions the native GEMM does not take (multiples of 16 for FP8, 32 for block
-    formats), so that their GEMMs in that format are emulated. The token dimension is checked per GEMM."""
+def emulated_layers(formats: Iterable[Format], device: torch.device, layers) -> dict[Format, list[str]]:
+    """Per format with a native kernel on ``device``: the layers (``layers``: fqn -> SNIPLinear) that can
+    take the format (allowed by their shape, not pinned to another) but whose weight dimensions the
+    native GEMM does not take (multiples of 16 for FP8, 32 for block formats), so that their GEMMs in it
+    are emulated. Token counts, operand dtypes and E5M2 MXFP8 gradients are checked per GEMM."""
     out: dict[Format, list[str]] = {}
     for fmt in formats:
         if fmt is Format.BF16 or kernel_for(fmt, device) is Kernel.EMULATED:
             continue
         multiple = 16 if fmt is Format.FP8 else 32
-        out[fmt] = [fqn for fqn, (k, m) in shapes.items() if k % multiple or m % multiple]
+        able = {fqn: layer for fqn, layer in layers.items()
+                if fmt in layer.allowed_formats and layer.pinned in (None, fmt)}
+        out[fmt] = [fqn for fqn, layer in able.items() if layer.in_features % multiple or layer.out_features % multiple]
     return out
 
 
@@ -141,6 +144,30 @@ def quantized_matmul(
     qb = fake_quantize(b, fmt, axis=1, rounding=operand_rounding(fmt, recipe, b_is_grad), recipe=recipe, is_grad=b_is_grad,
                        generator=generator)
     return mm_fp32(qa, qb) if out_dtype is not None else qa @ qb.t()
+
+
+def opaque_quantized_matmul(a: torch.Tensor, b: torch.Tensor, fmt: Format, *, recipe: QuantRecipe,
+                            a_is_grad: bool = False, b_is_grad: bool = False,
+                            generator: torch.Tensor | None = None) -> torch.Tensor:
+    """quantized_matmul as one custom operator, opaque to torch.compile: the same kernels and numbers,
+    for a GEMM whose shapes inductor mishandles when traced (SNIPLinear's block-format wgrad).
+    ``generator``: an RNG token (lightning_snip.rng), which the operator mutates (its draws stay in order)."""
+    from lightning_snip.rng import token_for
+
+    token = token_for(None) if generator is None else generator
+    return _opaque_quantized_matmul(a, b, fmt.value, recipe.key, a_is_grad, b_is_grad, token)
+
+
+@torch.library.custom_op("lightning_snip::quantized_matmul", mutates_args=("token",))
+def _opaque_quantized_matmul(a: torch.Tensor, b: torch.Tensor, fmt: str, recipe: str, a_is_grad: bool,
+                             b_is_grad: bool, token: torch.Tensor) -> torch.Tensor:
+    return quantized_matmul(a, b, Format(fmt), recipe=QuantRecipe.from_key(recipe), a_is_grad=a_is_grad,
+                            b_is_grad=b_is_grad, generator=token)
+
+
+@_opaque_quantized_matmul.register_fake
+def _opaque_quantized_matmul_fake(a, b, fmt, recipe, a_is_grad, b_is_grad, token):
+    return a.new_empty((a.shape[0], b.shape[0]))
 
 
 def operand_rounding(fmt: Format, recipe: QuantRecipe, is_grad: bool) -> Rounding:

@@ -62,8 +62,8 @@ def random_bits(n: int, generator: torch.Generator | torch.Tensor | None, device
     """Random bits for ``n`` stochastic-rounding uniforms: ceil(n / 2) int64 draws, each holding two
     24-bit uniforms (uniforms_from_bits). Half the generator calls of torch.rand (the CPU generator's
     cost dominated SR), and the same distribution as torch.rand's float32: multiples of 2^-24 in [0, 1).
-    Drawn eagerly from the caller's generator by both quantizer paths, so they agree for one state.
-    ``generator`` may be an RNG token (lightning_snip.rng): the same draw through a custom operator
+    Drawn from the caller's generator (outside the fused kernels) by both quantizer paths, so they agree
+    for one state. ``generator`` may be an RNG token (lightning_snip.rng): the same draw through a custom operator
     that torch.compile traces (SNIPLinear's GEMMs pass their layer's token)."""
     if isinstance(generator, torch.Tensor):
         from lightning_snip.rng import random_bits_op

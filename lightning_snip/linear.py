@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_snip.formats import Format, QuantRecipe
-from lightning_snip.gemm import quantized_matmul
+from lightning_snip.formats import Format, Fp8Dtype, Fp8Scaling, QuantRecipe, Rounding
+from lightning_snip.gemm import opaque_quantized_matmul, quantized_matmul
 from lightning_snip.rng import generator_of, token_for
 
 logger = logging.getLogger(__name__)
@@ -50,9 +50,11 @@ class _SNIPLinearFunction(torch.autograd.Function):
             grad_x = quantized_matmul(g, weight.t(), fmt, recipe=recipe, a_is_grad=True,
                                       generator=generator).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            # dW (m x k) = G^T (m x N) @ X (N x k): contraction over tokens.
-            grad_w = quantized_matmul(g.t(), x2d.t(), fmt, recipe=recipe, a_is_grad=True,
-                                      generator=generator).to(weight.dtype)
+            # dW (m x k) = G^T (m x N) @ X (N x k): contraction over tokens. Traced with a block format,
+            # the token axis's padding to whole blocks is symbolic, and inductor's backward then failed
+            # its stride checks when the token count changed (torch 2.13): opaque there instead.
+            wgrad = opaque_quantized_matmul if fmt.block_size and torch.compiler.is_compiling() else quantized_matmul
+            grad_w = wgrad(g.t(), x2d.t(), fmt, recipe=recipe, a_is_grad=True, generator=generator).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
         return grad_x, grad_w, grad_b, None, None, None, None
@@ -82,7 +84,7 @@ class SNIPLinear(nn.Linear):
         self._init_switching(format, recipe, allowed_formats)
 
     def _init_switching(self, format, recipe: QuantRecipe, allowed_formats: Iterable[Format] | None) -> None:
-        self.recipe = recipe
+        self._recipe = recipe
         self.allowed_formats = frozenset(allowed_formats) if allowed_formats is not None else supported_formats(
             self.in_features, self.out_features
         )
@@ -135,13 +137,34 @@ class SNIPLinear(nn.Linear):
         self._update_gemm_formats()
 
     def _update_gemm_formats(self) -> None:
-        # What forward reads: the forward and backward formats' names in one string. A compiled graph
-        # guards on it (a new assignment recompiles once). Not the Format members themselves: dynamo
-        # (torch 2.13) guarded an enum attribute of only the first of two layers holding the same
-        # member, so a later change of the second's format ran the stale graph
+        # What forward reads: the forward and backward formats' names and the recipe in one string. A
+        # compiled graph guards on it (a new assignment recompiles once). Not the Format members (or the
+        # recipe's enums) themselves: dynamo (torch 2.13) guarded an enum attribute of only the first of
+        # two layers holding the same member, so a later change of the second's ran the stale graph
         # (tests/test_compile.py::test_a_new_format_assignment_recompiles_once_and_a_seen_one_never).
         backward = self._backward_format or self._format
-        self._gemm_formats = f"{self._format.value}/{backward.value}"
+        self._gemm_formats = f"{self._format.value}/{backward.value}|{self._recipe.key}"
+
+    @property
+    def recipe(self) -> QuantRecipe:
+        return self._recipe
+
+    @recipe.setter
+    def recipe(self, value: QuantRecipe) -> None:
+        if not isinstance(value, QuantRecipe):
+            raise TypeError(f"recipe: expected a QuantRecipe, got {type(value).__name__}")
+        self._recipe = value
+        self._update_gemm_formats()
+
+    def __setstate__(self, state) -> None:
+        # A deep copy or an unpickled layer gets a copy of the RNG token; layers that name one generator
+        # must share one token, or a compiled graph may reorder their draws (the token's mutation is
+        # what orders them). A token from another process names nothing here: torch's default generator
+        # until the callback (or the user) assigns one.
+        super().__setstate__(state)
+        token = state.get("_rng_token")
+        if token is not None:
+            self._rng_token = token_for(generator_of(token, missing_ok=True))
 
     @property
     def generator(self) -> torch.Generator | None:
@@ -171,7 +194,7 @@ class SNIPLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Traced by torch.compile into the model's graph in every format (no graph break; the GEMMs'
         # quantizers fuse with their neighbours), guarded on the formats (_update_gemm_formats).
-        forward_format, backward_format = _GEMM_FORMATS[self._gemm_formats]
+        forward_format, backward_format, recipe = _GEMM_FORMATS[self._gemm_formats]
         if forward_format is Format.BF16 and backward_format is Format.BF16:
             return F.linear(x, self.weight, self.bias)
         weight, bias = self.weight, self.bias
@@ -183,16 +206,18 @@ class SNIPLinear(nn.Linear):
             x, weight = x.to(dtype), weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
             with torch.autocast(device_type, enabled=False):
-                return _SNIPLinearFunction.apply(x, weight, bias, forward_format, backward_format, self.recipe, self._rng_token)
-        return _SNIPLinearFunction.apply(x, weight, bias, forward_format, backward_format, self.recipe, self._rng_token)
+                return _SNIPLinearFunction.apply(x, weight, bias, forward_format, backward_format, recipe, self._rng_token)
+        return _SNIPLinearFunction.apply(x, weight, bias, forward_format, backward_format, recipe, self._rng_token)
 
     def extra_repr(self) -> str:
         backward = "" if self._backward_format is None else f", backward_format={self._backward_format.value}"
         return f"{super().extra_repr()}, format={self._format.value}{backward}"
 
 
-# "fwd/bwd" -> (forward Format, backward Format): SNIPLinear._gemm_formats' values.
-_GEMM_FORMATS = {f"{f.value}/{b.value}": (f, b) for f in Format for b in Format}
+_RECIPES = {r.key: r for r in (QuantRecipe(fp8_scaling=a, fp8_grad_dtype=b, fp4_grad_rounding=c)
+                               for a in Fp8Scaling for b in Fp8Dtype for c in Rounding)}
+# "fwd/bwd|recipe" -> (forward Format, backward Format, QuantRecipe): SNIPLinear._gemm_formats' values.
+_GEMM_FORMATS = {f"{f.value}/{b.value}|{key}": (f, b, r) for f in Format for b in Format for key, r in _RECIPES.items()}
 
 _SWITCHABLE_CLASSES: dict[type, type] = {}
 

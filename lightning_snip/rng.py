@@ -12,21 +12,25 @@ The bits are those an eager ``random_(generator=...)`` draws from the same gener
 compiled layer rounds bit for bit as its eager self.
 
 Generators given a token are held for the process's lifetime (one per SNIPCallback and rank: a few
-kilobytes each). Key 0 names torch's default generator of the output's device.
+kilobytes each). Key 0 names torch's default generator of the output's device. Tokens live on the CPU
+(read by the operator on the host; no device sync per draw).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 
 import torch
 
 _GENERATORS: dict[int, torch.Generator] = {}
 _TOKENS: dict[int, torch.Tensor] = {}  # id(generator) -> its token (one shared token per generator)
-_KEYS = itertools.count(1)
+# Keys unique to this process (its pid in the high bits): a token unpickled in another process never
+# names an unrelated generator there.
+_KEYS = itertools.count((os.getpid() << 32) + 1)
 _LOCK = threading.Lock()
-_DEFAULT_TOKEN = torch.zeros(2, dtype=torch.int64)  # key 0: torch's default generator
+_DEFAULT_TOKEN = torch.zeros(2, dtype=torch.int64, device="cpu")  # key 0: torch's default generator
 
 
 def token_for(generator: torch.Generator | None) -> torch.Tensor:
@@ -41,16 +45,19 @@ def token_for(generator: torch.Generator | None) -> torch.Tensor:
         if token is None or _GENERATORS.get(int(token[0])) is not generator:
             key = next(_KEYS)
             _GENERATORS[key] = generator
-            token = _TOKENS[id(generator)] = torch.tensor([key, 0], dtype=torch.int64)
+            token = _TOKENS[id(generator)] = torch.tensor([key, 0], dtype=torch.int64, device="cpu")
         return token
 
 
-def generator_of(token: torch.Tensor) -> torch.Generator | None:
-    """The generator a token names (None: torch's default)."""
+def generator_of(token: torch.Tensor, *, missing_ok: bool = False) -> torch.Generator | None:
+    """The generator a token names (None: torch's default; also for a key unknown here when
+    ``missing_ok``)."""
     key = int(token[0])
     if key == 0:
         return None
     generator = _GENERATORS.get(key)
+    if generator is None and missing_ok:
+        return None
     if generator is None:  # e.g. a token unpickled in another process, where nothing registered it
         raise RuntimeError(f"RNG token key {key} names no generator in this process; assign the layer's "
                            "generator again (SNIPLinear.generator = ...)")

@@ -113,6 +113,73 @@ def test_compiled_torchao_fp8_path_is_bit_equal_to_eager(monkeypatch):
         assert torch.equal(e, c), name
 
 
+@pytest.mark.compiled_quantizers
+@pytest.mark.parametrize("fmt", [Format.MXFP8, Format.MXFP4, Format.NVFP4])
+def test_compiled_block_formats_follow_changing_token_counts(fmt):
+    # Token counts that are no multiple of the block: wgrad pads its token axis. Traced, that padding
+    # was symbolic and inductor's backward failed its stride checks at the third count (review).
+    generator = torch.Generator().manual_seed(0)
+    block = _block(fmt, generator=generator)
+    compiled = torch.compile(block)
+    torch._dynamo.reset()
+    for tokens in (32, 48, 40, 17, 29):
+        x = torch.randn(2, tokens, 64)
+        results = []
+        for fn in (block, compiled):
+            block.zero_grad()
+            generator.manual_seed(tokens)
+            xx = x.clone().requires_grad_()
+            fn(xx).square().sum().backward()
+            results.append((xx.grad, block.up.weight.grad, block.down.weight.grad))
+        for name, e, c in zip(("dX", "dW up", "dW down"), *results):
+            assert torch.equal(e, c), (tokens, name)
+
+
+class _Twins(nn.Module):
+    """Two blocks, the second a deep copy of the first: both name one generator."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.a, self.b = block, copy.deepcopy(block)
+
+    def forward(self, x):
+        return self.a(x) + self.b(x).relu()
+
+
+@pytest.mark.compiled_quantizers
+def test_deep_copied_layers_draw_in_eager_order_when_compiled():
+    # A deep copy shares its original's generator and token (SNIPLinear.__setstate__): with a token
+    # copy each, inductor was free to reorder the two blocks' draws (review: dX and dW differed).
+    generator = torch.Generator().manual_seed(0)
+    twins = _Twins(_block(Format.MXFP4, generator=generator))
+    assert twins.b.up._rng_token is twins.a.up._rng_token and twins.b.up.generator is generator
+    x = torch.randn(2, 32, 64)
+    results = []
+    for fn in (twins, torch.compile(twins)):
+        twins.zero_grad()
+        generator.manual_seed(3)
+        xx = x.clone().requires_grad_()
+        fn(xx).square().sum().backward()
+        results.append([xx.grad] + [p.grad for n, p in twins.named_parameters() if n.endswith("weight")])
+    assert all(torch.equal(e, c) for e, c in zip(*results))
+
+
+def test_a_recipe_change_recompiles():
+    from lightning_snip.formats import Fp8Scaling, QuantRecipe
+
+    block = _block(Format.FP8)
+    compiled = torch.compile(block, backend="aot_eager")
+    x = torch.randn(2, 32, 64)
+    rowwise, tensorwise = QuantRecipe(), QuantRecipe(fp8_scaling=Fp8Scaling.TENSORWISE)
+    with torch.no_grad():
+        for up, down in [(rowwise, rowwise), (tensorwise, rowwise), (rowwise, rowwise), (tensorwise, rowwise),
+                         (tensorwise, tensorwise)]:
+            block.up.recipe, block.down.recipe = up, down
+            assert torch.equal(compiled(x), block(x))
+    with pytest.raises(TypeError, match="recipe: expected a QuantRecipe, got str"):
+        block.up.recipe = "rowwise"
+
+
 def test_a_new_format_assignment_recompiles_once_and_a_seen_one_never():
     from torch._dynamo.utils import counters
 
@@ -151,12 +218,23 @@ def test_rng_tokens_name_their_generator():
     g.manual_seed(3)
     count = int(token[1])
     drawn = rng.random_bits_op(token, 9, torch.device("cpu"))
+    state = g.get_state()
     g.manual_seed(3)
     assert torch.equal(drawn, torch.empty(5, dtype=torch.int64).random_(generator=g))
+    assert torch.equal(state, g.get_state())  # exactly those words drawn
     assert int(token[1]) == count + 1
+    assert token.device.type == "cpu" and rng.token_for(None).device.type == "cpu"
+    with torch.device("meta"):
+        assert SNIPLinear(32, 32).generator is None  # tokens stay on the CPU under a default device
     stranger = torch.tensor([10**9, 0])
     with pytest.raises(RuntimeError, match="names no generator in this process"):
         rng.generator_of(stranger)
+    assert rng.generator_of(stranger, missing_ok=True) is None
+    # A layer unpickled where its generator is unknown (another process) draws from torch's default.
+    import pickle
+
+    layer._rng_token = stranger
+    assert pickle.loads(pickle.dumps(layer)).generator is None
     with pytest.raises(TypeError, match="generator: expected a torch.Generator or None, got int"):
         layer.generator = 3
 
