@@ -46,6 +46,7 @@ import logging
 import math
 import multiprocessing
 import os
+import tempfile
 import platform
 import statistics
 import sys
@@ -977,7 +978,7 @@ def main() -> None:
         data = json.loads(args.structure_study.read_text())
         print("\n".join(structure_study(data["rows"], Setup(**data["setting"]))))
         return
-    bench = Path(os.environ.get("SNIP_BENCH_DIR", "/tmp/snip_compare_v2"))
+    bench = Path(os.environ.get("SNIP_BENCH_DIR", os.path.join(tempfile.gettempdir(), "snip_compare_v2")))
     date = datetime.date.today().isoformat()
     command = "python benchmarks/compare_policies.py " + " ".join(sys.argv[1:])
     machine = f"{platform.machine()} ({os.cpu_count()} cores), Python {platform.python_version()}; FP4 emulated"

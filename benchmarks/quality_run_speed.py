@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--jobs", nargs="+", default=["all_fp4:1.0", "snip:0.75"], help="policy:fraction, seed 0")
     args = parser.parse_args()
     s = cp.SETTINGS["deep8"]
-    work = Path(os.environ.get("SNIP_BENCH_DIR", "/tmp/snip_compare_v2")) / "deep8"
+    work = Path(os.environ.get("SNIP_BENCH_DIR", os.path.join(tempfile.gettempdir(), "snip_compare_v2"))) / "deep8"
     if not (work / "pretrained.ckpt").exists():
         raise SystemExit(f"{work / 'pretrained.ckpt'} missing: run benchmarks/compare_policies.py --setting deep8 first")
     measured = json.loads((work / "measured.json").read_text())["measured"]
