@@ -7,6 +7,7 @@ metrics. The quantizers are in lightning_snip.quantize (and the grid maths and k
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -133,8 +134,7 @@ class QuantRecipe:
 
     @classmethod
     def from_key(cls, key: str) -> "QuantRecipe":
-        scaling, grad_dtype, rounding = key.split(",")
-        return cls(fp8_scaling=scaling, fp8_grad_dtype=grad_dtype, fp4_grad_rounding=rounding)
+        return _recipe_from_key(key)
 
     def __post_init__(self) -> None:
         for name, enum_type in (
@@ -169,3 +169,10 @@ class CostModel:
 
     def cost(self, fmt: Format) -> float:
         return self.relative_cost[fmt]
+
+
+@functools.lru_cache(maxsize=None)
+def _recipe_from_key(key: str) -> QuantRecipe:
+    # Cached: the compiled backward's opaque GEMM (gemm.opaque_quantized_matmul) parses it every call.
+    scaling, grad_dtype, rounding = key.split(",")
+    return QuantRecipe(fp8_scaling=scaling, fp8_grad_dtype=grad_dtype, fp4_grad_rounding=rounding)

@@ -66,9 +66,11 @@ def random_bits(n: int, generator: torch.Generator | torch.Tensor | None, device
     for one state. ``generator`` may be an RNG token (lightning_snip.rng): the same draw through a custom operator
     that torch.compile traces (SNIPLinear's GEMMs pass their layer's token)."""
     if isinstance(generator, torch.Tensor):
-        from lightning_snip.rng import random_bits_op
+        from lightning_snip.rng import generator_of, random_bits_op
 
-        return random_bits_op(generator, n, torch.device(device))
+        if torch.compiler.is_compiling():
+            return random_bits_op(generator, n, torch.device(device))
+        generator = generator_of(generator)  # eager: the same draw without the operator's dispatch
     return torch.empty((n + 1) // 2, dtype=torch.int64, device=device).random_(generator=generator)
 
 
