@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_snip.adamw import AdamState
+from lightning_snip.drift import DriftTerms, drift_terms, output_grad_tangents
 from lightning_snip.formats import Choice, Format, QuantRecipe
 from lightning_snip.gemm import mm_fp32, quantized_matmul
 from lightning_snip.quantize import fake_quantize
@@ -92,6 +93,8 @@ class LayerDivergence:
     first_accumulated_stderr: Mapping[Format, float] = field(default_factory=dict)
     abs_error_forward: Mapping[Format, float] = field(default_factory=dict)
     abs_error_wgrad: Mapping[Format, float] = field(default_factory=dict)
+    # The forward error's drift of AdamW's updates (lightning_snip.drift; only with drift_probes > 0).
+    drift: Mapping[Format, "DriftTerms"] = field(default_factory=dict)
 
     def loss_divergence_as(self, estimator: "LossEstimator", *, clamp: bool = True) -> dict[Format, float]:
         """LD of every format under ``estimator`` from this round's parts (see LossEstimator).
@@ -260,6 +263,7 @@ def estimate_divergence(
     generator: torch.Generator | None = None,
     probes: int = 4,
     precision: RoundPrecision = RoundPrecision.TRAINING,
+    drift_probes: int = 0,
 ) -> DivergenceResult:
     """LD and WD for every recorded layer and each of ``formats``.
 
@@ -281,6 +285,8 @@ def estimate_divergence(
             callback's ``wd_probes`` (8 until 2026-12-01, when the callback had used 4 since 2026-11-30).
         precision: the dtype of the round's GEMM operands (RoundPrecision: as the training GEMMs
             ran, bf16 under bf16-mixed; or fp32).
+        drift_probes: shifted re-runs of the slice measuring each forward error's drift of AdamW's
+            updates (lightning_snip.drift; LayerDivergence.drift); 0 measures none.
 
     A layer whose sample holds NaN/Inf, or whose metric comes out non-finite, gets +inf for its
     low-precision formats (the planner then keeps it high) and a warning naming it.
@@ -305,10 +311,15 @@ def estimate_divergence(
         for fmt in formats:
             if fmt not in fmts:
                 metrics[fqn]["ld"][fmt] = metrics[fqn]["wd"][fmt] = math.inf
-    curvature, moments = _forward_divergence(r, valid, metrics, curvature_probe, noise_draws, noise_scale)
+    r = dataclasses.replace(r, denominator=update_energy(stats, adam, precision) or 1.0)
+    tangents = []
+    if drift_probes:  # seeded from the round generator's seed without drawing from it (as the WD probes)
+        seed = generator.initial_seed() if generator is not None else int(torch.randint(0, 2**62, ()))
+        tangents = output_grad_tangents(stats, adam, drift_probes, seed, r.denominator)
+    curvature, moments = _forward_divergence(r, valid, metrics, curvature_probe, noise_draws, noise_scale, tangents)
+    del tangents
     # Backward (WD): the dgrad errors E_X of every (layer, format), drawn before any propagation (one
     # order of stochastic-rounding draws for both Propagation modes), then each layer's wgrad error.
-    r = dataclasses.replace(r, denominator=_update_energy(stats, adam, precision) or 1.0)
     direct = _backward_divergence(r, valid, metrics, probes)
     out = _layer_divergences(r, valid, metrics, moments, direct, curvature)
     return DivergenceResult(layers=out, loss=stats.loss, used_adam=used_adam)
@@ -365,7 +376,7 @@ def _valid_formats(stats: Statistics, formats: list[Format], allowed) -> tuple[d
 
 
 def _forward_divergence(r: _RoundInputs, valid: dict, metrics: dict, curvature_probe: CurvatureProbe,
-                        noise_draws: int, noise_scale: float) -> tuple[dict[str, float], dict]:
+                        noise_draws: int, noise_scale: float, tangents=()) -> tuple[dict[str, float], dict]:
     """LD's parts of every valid (layer, format) into ``metrics`` (formats that turn out non-finite
     leave ``valid``); returns the GAUSSIAN probe's curvature per layer ({} for the others) and the
     Adam moments the MOMENTUM estimator used, per layer."""
@@ -405,6 +416,9 @@ def _forward_divergence(r: _RoundInputs, valid: dict, metrics: dict, curvature_p
         else:
             second_order = error_probe_second_order(stats, output_errors, [fmt], noise_draws, generator,
                                                      per_sample=curvature_probe is CurvatureProbe.ERROR)
+        if tangents:
+            for (fqn, f), terms in drift_terms(stats, output_errors, tangents, r.denominator).items():
+                metrics[fqn]["drift"][f] = terms
         for (fqn, _), dy in output_errors.items():
             _forward_metrics(r, stats.layers[fqn], fmt, dy, references[fqn], second_order[fqn, fmt], output_rms[fqn],
                              moments[fqn], metrics[fqn])
@@ -534,7 +548,7 @@ def _a_sharded_weight(stats: Statistics):
     return next(s.weight for s in stats.layers.values() if is_sharded(s.weight))
 
 
-def _update_energy(stats: Statistics, adam: Mapping[str, AdamState | None],
+def update_energy(stats: Statistics, adam: Mapping[str, AdamState | None],
                    precision: RoundPrecision = RoundPrecision.TRAINING) -> float:
     """sum_k ||u_k||^2, one parameter at a time: AdamW's next update (its moments advanced by the
     slice's own gradient), or the gradient itself without Adam moments.
@@ -640,7 +654,7 @@ def _sum_and_variance(per_row: torch.Tensor, num_samples: int) -> tuple[torch.Te
 
 
 _METRICS = ("ld", "wd", "first", "second", "direct", "prop", "rel_y", "rel_w", "first_w", "first_x", "first_se",
-            "first_x_se", "first_mom", "first_mom_se", "first_acc", "first_acc_se", "abs_y", "abs_w", "prop_se")
+            "first_x_se", "first_mom", "first_mom_se", "first_acc", "first_acc_se", "abs_y", "abs_w", "prop_se", "drift")
 
 
 def _momentum_and_variance(adam: AdamState | None):
@@ -769,6 +783,7 @@ def _metrics_to_divergence(metrics, kappa) -> LayerDivergence:
         first_weight_momentum_stderr=metrics["first_mom_se"], first_accumulated=metrics["first_acc"],
         first_accumulated_stderr=metrics["first_acc_se"],
         abs_error_forward=metrics["abs_y"], abs_error_wgrad=metrics["abs_w"],
+        drift={f: d for f, d in metrics["drift"].items() if f is not Format.BF16},
     )
 
 

@@ -121,7 +121,8 @@ class Statistics:
                  params: dict[str, nn.Parameter], rerun: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]],
                  loss_scale: float = 1.0, layer_modules: Mapping[str, SNIPLinear] | None = None, *,
                  propagation: Propagation = Propagation.EXACT, recomputed: Mapping[str, str] | None = None,
-                 probe: Callable | None = None, sharded: bool = False):
+                 probe: Callable | None = None, sharded: bool = False,
+                 shifted: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None):
         self.loss = loss
         self._loss_scale = loss_scale
         self._batched_vjp = True
@@ -140,6 +141,7 @@ class Statistics:
         self._inputs = inputs  # fqn -> X with its graph (EXACT: for the vector-Jacobian products)
         self._params = params
         self._rerun = rerun
+        self._shifted = shifted
         self._probe = probe
         self._operand_cache: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -229,6 +231,14 @@ class Statistics:
         output gradients G' (rows x m) of every layer."""
         return self._rerun(noise)
 
+    def output_grads_with_shift(self, shift: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Re-run the slice with every parameter ``name`` of ``shift`` moved by ``shift[name]`` (its
+        shape; a DTensor like the parameter under FSDP2) and put back afterwards (also on error);
+        return the output gradients G' (rows x m) of every layer: G' - G is how the gradient arriving
+        at each layer's output moves when the parameters do (a finite difference of the
+        parameter-output mixed second derivative, lightning_snip.drift)."""
+        return self._shifted(shift)
+
     @property
     def layer_modules(self) -> Mapping[str, SNIPLinear]:
         """The recorded layers' modules by fqn (the same objects round after round)."""
@@ -238,6 +248,7 @@ class Statistics:
         self._inputs.clear()
         self._operand_cache.clear()
         self._rerun = None
+        self._shifted = None
         self._probe = None
         self._layers = {}
 
@@ -304,6 +315,7 @@ def collect_stats(
         inputs=inputs if exact else {},
         params=p.params,
         rerun=lambda noise: passes.run(noise, record=False)[2],
+        shifted=lambda shift: passes.run(None, record=False, shift=shift)[2],
         loss_scale=loss_scale,
         layer_modules=layers,
         propagation=propagation,
@@ -349,9 +361,11 @@ class _Passes:
         self.propagation, self.loss_scale = propagation, loss_scale
         self.compute_dtypes: dict[str, torch.dtype] = {}
 
-    def run(self, noise: Mapping[str, torch.Tensor] | None, record: bool):
+    def run(self, noise: Mapping[str, torch.Tensor] | None, record: bool,
+            shift: Mapping[str, torch.Tensor] | None = None):
         """One pass: (loss, layer inputs, output gradients, parameter gradients, the weights whose
-        gradient is recomputed from G^T X instead of held, calls per layer)."""
+        gradient is recomputed from G^T X instead of held, calls per layer). ``shift``: parameter
+        name -> a change added to it for this pass only."""
         layers, params, loss_scale = self.layers, self.maps.params, self.loss_scale
         inputs: dict[str, torch.Tensor] = {}
         outputs: dict[str, torch.Tensor] = {}
@@ -360,6 +374,8 @@ class _Passes:
         # Every run (the recording one and each noise re-run) draws the same random numbers (dropout
         # masks), and the training run's streams are left where they were.
         with high_precision(layers), self.rng_states.replayed(), contextlib.ExitStack() as stack:
+            if shift:
+                stack.enter_context(_shifted_parameters(params, shift))
             for fqn, layer in layers.items():
                 stack.callback(layer.register_forward_hook(self._output_hook(fqn, noise, record, inputs, outputs,
                                                                              calls)).remove)
@@ -413,6 +429,24 @@ class _Passes:
             return output
 
         return hook
+
+
+@contextlib.contextmanager
+def _shifted_parameters(params: Mapping[str, nn.Parameter], shift: Mapping[str, torch.Tensor]):
+    """The parameters of ``shift`` moved by it in place, put back on exit (adding and then subtracting
+    the same float tensor can leave a last-bit difference; the original values are kept instead)."""
+    saved = {}
+    try:
+        with torch.no_grad():
+            for name, delta in shift.items():
+                param = params[name]
+                saved[name] = param.detach().clone()
+                param.add_(delta.to(param.dtype))
+        yield
+    finally:
+        with torch.no_grad():
+            for name, value in saved.items():
+                params[name].copy_(value)
 
 
 def _reshard(model: nn.Module) -> None:

@@ -732,12 +732,12 @@ def test_mm_fp32_is_the_fp32_product_of_the_operands():
 def test_weight_divergence_denominator_is_the_energy_of_adamws_next_update(kernels, monkeypatch):
     # WD is relative to sum_k ||u_k||^2 of the AdamW step that takes this slice's gradient (its moments
     # advanced by it): checked against torch's own AdamW stepping a copy with those gradients.
-    from lightning_snip.divergence import _update_energy
+    from lightning_snip.divergence import update_energy
 
     monkeypatch.setenv("LIGHTNING_SNIP_QUANTIZERS", kernels)
     model, layers, opt, loss_fn, _ = _setup()
     stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
-    energy = _update_energy(stats, stats.param_adam)
+    energy = update_energy(stats, stats.param_adam)
     twin = copy.deepcopy(model)
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
     twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # (it would share the moments)
