@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_snip.divergence import CurvatureProbe, LossEstimator
+from lightning_snip.drift import Pricing
 from lightning_snip.stats import Propagation
 from lightning_snip.formats import CostModel, Format, Fp8Scaling, QuantRecipe, Rounding
 from lightning_snip.plan import Granularity
@@ -96,6 +97,11 @@ class SNIPConfig:
             error per layer and round is at most sqrt(2 / wd_probes); rounds are aggregated after.
             4 by measurement: 8 ranked layers within 0.024 of 4 out of sample, at 1.3-1.4x the
             round's cost (benchmarks/results/round_settings_2026-11-30.md).
+        pricing: what a forward GEMM in a low format costs the plan: one_step (its LD) or horizon (LD +
+            weight_divergence_weight x the forward error's drift of AdamW's updates over the interval,
+            lightning_snip.drift.Pricing; the aggregate and TensorBoard's loss_divergence then hold
+            that sum). horizon did not rank the benchmark's runs better (issue 33): not the default.
+        drift_probes: shifted re-runs of the statistics slice per round under pricing=horizon.
         aggregate_decay: EMA decay of LD and WD over statistics rounds, in [0, 1); plans are solved on
             the aggregate (0: the last round alone). See lightning_snip.aggregate.
         weight_divergence_weight: lambda in LD + lambda * WD (default 0.1, by measurement; the method
@@ -140,6 +146,8 @@ class SNIPConfig:
     first_order_rows: int = 1024
     wd_propagation: Propagation = Propagation.PROBE
     wd_probes: int = 4
+    pricing: Pricing = Pricing.ONE_STEP
+    drift_probes: int = 4
     aggregate_decay: float = 0.5
     weight_divergence_weight: float = DEFAULT_WEIGHT_DIVERGENCE_WEIGHT
     time_limit_seconds: float = 10.0
@@ -153,7 +161,7 @@ class SNIPConfig:
     noise_guard_threshold: float = math.sqrt(3.0)
 
     def __post_init__(self) -> None:
-        for name in ("interval", "max_rows", "first_order_rows", "wd_probes"):
+        for name in ("interval", "max_rows", "first_order_rows", "wd_probes", "drift_probes"):
             value = getattr(self, name)
             check_field(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, value, "an integer > 0")
         for name in ("warmup_steps", "apply_delay", "noise_draws", "first_order_steps"):
@@ -176,7 +184,7 @@ class SNIPConfig:
             value = getattr(self, name)
             check_field(value > 0, name, value, "a number > 0")
         for name, choice in (("granularity", Granularity), ("curvature_probe", CurvatureProbe),
-                             ("loss_estimator", LossEstimator), ("wd_propagation", Propagation),
+                             ("loss_estimator", LossEstimator), ("wd_propagation", Propagation), ("pricing", Pricing),
                              ("fp8_scaling", Fp8Scaling), ("fp4_grad_rounding", Rounding)):
             object.__setattr__(self, name, choice.parse(getattr(self, name), field_name=name))
         check_field(isinstance(self.aggregate_decay, (int, float)) and 0.0 <= self.aggregate_decay < 1.0,

@@ -38,6 +38,7 @@ import torch
 from lightning_snip.aggregate import METRICS, DivergenceAggregate
 from lightning_snip.config import SNIPConfig
 from lightning_snip.convert import UnmatchedPinsError, apply_plan, convert_linears, glob_filter, layer_assignment
+from lightning_snip.drift import Pricing
 from lightning_snip.divergence import (DivergenceResult, FirstOrderTerms, LayerDivergence, LossEstimator,
                                        estimate_divergence)
 from lightning_snip.evidence import (check_reachable, grad_noise_ratios, guarded_formats, invalid_formats,
@@ -517,6 +518,7 @@ def run_statistics_round(model: torch.nn.Module, loss_fn: Callable[[], torch.Ten
                     first_order_history=first_order_history or {},
                     allowed={fqn: layer.allowed_formats for fqn, layer in layers.items()},
                     generator=generator() if callable(generator) else generator, probes=cfg.wd_probes,
+                    drift_probes=cfg.drift_probes if cfg.pricing is Pricing.HORIZON else 0,
                 )
             except ForwardModeUnsupportedError as err:
                 if stats.sharded or propagation is Propagation.EXACT:
@@ -531,9 +533,18 @@ def run_statistics_round(model: torch.nn.Module, loss_fn: Callable[[], torch.Ten
             finally:
                 stats.release()
     return DivergenceResult(
-        layers={fqn: dataclasses.replace(d, loss_divergence=d.loss_divergence_as(cfg.loss_estimator, clamp=False))
-                for fqn, d in result.layers.items()},
+        layers={fqn: dataclasses.replace(d, loss_divergence=_forward_price(d, cfg)) for fqn, d in result.layers.items()},
         loss=result.loss, used_adam=result.used_adam)
+
+
+def _forward_price(d: LayerDivergence, cfg: SNIPConfig) -> dict[Format, float]:
+    """A forward GEMM's price per format, unclamped: LD under the configured estimator, plus under
+    pricing=horizon weight_divergence_weight x the drift per step over the interval (drift.Pricing)."""
+    ld = d.loss_divergence_as(cfg.loss_estimator, clamp=False)
+    if cfg.pricing is not Pricing.HORIZON:
+        return ld
+    return {f: v + cfg.weight_divergence_weight * d.drift[f].per_step(cfg.interval) if f in d.drift else v
+            for f, v in ld.items()}
 
 
 def _collect(model, loss_fn, layers, optimizer, loss_scale: float, propagation: Propagation):

@@ -41,13 +41,29 @@ from dataclasses import dataclass
 import torch
 
 from lightning_snip.adamw import AdamState
-from lightning_snip.formats import Format
+from lightning_snip.formats import Choice, Format
 from lightning_snip.sharding import from_local_parts, local_part
 from lightning_snip.stats import Statistics
 
 # The finite difference's step: the shift h Lambda r has this fraction of one AdamW update's norm
 # (a training step moves the weights by one update: the mixed derivative is wanted at that scale).
 SHIFT_FRACTION = 0.5
+
+
+class Pricing(Choice):
+    """What a forward GEMM in a low format costs in the ILP's objective (SNIPConfig.pricing).
+
+    ONE_STEP: its LD, the relative loss increase of one step (the method text).
+    HORIZON: LD + weight_divergence_weight x its drift of AdamW's updates per step over the plan's
+        horizon (DriftTerms.per_step, the horizon the interval between rounds): the forward error's
+        bias adds up over the steps a plan holds, in WD's units (the backward keeps WD, the
+        zero-mean stochastic rounding that averages out). ``drift_probes`` shifted re-runs per round.
+        Measured (benchmarks/results/objective_outcome_*.md) it did not rank the runs' outcomes
+        better than ONE_STEP: an option, not the default.
+    """
+
+    ONE_STEP = "one_step"
+    HORIZON = "horizon"
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from lightning_snip.stats import collect_stats
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.first = nn.Linear(32, 48)
-        self.second = nn.Linear(48, 32, bias=False)
+        self.first = nn.Linear(32, 64)
+        self.second = nn.Linear(64, 32, bias=False)
 
     def forward(self, x):
         return self.second(torch.tanh(self.first(x)))
@@ -158,3 +158,24 @@ def test_per_step_drift_adds_the_bias_over_the_horizon_and_never_prices_noise_as
         stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
         estimate_divergence(stats, [Format.MXFP4], drift_probes=-1)
     assert math.isfinite(terms.per_step(0))
+
+
+def test_horizon_pricing_adds_the_weighted_drift_to_the_forward_price_of_a_controller_round():
+    from lightning_snip.config import SNIPConfig
+    from lightning_snip.controller import run_statistics_round
+
+    model, layers, opt, loss_fn, _ = _trained()
+    rounds = {}
+    for pricing in ("one_step", "horizon"):
+        cfg = SNIPConfig(pricing=pricing, interval=20, drift_probes=3, noise_draws=1, weight_divergence_weight=0.5,
+                         candidate_formats=("fp8", "mxfp4"))
+        rounds[pricing] = run_statistics_round(model, loss_fn, layers, cfg, optimizer=opt,
+                                               generator=torch.Generator().manual_seed(3))
+    for fqn in layers:
+        one, horizon = rounds["one_step"].layers[fqn], rounds["horizon"].layers[fqn]
+        assert one.drift == {} and set(horizon.drift) == {Format.FP8, Format.MXFP4}
+        for fmt in (Format.FP8, Format.MXFP4):
+            drift = horizon.drift[fmt].per_step(20)
+            assert drift > 0
+            assert horizon.loss_divergence[fmt] == pytest.approx(one.loss_divergence[fmt] + 0.5 * drift, rel=1e-9)
+        assert horizon.weight_divergence == one.weight_divergence
