@@ -430,6 +430,7 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
     pl.seed_everything(seed)
     module = _module(s, continuation=True)
     base, _, lam = policy.partition("@")  # "snip_gemm@0.3": SNIP with weight_divergence_weight 0.3
+    base, _, pricing = base.partition("+")  # "snip_gemm+horizon": SNIP with SNIPConfig.pricing=horizon
     granularity = "gemm" if base.endswith("_gemm") or base == "backward_only" else "layer"
     if base in ("snip", "snip_gemm"):
         # The first round runs at the checkpoint (no first-order history yet), then every interval.
@@ -437,7 +438,8 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
                             candidate_formats=s.candidates, initial_format="fp8", pins=PINS, granularity=granularity,
                             first_order_steps=min(s.first_order_steps, s.snip_interval - 1), max_rows=s.max_rows,
                             first_order_rows=s.first_order_rows,
-                            **({"weight_divergence_weight": float(lam)} if lam else {}))
+                            **({"weight_divergence_weight": float(lam)} if lam else {}),
+                            **({"pricing": pricing} if pricing else {}))
         callback = SNIPCallback(config)
     else:
         plan = fixed_plan(policy, fraction, seed, _module(s), s, measured)
@@ -918,7 +920,7 @@ def release_memory() -> None:
         pass
 
 
-def prepare(s: Setup, work: Path, store: Path) -> tuple[Path, dict]:
+def prepare(s: Setup, work: Path, store: Path, truths: bool = True) -> tuple[Path, dict]:
     """The checkpoint and its measurements, from the cache where they are this setting's. The
     pretraining (seed 1234) is deterministic: a checkpoint regenerated in a later session (the
     checkpoint lives in ``work``, the measurements and runs in ``store``) whose fingerprint matches
@@ -931,7 +933,7 @@ def prepare(s: Setup, work: Path, store: Path) -> tuple[Path, dict]:
         cached = None
     if cached is not None and ckpt.exists() and "fingerprint" in cached["measured"]:
         return ckpt, cached["measured"]
-    ckpt, measured = pretrain(s, work, with_truths=s.model == "demo")
+    ckpt, measured = pretrain(s, work, with_truths=truths and s.model == "demo")
     if cached is not None and cached["measured"].get("fingerprint") == measured["fingerprint"]:
         return ckpt, cached["measured"]
     for old in ("rows.jsonl", "truth_parts.json"):
@@ -957,6 +959,9 @@ def main() -> None:
                         help="run only these policies (all_bf16 always runs: the gaps are to it)")
     parser.add_argument("--natural-seeds", type=int, help="seeds of the runs at the rules' natural fractions (default --seeds)")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--no-truths", action="store_true",
+                        help="the demo's checkpoint without the oracle's truths (deep8's take ~50 min on 2 cores): "
+                             "for --policies studies without the oracle policies")
     parser.add_argument("--cached-only", action="store_true",
                         help="run nothing: report the runs cached under --store (the seeds that every policy has "
                              "finished; an interim result of a benchmark longer than a session)")
@@ -993,7 +998,7 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         store.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        ckpt, measured = prepare(s, work, store)
+        ckpt, measured = prepare(s, work, store, truths=not args.no_truths)
         release_memory()  # the pretraining's model and optimizer, before the workers start
         print(f"# [{name}] checkpoint after {s.pretrain_steps} high-precision steps ({time.perf_counter() - t0:.0f} s; "
               f"fingerprint {measured['fingerprint']}); truth ceilings (split-half Spearman) "
@@ -1019,6 +1024,9 @@ def main() -> None:
             jobs = jobs_for(args.fractions, 1 if args.quick else args.seeds, natural=natural, natural_seeds=args.natural_seeds)
             jobs += [(f"{p}@{lam:g}", f, seed) for seed in range(1 if args.quick else args.seeds)
                      for f in args.fractions for lam in args.lambdas for p in ("snip", "snip_gemm", "oracle", "oracle_gemm")]
+            # SNIP with SNIPConfig.pricing=horizon (issue 33), only where --policies names it
+            jobs += [(p, f, seed) for p in ("snip+horizon", "snip_gemm+horizon") if p in (args.policies or ())
+                     for seed in range(1 if args.quick else args.seeds) for f in args.fractions]
         if args.policies:
             unknown = set(args.policies) - {j[0] for j in jobs}
             if unknown:

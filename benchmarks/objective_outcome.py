@@ -189,10 +189,15 @@ def checkpoint(s: cp.Setup, name: str, work: Path, stored: dict) -> tuple[Path, 
         marker.write_text(json.dumps(measured))
     measured = json.loads(marker.read_text())
     if "fingerprint" in stored:
-        if measured["fingerprint"] != stored["fingerprint"]:
+        # Measured 2026-12-02: SmolLM2's 4 pretraining steps regenerated here end at a fingerprint 1e-11
+        # (relative) from the runs' (float reduction order on another run of the same machine type);
+        # a difference above 1e-9 is another checkpoint.
+        mine, theirs = float(measured["fingerprint"]), float(stored["fingerprint"])
+        if abs(mine - theirs) > 1e-9 * abs(theirs):
             raise SystemExit(f"[{name}] the regenerated checkpoint is not the committed runs' (fingerprint "
                              f"{measured['fingerprint']} vs {stored['fingerprint']})")
-        return ckpt, "the runs' own (fingerprint matched)"
+        return ckpt, (f"the runs' own (fingerprint {measured['fingerprint']} vs the runs' {stored['fingerprint']}: "
+                      f"relative difference {abs(mine - theirs) / abs(theirs):.1e})")
     # Issue 15's runs predate fingerprints; their pretraining does not reproduce here (measured
     # 2026-12-02: today's code and the runs' own commit ae1c8d0 both end at train loss 1.905491, the
     # runs' record says 1.884868: another torch build or machine). The same seeded recipe, not the
@@ -217,9 +222,11 @@ def report_lines(name: str, s: cp.Setup, result: dict, rounds: list[dict], step:
         for frac, cell in per.items():
             lines.append(f"| {frac} | {cell['runs']} | {cell['ceiling']:.2f} | " + " | ".join(f"{cell[k]:+.2f}" for k in keys) + " |")
         lines.append("")
-    plain = sum(r["seconds"] for r in rounds) / len(rounds)
-    drift = sum(r["seconds_with_drift"] for r in rounds) / len(rounds)
-    lines += [f"Round cost (mean of {len(rounds)}): {plain:.1f} s = {plain / step:.1f} high-precision steps "
+    timed = rounds[1:] or rounds  # the first round compiles the quantizer and AdamW kernels
+    plain = sum(r["seconds"] for r in timed) / len(timed)
+    drift = sum(r["seconds_with_drift"] for r in timed) / len(timed)
+    lines += [f"Round cost (mean of rounds 2-{len(rounds)}: the first compiles kernels; each round run without "
+              f"and then with the drift on the same batch): {plain:.1f} s = {plain / step:.1f} high-precision steps "
               f"without the drift, {drift:.1f} s = {drift / step:.1f} steps with it ({drift / plain:.2f}x); "
               f"a high-precision step {step:.2f} s (median of 3, measured in the same process).", ""]
     return lines
@@ -256,6 +263,10 @@ def main() -> None:
             rounds = measure_rounds(s, ckpt, args.batches, args.drift_probes)
             cache.write_text(json.dumps({"rounds": rounds, "step_seconds": step}))
         prices = pricings(rounds, runs["measured"]["truths"], s.snip_interval)
+        committed = cp.snip_estimates(runs["rows"])
+        if committed:  # a cross-check: the SNIP runs' own first rounds (at the checkpoint), as committed
+            prices["current (the SNIP runs' first rounds)"] = {"ld": committed["loss_divergence"],
+                                                              "wd": committed["weight_divergence"], "drift": {}}
         result = correlations(runs["rows"], prices, lam)
         print(json.dumps(result, indent=1))
         results[name] = {frac: {k: v for k, v in cell.items() if k in ("current", "oracle_one_step", "new")}
