@@ -119,8 +119,8 @@ def output_grad_tangents(stats: Statistics, adam: Mapping[str, AdamState | None]
     if probes < 1:
         raise ValueError(f"drift_probes: invalid value {probes!r}; allowed: an integer >= 1")
     if stats.sharded:
-        raise NotImplementedError("pricing=horizon: the drift's shifted re-runs are not supported with sharded (FSDP2) "
-                                  "parameters; allowed there: pricing=one_step")
+        raise ValueError("pricing: invalid value 'horizon' with sharded (FSDP2) parameters (the drift's shifted "
+                         "re-runs shift unsharded parameters only); allowed there: one_step")
     out = []
     for probe in range(probes):
         tangent = _tangents(stats, adam, (seed * 0x9E3779B1 + 0x2545F491 * (probe + 1)) % 2**62)
