@@ -189,11 +189,8 @@ def checkpoint(s: cp.Setup, name: str, work: Path, stored: dict) -> tuple[Path, 
         marker.write_text(json.dumps(measured))
     measured = json.loads(marker.read_text())
     if "fingerprint" in stored:
-        # Measured 2026-12-02: SmolLM2's 4 pretraining steps regenerated here end at a fingerprint 1e-11
-        # (relative) from the runs' (float reduction order on another run of the same machine type);
-        # a difference above 1e-9 is another checkpoint.
         mine, theirs = float(measured["fingerprint"]), float(stored["fingerprint"])
-        if abs(mine - theirs) > 1e-9 * abs(theirs):
+        if not cp.same_checkpoint(measured["fingerprint"], stored["fingerprint"]):
             raise SystemExit(f"[{name}] the regenerated checkpoint is not the committed runs' (fingerprint "
                              f"{measured['fingerprint']} vs {stored['fingerprint']})")
         return ckpt, (f"the runs' own (fingerprint {measured['fingerprint']} vs the runs' {stored['fingerprint']}: "
