@@ -9,6 +9,8 @@ policy; the pretraining and the truths are shared by all seeds.
 Policies at each FP4 fraction (candidates fp8 / mxfp4 / nvfp4; the fixed rules use the setting's
 ``low`` FP4 format and fp8; the LM head pinned bf16 everywhere):
   snip, snip_gemm        the callback (granularity layer / gemm), plans from its own statistics rounds
+                         (+horizon: SNIPConfig.pricing=horizon; +shrink<x>: class_shrinkage=x; run only
+                         where --policies names them)
   oracle, oracle_gemm    the same ILP fed with measured truths instead of estimates: per layer and
                          format, the mean relative loss increase over K batches with only its forward
                          in the format (LD's truth) and the one-step AdamW update deviation with only
@@ -48,6 +50,7 @@ import multiprocessing
 import os
 import tempfile
 import platform
+import re
 import statistics
 import sys
 import time
@@ -439,7 +442,10 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
     pl.seed_everything(seed)
     module = _module(s, continuation=True)
     base, _, lam = policy.partition("@")  # "snip_gemm@0.3": SNIP with weight_divergence_weight 0.3
-    base, _, pricing = base.partition("+")  # "snip_gemm+horizon": SNIP with SNIPConfig.pricing=horizon
+    # "snip_gemm+horizon": SNIP with SNIPConfig.pricing=horizon; "snip_gemm+shrink0.5": class_shrinkage 0.5
+    base, *modifiers = base.split("+")
+    pricing = "horizon" if "horizon" in modifiers else None
+    shrink = next((float(m[len("shrink"):]) for m in modifiers if m.startswith("shrink")), None)
     granularity = "gemm" if base.endswith("_gemm") or base == "backward_only" else "layer"
     if base in ("snip", "snip_gemm"):
         # The first round runs at the checkpoint (no first-order history yet), then every interval.
@@ -448,7 +454,8 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
                             first_order_steps=min(s.first_order_steps, s.snip_interval - 1), max_rows=s.max_rows,
                             first_order_rows=s.first_order_rows,
                             **({"weight_divergence_weight": float(lam)} if lam else {}),
-                            **({"pricing": pricing} if pricing else {}))
+                            **({"pricing": pricing} if pricing else {}),
+                            **({"class_shrinkage": shrink} if shrink is not None else {}))
         callback = SNIPCallback(config)
     else:
         plan = fixed_plan(policy, fraction, seed, _module(s), s, measured)
@@ -1035,7 +1042,10 @@ def main() -> None:
             jobs += [(f"{p}@{lam:g}", f, seed) for seed in range(1 if args.quick else args.seeds)
                      for f in args.fractions for lam in args.lambdas for p in ("snip", "snip_gemm", "oracle", "oracle_gemm")]
             # SNIP with SNIPConfig.pricing=horizon (issue 33), only where --policies names it
-            jobs += [(p, f, seed) for p in ("snip+horizon", "snip_gemm+horizon") if p in (args.policies or ())
+            # and with SNIPConfig.class_shrinkage=<x> ("snip_gemm+shrink0.5"), the same way
+            named = [p for p in args.policies or () if p in ("snip+horizon", "snip_gemm+horizon")
+                     or re.fullmatch(r"snip(_gemm)?\+shrink(0(\.\d+)?|1(\.0*)?)", p)]
+            jobs += [(p, f, seed) for p in named
                      for seed in range(1 if args.quick else args.seeds) for f in args.fractions]
         if args.policies:
             unknown = set(args.policies) - {j[0] for j in jobs}

@@ -104,6 +104,9 @@ class SNIPConfig:
         drift_probes: shifted re-runs of the statistics slice per round under pricing=horizon.
         aggregate_decay: EMA decay of LD and WD over statistics rounds, in [0, 1); plans are solved on
             the aggregate (0: the last round alone). See lightning_snip.aggregate.
+        class_shrinkage: how far each layer's aggregated LD and WD move toward the mean of its GEMM
+            class (layer type x first / inner / last block, per format) before the solve, in [0, 1]:
+            0 plans on each layer's own estimates, 1 on the class means (evidence.shrink_to_class_means).
         weight_divergence_weight: lambda in LD + lambda * WD (default 0.1, by measurement; the method
             text's 1 prices FP4 backward GEMMs too high: planner.DEFAULT_WEIGHT_DIVERGENCE_WEIGHT).
         time_limit_seconds: ILP solver limit; the best feasible plan is used after it.
@@ -149,6 +152,7 @@ class SNIPConfig:
     pricing: Pricing = Pricing.ONE_STEP
     drift_probes: int = 4
     aggregate_decay: float = 0.5
+    class_shrinkage: float = 0.0
     weight_divergence_weight: float = DEFAULT_WEIGHT_DIVERGENCE_WEIGHT
     time_limit_seconds: float = 10.0
     fp8_scaling: Fp8Scaling = Fp8Scaling.ROWWISE
@@ -189,6 +193,8 @@ class SNIPConfig:
             object.__setattr__(self, name, choice.parse(getattr(self, name), field_name=name))
         check_field(isinstance(self.aggregate_decay, (int, float)) and 0.0 <= self.aggregate_decay < 1.0,
                     "aggregate_decay", self.aggregate_decay, "a number in [0, 1)")
+        check_field(isinstance(self.class_shrinkage, (int, float)) and not isinstance(self.class_shrinkage, bool)
+                    and 0.0 <= self.class_shrinkage <= 1.0, "class_shrinkage", self.class_shrinkage, "a number in [0, 1]")
         check_field(isinstance(self.noise_guard, bool), "noise_guard", self.noise_guard, "true or false")
         check_field(isinstance(self.noise_guard_threshold, (int, float)) and not isinstance(self.noise_guard_threshold, bool)
                     and 0 < self.noise_guard_threshold < math.inf, "noise_guard_threshold", self.noise_guard_threshold,

@@ -42,7 +42,7 @@ from lightning_snip.drift import Pricing
 from lightning_snip.divergence import (DivergenceResult, FirstOrderTerms, LayerDivergence, LossEstimator,
                                        estimate_divergence)
 from lightning_snip.evidence import (check_reachable, grad_noise_ratios, guarded_formats, invalid_formats,
-                                     layer_candidates, layer_flops, solve_guarded)
+                                     layer_candidates, layer_flops, shrink_to_class_means, solve_guarded)
 from lightning_snip.formats import Format
 from lightning_snip.gemm import describe_kernels, emulated_layers
 from lightning_snip.linear import SNIPLinear
@@ -325,10 +325,12 @@ class SNIPController:
     # ------------------------------------------------------------------ evidence -> plan
 
     def candidates(self):
-        """The planner's choices, valued by the aggregate over rounds (evidence.layer_candidates)."""
-        return layer_candidates(self.layers, self.config.formats, flops=self.flops,
-                                loss_divergence=self.aggregate.values("loss_divergence"),
-                                weight_divergence=self.aggregate.values("weight_divergence"))
+        """The planner's choices, valued by the aggregate over rounds (evidence.layer_candidates), each
+        estimate moved toward its GEMM class's mean by ``class_shrinkage`` (evidence.shrink_to_class_means)."""
+        ld, wd = (shrink_to_class_means(self.aggregate.values(metric), self.layers, self.config.class_shrinkage)
+                  for metric in ("loss_divergence", "weight_divergence"))
+        return layer_candidates(self.layers, self.config.formats, flops=self.flops, loss_divergence=ld,
+                                weight_divergence=wd)
 
     def guarded(self) -> dict[str, frozenset[Format]]:
         """The noise guard's blocked FP4 formats per layer, from the aggregate ({} when it is off)."""

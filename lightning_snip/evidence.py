@@ -13,6 +13,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 
+from lightning_snip.baselines import block_index, layer_type
 from lightning_snip.config import SNIPConfig
 from lightning_snip.divergence import DivergenceResult
 from lightning_snip.formats import Format
@@ -35,6 +36,50 @@ def planning_value(values: Mapping[str, Mapping[str, float]], fqn: str, fmt: For
     if fmt is Format.BF16:
         return 0.0
     return max(0.0, values.get(fqn, {}).get(fmt.value, math.inf))
+
+
+def gemm_class(fqn: str, first_block: int | None, last_block: int | None) -> str:
+    """A layer's GEMM class, as the fixed rules' layer_type_edges group layers: its type
+    (baselines.layer_type: q, k, v, o, gate, up, down, ...) and its place, the first, an inner or the
+    last block (first_block / last_block: the model's lowest and highest block index); a layer outside
+    the blocks (an LM head) is a class of its own."""
+    block = block_index(fqn)
+    if block is None:
+        return fqn
+    place = "first" if block == first_block else "last" if block == last_block else "inner"
+    return f"{layer_type(fqn)}@{place}"
+
+
+def shrink_to_class_means(values: Mapping[str, Mapping[str, float]], layers: Mapping[str, SNIPLinear],
+                          strength: float) -> dict[str, dict[str, float]]:
+    """``values`` (fqn -> format name -> estimate, as DivergenceAggregate.values gives them) with each
+    unpinned layer's estimate moved toward the mean of its GEMM class (gemm_class) for that format:
+    (1 - strength) * own + strength * class mean. One round's per-layer estimates carry noise that the
+    ILP selects on (it picks the layers whose noise made them look cheap); a class mean averages the
+    noise of its members. 0 returns the values as they are, 1 the class means. Pinned layers, non-finite
+    estimates (an invalid format: kept off it) and the members of a class of one are unchanged; a mean
+    is taken over the class's finite members. Written here: no dependency offers a grouped shrinkage."""
+    if not (isinstance(strength, (int, float)) and not isinstance(strength, bool) and 0.0 <= strength <= 1.0):
+        raise ValueError(f"class_shrinkage: invalid value {strength!r}; allowed: a number in [0, 1]")
+    out = {fqn: dict(per_format) for fqn, per_format in values.items()}
+    if strength == 0.0:
+        return out
+    blocks = [b for b in (block_index(fqn) for fqn in layers) if b is not None]
+    first, last = (min(blocks), max(blocks)) if blocks else (None, None)
+    members: dict[tuple[str, str], list[str]] = {}
+    for fqn, per_format in values.items():
+        if fqn not in layers or layers[fqn].pinned is not None:
+            continue
+        for fmt, value in per_format.items():
+            if math.isfinite(value):
+                members.setdefault((gemm_class(fqn, first, last), fmt), []).append(fqn)
+    for (_, fmt), fqns in members.items():
+        if len(fqns) < 2:
+            continue
+        mean = math.fsum(values[fqn][fmt] for fqn in fqns) / len(fqns)
+        for fqn in fqns:
+            out[fqn][fmt] = (1.0 - strength) * values[fqn][fmt] + strength * mean
+    return out
 
 
 def layer_candidates(layers: Mapping[str, SNIPLinear], formats: Sequence[Format], *,

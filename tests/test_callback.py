@@ -154,6 +154,8 @@ def test_slow_solver_thread_never_blocks_exit(tmp_path, monkeypatch):
         ({"fp4_fraction": None}, "fp4_fraction / cost_budget"),
         ({"loss_estimator": "median"}, "loss_estimator"),
         ({"aggregate_decay": 1.0}, "aggregate_decay"),
+        ({"class_shrinkage": 1.5}, "class_shrinkage"),
+        ({"class_shrinkage": True}, "class_shrinkage"),
         ({"first_order_rows": 0}, "first_order_rows"),
         ({"first_order_steps": True}, "first_order_steps"),
         ({"noise_guard": "yes"}, "noise_guard"),
@@ -282,6 +284,93 @@ def test_a_negative_aggregate_never_plans_a_format_below_high_precision():
     assert cands["0"].weight_divergence == {Format.BF16: 0.0, Format.FP8: 0.0, Format.MXFP4: pytest.approx(1e-3)}
     assert cands["1"].loss_divergence[Format.MXFP4] == pytest.approx(4e-3)
     assert all(v >= 0.0 for c in cands.values() for d in (c.loss_divergence, c.weight_divergence) for v in d.values())
+
+
+def test_class_shrinkage_moves_each_estimate_toward_its_gemm_class_mean():
+    """Each unpinned layer's aggregated estimate moves toward the mean of its class (layer type x first /
+    inner / last block, per format and metric), by class_shrinkage; a class of one, a pinned layer and a
+    non-finite estimate are unchanged; 0 plans on the layers' own estimates, 1 on the class means."""
+    from torch import nn
+
+    from lightning_snip.convert import convert_linears
+
+    def block():
+        return nn.ModuleDict({"self_attn": nn.ModuleDict({"q_proj": nn.Linear(64, 64)}),
+                              "mlp": nn.ModuleDict({"down_proj": nn.Linear(64, 64)})})
+
+    # Hugging Face's names: blocks 0 (first), 1-2 (inner), 3 (last), and an LM head outside the blocks.
+    model = nn.ModuleDict({"layers": nn.ModuleList([block() for _ in range(4)]), "lm_head": nn.Linear(64, 64)})
+    q = [f"layers.{i}.self_attn.q_proj" for i in range(4)]
+    down = [f"layers.{i}.mlp.down_proj" for i in range(4)]
+    ld = {**{f: {"fp8": 1e-3 * (i + 1), "mxfp4": 1e-2 * (i + 1)} for i, f in enumerate(q)},
+          **{f: {"fp8": 2e-3, "mxfp4": [4e-2, 8e-2, math.inf, 1e-1][i]} for i, f in enumerate(down)},
+          "lm_head": {"fp8": 5e-3, "mxfp4": 5e-2}}
+    wd = {f: {"fp8": 1e-4 * (i + 1), "mxfp4": -1e-3 if f == q[1] else 3e-3} for i, f in enumerate(q + down)}
+    wd["lm_head"] = {"fp8": 1e-4, "mxfp4": 1e-3}
+
+    def candidates(strength):
+        snip = SNIPCallback(SNIPConfig(class_shrinkage=strength, pins={"lm_head": "bf16"}))
+        snip.layers = convert_linears(model, pins={"lm_head": "bf16"})
+        snip.controller.flops = {fqn: 1.0 for fqn in snip.layers}
+        snip.aggregate.update({"loss_divergence": ld, "weight_divergence": wd})
+        return {c.fqn: c for c in snip.controller.candidates()}
+
+    half, own, means = candidates(0.5), candidates(0.0), candidates(1.0)
+    inner_q = (1e-2 * 2 + 1e-2 * 3) / 2
+    assert half[q[1]].loss_divergence[Format.MXFP4] == pytest.approx(0.5 * 2e-2 + 0.5 * inner_q)
+    assert half[q[2]].loss_divergence[Format.MXFP4] == pytest.approx(0.5 * 3e-2 + 0.5 * inner_q)
+    assert means[q[1]].loss_divergence[Format.MXFP4] == means[q[2]].loss_divergence[Format.MXFP4] == pytest.approx(inner_q)
+    # Signed values are averaged, then the planner clamps at 0: q[1]'s -1e-3 with q[2]'s 3e-3.
+    assert means[q[1]].weight_divergence[Format.MXFP4] == pytest.approx(1e-3)
+    assert half[q[1]].weight_divergence[Format.MXFP4] == pytest.approx(0.0)
+    for fqn in (q[0], q[3], down[0], down[3]):  # the first and the last block: classes of one
+        assert half[fqn].loss_divergence == own[fqn].loss_divergence
+    # down_proj's inner class: block 2's mxfp4 is infinite (kept, and left out of block 1's mean).
+    assert means[down[2]].loss_divergence[Format.MXFP4] == math.inf
+    assert means[down[1]].loss_divergence[Format.MXFP4] == pytest.approx(8e-2)
+    assert means[down[1]].loss_divergence[Format.FP8] == pytest.approx(2e-3)
+    assert means["lm_head"].loss_divergence == own["lm_head"].loss_divergence  # pinned
+    assert own[q[1]].loss_divergence[Format.MXFP4] == pytest.approx(2e-2)  # 0: the layer's own estimate
+    assert own[q[1]].weight_divergence[Format.MXFP4] == 0.0
+
+
+def test_plans_are_solved_on_the_class_shrunk_aggregate(tmp_path):
+    """class_shrinkage reaches the solve: with 1, every inner block's layers of a type are priced alike,
+    and the plan is the ILP's answer on the class means of the aggregate, computed here from its values."""
+    import re
+
+    from lightning_snip.planner import LayerCandidates, solve_plan
+
+    snip = SNIPCallback(_snip(class_shrinkage=1.0))
+    _fit(tmp_path, snip, max_steps=8, module=DemoLM(LlamaConfig(dim=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                                                                  hidden_dim=160)))
+    assert snip.aggregate.num_rounds == 2
+
+    def place(fqn):
+        block = int(re.search(r"layers\.(\d+)\.", fqn).group(1)) if "layers." in fqn else None
+        return fqn if block is None else (fqn.rsplit(".", 1)[1], min(block, 2) if block < 3 else 3)
+
+    def class_means(values):
+        groups = {}
+        for fqn, per_format in values.items():
+            if snip.layers[fqn].pinned is None:
+                for fmt, v in per_format.items():
+                    groups.setdefault((place(fqn), fmt), []).append(v)
+        return {fqn: {fmt: (sum(groups[(place(fqn), fmt)]) / len(groups[(place(fqn), fmt)])
+                            if snip.layers[fqn].pinned is None else v) for fmt, v in per_format.items()}
+                for fqn, per_format in values.items()}
+
+    ld, wd = (class_means(snip.aggregate.values(m)) for m in ("loss_divergence", "weight_divergence"))
+    assert ld["model.layers.1.attn.q"] == ld["model.layers.2.attn.q"] != ld["model.layers.0.attn.q"]
+    cands = [LayerCandidates(fqn=f, flops=6.0 * l.in_features * l.out_features, pinned=l.pinned,
+                             loss_divergence={Format(k): max(0.0, v) for k, v in ld[f].items() if k in ("fp8", "mxfp4")},
+                             weight_divergence={Format(k): max(0.0, v) for k, v in wd[f].items() if k in ("fp8", "mxfp4")})
+             for f, l in snip.layers.items()]
+    fed = {c.fqn: c for c in snip.controller.candidates()}
+    for c in cands:
+        assert fed[c.fqn].loss_divergence == pytest.approx(c.loss_divergence, rel=1e-12, abs=0)
+        assert fed[c.fqn].weight_divergence == pytest.approx(c.weight_divergence, rel=1e-12, abs=0)
+    assert dict(snip.plan) == dict(solve_plan(cands, fp4_fraction=0.6))
 
 
 def test_plan_agreement_is_logged(tmp_path):
