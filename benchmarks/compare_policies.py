@@ -384,27 +384,23 @@ def _oracle_lambda(policy: str) -> float:
     return float(lam) if lam else DEFAULT_WEIGHT_DIVERGENCE_WEIGHT
 
 
-def pooled_truths(truths: dict) -> dict:
+def pooled_truths(truths: dict, strength: float = 1.0) -> dict:
     """The truths averaged over each class of layers: (layer type, first / inner / last block, format),
     for LD and WD apart. A single layer's truth is noisy (at deep8 16 of 56 layers' LD truth per FP4
     format comes out <= 0, which the clamp makes free for the ILP); a class mean much less so. The
-    oracle_pooled policies plan from these: do they beat the oracle, i.e. was its loss the noise?"""
-    from lightning_snip.baselines import block_index
-
-    blocks = [block_index(k.partition("|")[0]) for m in truths.values() for k in m]
-    first, last = min(b for b in blocks if b is not None), max(b for b in blocks if b is not None)
-
-    def group(key: str) -> tuple:
-        fqn, _, fmt = key.partition("|")
-        b = block_index(fqn)
-        return fqn.rsplit(".", 1)[-1], None if b is None else ("first" if b == first else "last" if b == last else "inner"), fmt
+    oracle_pooled policies plan from these: do they beat the oracle, i.e. was its loss the noise?
+    ``strength`` < 1: each value moved only that far toward its class mean (the callback's
+    class_shrinkage, evidence.shrink_to_class_means, on "fqn|format" keys)."""
+    from lightning_snip.evidence import shrink_to_class_means
 
     out = {}
     for metric, values in truths.items():
-        classes: dict[tuple, list[float]] = {}
+        nested: dict[str, dict[str, float]] = {}
         for key, v in values.items():
-            classes.setdefault(group(key), []).append(v)
-        out[metric] = {key: statistics.fmean(classes[group(key)]) for key in values}
+            fqn, _, fmt = key.partition("|")
+            nested.setdefault(fqn, {})[fmt] = v
+        out[metric] = {f"{fqn}|{fmt}": v for fqn, per in shrink_to_class_means(nested, strength).items()
+                       for fmt, v in per.items()}
     return out
 
 

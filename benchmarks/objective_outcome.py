@@ -17,7 +17,8 @@ The checkpoint is regenerated (the pretraining is seeded) and checked against th
 (fingerprint, or the pretraining loss where the runs predate fingerprints); the rounds' estimates are
 cached under --store and reused. Writes benchmarks/results/objective_outcome.json
 ({"<model>": {"<fraction>": {"<pricing>": spearman}}}, eval_loss: the model evaluated in bf16) and a
-dated markdown report.
+dated markdown report. The plan study (plan_study: plans solved on some rounds, priced by the others,
+with and without shrinkage toward GEMM-class means) writes objective_outcome_plans.json.
 
     python benchmarks/objective_outcome.py --setting deep8 smollm2
 """
@@ -180,6 +181,69 @@ def correlations(rows: list[dict], prices: dict[str, dict], lam: float) -> dict:
     return out
 
 
+STRENGTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+RULES = ("layer_type_edges_gemm", "layer_type_gemm", "industry_tail", "first_last")
+
+
+def plan_study(s: cp.Setup, rounds: list[dict], rows: list[dict], lam: float, strengths=STRENGTHS) -> dict:
+    """Does the ILP select on its estimates' noise? For each split of the rounds into A (1 or 2 rounds,
+    the evidence a plan is solved on) and B (the others), the gemm-granularity plan solved on A's mean
+    with each estimate shrunk toward its GEMM class's mean (evidence.shrink_to_class_means, strength
+    0 = the layers' own estimates, SNIP's default) is priced by B's mean (the ILP objective, LD +
+    lambda WD): out of sample, so a plan that chose layers for their noise pays for it. The committed
+    fixed rules' plans are priced by the same B. {"<fraction>": {"<A size>": {"splits": n, "price":
+    {name: mean over splits}, "vs_own": {strength: [mean, std] of the paired difference to strength 0}}}}."""
+    import itertools
+    import statistics
+
+    from lightning_snip import planner
+
+    module = cp._module(s)
+
+    out = {}
+    for frac in sorted({r["fraction"] for r in rows if r["fraction"] in (0.75, 0.9)}):
+        rules = {p: r["plan"] for p in RULES for r in rows if r["policy"] == p and r["fraction"] == frac and r["plan"]}
+        per = {}
+        for size in (1, 2):
+            prices: dict[str, list[float]] = {}
+            for held in itertools.combinations(range(len(rounds)), size):
+                a = [rounds[i] for i in held]
+                b = [r for i, r in enumerate(rounds) if i not in held]
+                price = {"ld": mean_rounds(b, "ld"), "wd": mean_rounds(b, "wd"), "drift": {}}
+                for strength in strengths:
+                    # pooled_truths' shrinkage toward GEMM-class means (the callback's class_shrinkage)
+                    shrunk = cp.pooled_truths({"loss_divergence": mean_rounds(a, "ld"), "weight_divergence": mean_rounds(a, "wd")},
+                                              strength)
+                    cands = cp._candidates(module, shrunk, s.candidates)
+                    plan = planner.solve_gemm_plan(cands, fp4_fraction=frac, weight_divergence_weight=lam)
+                    prices.setdefault(f"shrink {strength:g}", []).append(
+                        plan_price({k: f.value for k, f in plan.items()}, price, lam))
+                for name, plan in rules.items():
+                    prices.setdefault(name, []).append(plan_price(plan, price, lam))
+            own = prices["shrink 0"]
+            per[str(size)] = {
+                "splits": len(own), "price": {k: statistics.fmean(v) for k, v in prices.items()},
+                "vs_own": {f"{x:g}": [statistics.fmean(d), statistics.stdev(d) if len(d) > 1 else math.nan]
+                           for x in strengths[1:] for d in [[p - o for p, o in zip(prices[f"shrink {x:g}"], own)]]}}
+        out[f"{frac:g}"] = per
+    return out
+
+
+def plan_study_lines(study: dict) -> list[str]:
+    lines = ["Plans on 1 or 2 rounds (A), priced by the other rounds' mean (B): the objective out of sample, mean over "
+             "the splits; `shrink x`: each estimate moved toward its GEMM class's mean by x before the solve "
+             "(`SNIPConfig.class_shrinkage`; 0 = SNIP's default); paired difference to `shrink 0` (mean ± std over splits).",
+             ""]
+    for frac, per in study.items():
+        for size, cell in per.items():
+            names = list(cell["price"])
+            lines += [f"fraction {frac}, A = {size} round(s), {cell['splits']} splits:", "",
+                      "| " + " | ".join(names) + " |", "|---" * len(names) + "|",
+                      "| " + " | ".join(f"{cell['price'][n]:.5f}" for n in names) + " |", "",
+                      "vs shrink 0: " + "; ".join(f"{x}: {m:+.5f} ± {sd:.5f}" for x, (m, sd) in cell["vs_own"].items()), ""]
+    return lines
+
+
 def checkpoint(s: cp.Setup, name: str, work: Path, stored: dict) -> tuple[Path, str]:
     """The runs' start checkpoint, regenerated (seeded) unless ``work`` holds it, checked against the
     committed runs' measurements."""
@@ -246,6 +310,8 @@ def main() -> None:
     report = [f"# Objective vs outcome — {date}", "",
               f"command: `python benchmarks/objective_outcome.py {' '.join(sys.argv[1:])}`; machine: "
               f"{platform.machine()} ({os.cpu_count()} cores), Python {platform.python_version()}", ""]
+    plans_path = args.out / "objective_outcome_plans.json"
+    plans = json.loads(plans_path.read_text()) if plans_path.exists() else {}
     for name in args.setting:
         runs = json.loads(RUNS[name].read_text())
         s = cp.Setup(**runs["setting"])
@@ -269,9 +335,13 @@ def main() -> None:
         results[name] = {frac: {k: v for k, v in cell.items() if k in ("current", "oracle_one_step", "new")}
                          for frac, cell in result["eval_loss"].items()}
         report += report_lines(name, s, result, rounds, step, lam) + [f"Checkpoint: {provenance}.", ""]
+        study = plan_study(s, rounds, runs["rows"], lam)
+        plans[name] = study
+        report += plan_study_lines(study)
         if math.isnan(step):
             raise SystemExit("step time not measured")
     results_path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    (args.out / "objective_outcome_plans.json").write_text(json.dumps(plans, indent=1, sort_keys=True) + "\n")
     (args.out / f"objective_outcome_{date}.md").write_text("\n".join(report) + "\n")
 
 

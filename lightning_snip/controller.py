@@ -327,7 +327,8 @@ class SNIPController:
     def candidates(self):
         """The planner's choices, valued by the aggregate over rounds (evidence.layer_candidates), each
         estimate moved toward its GEMM class's mean by ``class_shrinkage`` (evidence.shrink_to_class_means)."""
-        ld, wd = (shrink_to_class_means(self.aggregate.values(metric), self.layers, self.config.class_shrinkage)
+        pinned = {fqn for fqn, layer in self.layers.items() if layer.pinned is not None}
+        ld, wd = (shrink_to_class_means(self.aggregate.values(metric), self.config.class_shrinkage, pinned=pinned)
                   for metric in ("loss_divergence", "weight_divergence"))
         return layer_candidates(self.layers, self.config.formats, flops=self.flops, loss_divergence=ld,
                                 weight_divergence=wd)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from lightning_snip.baselines import block_index, layer_type
 from lightning_snip.config import SNIPConfig
@@ -50,25 +50,26 @@ def gemm_class(fqn: str, first_block: int | None, last_block: int | None) -> str
     return f"{layer_type(fqn)}@{place}"
 
 
-def shrink_to_class_means(values: Mapping[str, Mapping[str, float]], layers: Mapping[str, SNIPLinear],
-                          strength: float) -> dict[str, dict[str, float]]:
+def shrink_to_class_means(values: Mapping[str, Mapping[str, float]], strength: float, *,
+                          pinned: Collection[str] = ()) -> dict[str, dict[str, float]]:
     """``values`` (fqn -> format name -> estimate, as DivergenceAggregate.values gives them) with each
-    unpinned layer's estimate moved toward the mean of its GEMM class (gemm_class) for that format:
-    (1 - strength) * own + strength * class mean. One round's per-layer estimates carry noise that the
-    ILP selects on (it picks the layers whose noise made them look cheap); a class mean averages the
-    noise of its members. 0 returns the values as they are, 1 the class means. Pinned layers, non-finite
-    estimates (an invalid format: kept off it) and the members of a class of one are unchanged; a mean
-    is taken over the class's finite members. Written here: no dependency offers a grouped shrinkage."""
+    layer's estimate moved toward the mean of its GEMM class (gemm_class; the blocks' range is the
+    one the fqns span) for that format: (1 - strength) * own + strength * class mean. One round's
+    per-layer estimates carry noise that the ILP selects on (it picks the layers whose noise made them
+    look cheap); a class mean averages its members' noise. 0 returns the values as they are, 1 the
+    class means. ``pinned`` layers, non-finite estimates (an invalid format: kept off it) and the
+    members of a class of one are unchanged; a mean is taken over the class's finite members.
+    Written here: no dependency offers a grouped shrinkage."""
     if not (isinstance(strength, (int, float)) and not isinstance(strength, bool) and 0.0 <= strength <= 1.0):
         raise ValueError(f"class_shrinkage: invalid value {strength!r}; allowed: a number in [0, 1]")
     out = {fqn: dict(per_format) for fqn, per_format in values.items()}
     if strength == 0.0:
         return out
-    blocks = [b for b in (block_index(fqn) for fqn in layers) if b is not None]
+    blocks = [b for b in (block_index(fqn) for fqn in values) if b is not None]
     first, last = (min(blocks), max(blocks)) if blocks else (None, None)
     members: dict[tuple[str, str], list[str]] = {}
     for fqn, per_format in values.items():
-        if fqn not in layers or layers[fqn].pinned is not None:
+        if fqn in pinned:
             continue
         for fmt, value in per_format.items():
             if math.isfinite(value):

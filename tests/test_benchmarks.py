@@ -424,3 +424,33 @@ def test_quality_cache_keeps_runs_only_for_the_same_checkpoint(tmp_path, monkeyp
     assert not (store / "rows.jsonl").exists() and len(list(store.glob("rows_stale_*.jsonl"))) == 1
     other = cp.Setup(**{**cp._setting(s), "continue_steps": s.continue_steps + 1})
     assert cp.prepare(other, work, store)[1]["fingerprint"] == "3.0"  # another protocol: measured afresh
+
+
+def test_objective_outcome_plan_study_prices_plans_out_of_sample():
+    """plan_study: plans solved on some rounds and priced by the others. With rounds that agree (no
+    noise) every split's held-out price is the in-sample one, so the unshrunk plan is the ILP's optimum
+    of it: no shrinkage and no fixed rule prices lower; with strength 1 each class is priced alike."""
+    import random
+
+    from lightning_snip.demo.lightning import DemoLM
+
+    cp = _benchmark("compare_policies")
+    oo = _benchmark("objective_outcome")
+    s = cp.SETTINGS["deep8"]
+    module = DemoLM(cp._model_config(s))
+    rng = random.Random(0)
+    values = {m: {f"{c.fqn}|{fmt}": rng.uniform(0.1, 1.0) * (0.1 if fmt == "fp8" else 1.0)
+                  for c in cp._candidates(module, None) if c.pinned is None for fmt in s.candidates} for m in ("ld", "wd")}
+    rounds = [values] * 3
+    rule = cp.fixed_plan("layer_type_edges_gemm", 0.75, 0, module, s, {})
+    rows = [{"policy": "layer_type_edges_gemm", "fraction": 0.75, "plan": {k: f.value for k, f in rule.items()}}]
+    study = oo.plan_study(s, rounds, rows, 0.1, strengths=(0.0, 0.5, 1.0))
+    cell = study["0.75"]["1"]
+    assert cell["splits"] == 3 and set(cell["price"]) == {"shrink 0", "shrink 0.5", "shrink 1", "layer_type_edges_gemm"}
+    assert study["0.75"]["2"]["splits"] == 3
+    own = cell["price"]["shrink 0"]
+    assert own > 0
+    assert cell["price"]["layer_type_edges_gemm"] == pytest.approx(oo.plan_price(rows[0]["plan"], {**values, "drift": {}}, 0.1))
+    for name, price in cell["price"].items():
+        assert price >= own * (1 - 1e-6), name
+    assert cell["vs_own"]["1"][0] > 0 and cell["vs_own"]["1"][1] == pytest.approx(0.0, abs=1e-12)

@@ -293,6 +293,7 @@ def test_class_shrinkage_moves_each_estimate_toward_its_gemm_class_mean():
     from torch import nn
 
     from lightning_snip.convert import convert_linears
+    from lightning_snip.evidence import shrink_to_class_means
 
     def block():
         return nn.ModuleDict({"self_attn": nn.ModuleDict({"q_proj": nn.Linear(64, 64)}),
@@ -317,6 +318,8 @@ def test_class_shrinkage_moves_each_estimate_toward_its_gemm_class_mean():
 
     half, own, means = candidates(0.5), candidates(0.0), candidates(1.0)
     inner_q = (1e-2 * 2 + 1e-2 * 3) / 2
+    with pytest.raises(ValueError, match=r"class_shrinkage: invalid value -0.1; allowed: a number in \[0, 1\]"):
+        shrink_to_class_means(ld, -0.1)
     assert half[q[1]].loss_divergence[Format.MXFP4] == pytest.approx(0.5 * 2e-2 + 0.5 * inner_q)
     assert half[q[2]].loss_divergence[Format.MXFP4] == pytest.approx(0.5 * 3e-2 + 0.5 * inner_q)
     assert means[q[1]].loss_divergence[Format.MXFP4] == means[q[2]].loss_divergence[Format.MXFP4] == pytest.approx(inner_q)
