@@ -41,8 +41,9 @@ from lightning_snip.convert import UnmatchedPinsError, apply_plan, convert_linea
 from lightning_snip.drift import Pricing
 from lightning_snip.divergence import (DivergenceResult, FirstOrderTerms, LayerDivergence, LossEstimator,
                                        estimate_divergence)
-from lightning_snip.evidence import (check_reachable, grad_noise_ratios, guarded_formats, invalid_formats,
-                                     layer_candidates, layer_flops, shrink_to_class_means, solve_guarded)
+from lightning_snip.evidence import (check_class_shrinkage, check_reachable, grad_noise_ratios, guarded_formats,
+                                     invalid_formats, layer_candidates, layer_flops, shrink_to_class_means,
+                                     solve_guarded)
 from lightning_snip.formats import Format
 from lightning_snip.gemm import describe_kernels, emulated_layers
 from lightning_snip.linear import SNIPLinear
@@ -196,6 +197,7 @@ class SNIPController:
             apply_plan(model, self.plan)  # a given plan that does not fit the model fails here
         if cfg.replan:
             check_reachable(self.layers, cfg)
+            check_class_shrinkage(self.layers, cfg)
         # Stochastic rounding draws from one generator per rank, reseeded every micro-batch from
         # (the run's seed, rank, step, batch index): ranks round independently, a rerun or a resumed
         # run draws the same numbers, and the global RNG (dropout) is left alone.

@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Collection, Mapping, Sequence
+import re
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
-from lightning_snip.baselines import block_index, layer_type
 from lightning_snip.config import SNIPConfig
 from lightning_snip.divergence import DivergenceResult
 from lightning_snip.formats import Format
@@ -35,45 +35,63 @@ def planning_value(values: Mapping[str, Mapping[str, float]], fqn: str, fmt: For
     below 0, the value of high precision (a negative estimate is noise, not a format better than bf16)."""
     if fmt is Format.BF16:
         return 0.0
-    return max(0.0, values.get(fqn, {}).get(fmt.value, math.inf))
+    value = values.get(fqn, {}).get(fmt.value, math.inf)
+    return max(0.0, value) if math.isfinite(value) else math.inf  # NaN / -inf: no estimate, not a free format
 
 
-def gemm_class(fqn: str, first_block: int | None, last_block: int | None) -> str:
-    """A layer's GEMM class, as the fixed rules' layer_type_edges group layers: its type
-    (baselines.layer_type: q, k, v, o, gate, up, down, ...) and its place, the first, an inner or the
-    last block (first_block / last_block: the model's lowest and highest block index); a layer outside
-    the blocks (an LM head) is a class of its own."""
-    block = block_index(fqn)
-    if block is None:
-        return fqn
-    place = "first" if block == first_block else "last" if block == last_block else "inner"
-    return f"{layer_type(fqn)}@{place}"
+_BLOCK = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")  # the first integer component: the block ("layers.3.")
+
+
+def layer_classes(fqns: Iterable[str]) -> dict[str, str]:
+    """fqn -> its class for class_shrinkage: the same module in the other blocks of its stack, split
+    into the stack's first block, its inner blocks and its last block (the grouping of the fixed rule
+    layer_type_edges, which holds a layer's forward and backward GEMMs). A stack is the name before the
+    first integer component (``model.layers.``); its block range is the one ``fqns`` span; the module is
+    the name after it (``.self_attn.q_proj``), so an encoder's, a decoder's and a cross-attention's
+    q_proj are three classes. A layer with no integer component (an LM head) is a class of its own."""
+    parsed = {}
+    for fqn in fqns:
+        match = _BLOCK.search(fqn)
+        parsed[fqn] = None if match is None else (fqn[:match.start(1)], int(match.group(1)), fqn[match.end(1):])
+    ranges: dict[str, tuple[int, int]] = {}
+    for stack, block, _ in filter(None, parsed.values()):
+        lo, hi = ranges.get(stack, (block, block))
+        ranges[stack] = (min(lo, block), max(hi, block))
+    out = {}
+    for fqn, p in parsed.items():
+        if p is None:
+            out[fqn] = fqn
+            continue
+        stack, block, module = p
+        lo, hi = ranges[stack]
+        out[fqn] = f"{stack}*{module}@{'first' if block == lo else 'last' if block == hi else 'inner'}"
+    return out
 
 
 def shrink_to_class_means(values: Mapping[str, Mapping[str, float]], strength: float, *,
                           pinned: Collection[str] = ()) -> dict[str, dict[str, float]]:
     """``values`` (fqn -> format name -> estimate, as DivergenceAggregate.values gives them) with each
-    layer's estimate moved toward the mean of its GEMM class (gemm_class; the blocks' range is the
-    one the fqns span) for that format: (1 - strength) * own + strength * class mean. One round's
-    per-layer estimates carry noise that the ILP selects on (it picks the layers whose noise made them
-    look cheap); a class mean averages its members' noise. 0 returns the values as they are, 1 the
-    class means. ``pinned`` layers, non-finite estimates (an invalid format: kept off it) and the
-    members of a class of one are unchanged; a mean is taken over the class's finite members.
-    Written here: no dependency offers a grouped shrinkage."""
+    layer's estimate moved toward the mean of its class (layer_classes over the fqns of ``values``) for
+    that format: (1 - strength) * own + strength * class mean, signed values averaged (the planner
+    clamps at 0 after). The ILP favours the layers whose estimate came out low by chance; a class mean
+    averages its members' noise. 0 returns the values as they are, 1 the class means. ``pinned``
+    layers, non-finite estimates (an invalid format: kept off it) and the members of a class with one
+    finite estimate are unchanged; a mean is over the class's unpinned finite members. Written here: no
+    dependency offers a grouped shrinkage."""
     if not (isinstance(strength, (int, float)) and not isinstance(strength, bool) and 0.0 <= strength <= 1.0):
         raise ValueError(f"class_shrinkage: invalid value {strength!r}; allowed: a number in [0, 1]")
+    if isinstance(pinned, str):
+        raise TypeError(f"pinned: expected a collection of fqns, got the string {pinned!r}")
     out = {fqn: dict(per_format) for fqn, per_format in values.items()}
     if strength == 0.0:
         return out
-    blocks = [b for b in (block_index(fqn) for fqn in values) if b is not None]
-    first, last = (min(blocks), max(blocks)) if blocks else (None, None)
+    pinned = frozenset(pinned)
+    classes = layer_classes(values)
     members: dict[tuple[str, str], list[str]] = {}
     for fqn, per_format in values.items():
-        if fqn in pinned:
-            continue
         for fmt, value in per_format.items():
-            if math.isfinite(value):
-                members.setdefault((gemm_class(fqn, first, last), fmt), []).append(fqn)
+            if fqn not in pinned and math.isfinite(value):
+                members.setdefault((classes[fqn], fmt), []).append(fqn)
     for (_, fmt), fqns in members.items():
         if len(fqns) < 2:
             continue
@@ -81,6 +99,22 @@ def shrink_to_class_means(values: Mapping[str, Mapping[str, float]], strength: f
         for fqn in fqns:
             out[fqn][fmt] = (1.0 - strength) * values[fqn][fmt] + strength * mean
     return out
+
+
+def check_class_shrinkage(layers: Mapping[str, SNIPLinear], config: SNIPConfig) -> None:
+    """A warning at setup where ``class_shrinkage`` > 0 can change nothing: no two unpinned layers share
+    a class (a model of at most 3 blocks, or whose names have no block index)."""
+    if config.class_shrinkage == 0.0:
+        return
+    classes = layer_classes(layers)
+    counts: dict[str, int] = {}
+    for fqn, layer in layers.items():
+        if layer.pinned is None:
+            counts[classes[fqn]] = counts.get(classes[fqn], 0) + 1
+    if not any(n > 1 for n in counts.values()):
+        logger.warning("class_shrinkage=%s has no effect on this model: no two unpinned layers share a class (the "
+                       "same module in the inner blocks of a stack; layers: %s)", config.class_shrinkage,
+                       list(layers)[:3])
 
 
 def layer_candidates(layers: Mapping[str, SNIPLinear], formats: Sequence[Format], *,

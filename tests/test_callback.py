@@ -284,57 +284,82 @@ def test_a_negative_aggregate_never_plans_a_format_below_high_precision():
     assert cands["0"].weight_divergence == {Format.BF16: 0.0, Format.FP8: 0.0, Format.MXFP4: pytest.approx(1e-3)}
     assert cands["1"].loss_divergence[Format.MXFP4] == pytest.approx(4e-3)
     assert all(v >= 0.0 for c in cands.values() for d in (c.loss_divergence, c.weight_divergence) for v in d.values())
+    # A NaN or -inf estimate (a caller's, not the aggregate's: it turns them into +inf) is no estimate, never free.
+    from lightning_snip.evidence import planning_value
+    for bad in (math.nan, -math.inf):
+        assert planning_value({"0": {"mxfp4": bad}}, "0", Format.MXFP4) == math.inf
 
 
-def test_class_shrinkage_moves_each_estimate_toward_its_gemm_class_mean():
-    """Each unpinned layer's aggregated estimate moves toward the mean of its class (layer type x first /
-    inner / last block, per format and metric), by class_shrinkage; a class of one, a pinned layer and a
-    non-finite estimate are unchanged; 0 plans on the layers' own estimates, 1 on the class means."""
+def test_class_shrinkage_moves_each_estimate_toward_its_class_mean(caplog):
+    """Each unpinned layer's aggregated estimate moves toward the mean of its class (the same module in
+    the first / inner / last blocks of its stack, per format and metric), by class_shrinkage; pinned
+    layers, non-finite estimates and a class with one finite estimate are unchanged, and neither enters
+    a mean; 0 plans on the layers' own estimates, 1 on the class means."""
     from torch import nn
 
     from lightning_snip.convert import convert_linears
-    from lightning_snip.evidence import shrink_to_class_means
+    from lightning_snip.evidence import layer_classes, shrink_to_class_means
 
     def block():
         return nn.ModuleDict({"self_attn": nn.ModuleDict({"q_proj": nn.Linear(64, 64)}),
                               "mlp": nn.ModuleDict({"down_proj": nn.Linear(64, 64)})})
 
-    # Hugging Face's names: blocks 0 (first), 1-2 (inner), 3 (last), and an LM head outside the blocks.
-    model = nn.ModuleDict({"layers": nn.ModuleList([block() for _ in range(4)]), "lm_head": nn.Linear(64, 64)})
-    q = [f"layers.{i}.self_attn.q_proj" for i in range(4)]
-    down = [f"layers.{i}.mlp.down_proj" for i in range(4)]
+    # Hugging Face's names: blocks 0 (first), 1-4 (inner), 5 (last), and an LM head outside the blocks.
+    model = nn.ModuleDict({"layers": nn.ModuleList([block() for _ in range(6)]), "lm_head": nn.Linear(64, 64)})
+    q = [f"layers.{i}.self_attn.q_proj" for i in range(6)]
+    down = [f"layers.{i}.mlp.down_proj" for i in range(6)]
+    pins = {"lm_head": "bf16", q[4]: "fp8"}  # an inner layer pinned: out of its class's mean
     ld = {**{f: {"fp8": 1e-3 * (i + 1), "mxfp4": 1e-2 * (i + 1)} for i, f in enumerate(q)},
-          **{f: {"fp8": 2e-3, "mxfp4": [4e-2, 8e-2, math.inf, 1e-1][i]} for i, f in enumerate(down)},
+          **{f: {"fp8": 2e-3, "mxfp4": [4e-2, 8e-2, math.inf, 1e-1, math.nan, 3e-1][i]} for i, f in enumerate(down)},
           "lm_head": {"fp8": 5e-3, "mxfp4": 5e-2}}
     wd = {f: {"fp8": 1e-4 * (i + 1), "mxfp4": -1e-3 if f == q[1] else 3e-3} for i, f in enumerate(q + down)}
     wd["lm_head"] = {"fp8": 1e-4, "mxfp4": 1e-3}
 
     def candidates(strength):
-        snip = SNIPCallback(SNIPConfig(class_shrinkage=strength, pins={"lm_head": "bf16"}))
-        snip.layers = convert_linears(model, pins={"lm_head": "bf16"})
+        snip = SNIPCallback(SNIPConfig(class_shrinkage=strength, pins=pins))
+        snip.layers = convert_linears(model, pins=pins)
         snip.controller.flops = {fqn: 1.0 for fqn in snip.layers}
         snip.aggregate.update({"loss_divergence": ld, "weight_divergence": wd})
         return {c.fqn: c for c in snip.controller.candidates()}
 
     half, own, means = candidates(0.5), candidates(0.0), candidates(1.0)
-    inner_q = (1e-2 * 2 + 1e-2 * 3) / 2
-    with pytest.raises(ValueError, match=r"class_shrinkage: invalid value -0.1; allowed: a number in \[0, 1\]"):
-        shrink_to_class_means(ld, -0.1)
+    inner_q = (2e-2 + 3e-2 + 4e-2) / 3  # blocks 1-3; block 4's q is pinned
     assert half[q[1]].loss_divergence[Format.MXFP4] == pytest.approx(0.5 * 2e-2 + 0.5 * inner_q)
-    assert half[q[2]].loss_divergence[Format.MXFP4] == pytest.approx(0.5 * 3e-2 + 0.5 * inner_q)
+    assert half[q[3]].loss_divergence[Format.MXFP4] == pytest.approx(0.5 * 4e-2 + 0.5 * inner_q)
     assert means[q[1]].loss_divergence[Format.MXFP4] == means[q[2]].loss_divergence[Format.MXFP4] == pytest.approx(inner_q)
-    # Signed values are averaged, then the planner clamps at 0: q[1]'s -1e-3 with q[2]'s 3e-3.
-    assert means[q[1]].weight_divergence[Format.MXFP4] == pytest.approx(1e-3)
-    assert half[q[1]].weight_divergence[Format.MXFP4] == pytest.approx(0.0)
-    for fqn in (q[0], q[3], down[0], down[3]):  # the first and the last block: classes of one
+    assert means[q[4]].loss_divergence == own[q[4]].loss_divergence  # pinned
+    # Signed values are averaged, then the planner clamps at 0: q[1]'s -1e-3 with q[2], q[3]'s 3e-3.
+    assert means[q[1]].weight_divergence[Format.MXFP4] == pytest.approx(5e-3 / 3)
+    assert half[q[1]].weight_divergence[Format.MXFP4] == pytest.approx(0.5 * -1e-3 + 0.5 * 5e-3 / 3)
+    for fqn in (q[0], q[5], down[0], down[5]):  # the first and the last block: classes of one
         assert half[fqn].loss_divergence == own[fqn].loss_divergence
-    # down_proj's inner class: block 2's mxfp4 is infinite (kept, and left out of block 1's mean).
-    assert means[down[2]].loss_divergence[Format.MXFP4] == math.inf
-    assert means[down[1]].loss_divergence[Format.MXFP4] == pytest.approx(8e-2)
+    # down_proj's inner class: block 2's inf and block 4's NaN kept off the format and out of the mean.
+    assert means[down[2]].loss_divergence[Format.MXFP4] == means[down[4]].loss_divergence[Format.MXFP4] == math.inf
+    assert means[down[1]].loss_divergence[Format.MXFP4] == means[down[3]].loss_divergence[Format.MXFP4] == pytest.approx(9e-2)
     assert means[down[1]].loss_divergence[Format.FP8] == pytest.approx(2e-3)
-    assert means["lm_head"].loss_divergence == own["lm_head"].loss_divergence  # pinned
+    assert means["lm_head"].loss_divergence == own["lm_head"].loss_divergence  # pinned, outside the blocks
     assert own[q[1]].loss_divergence[Format.MXFP4] == pytest.approx(2e-2)  # 0: the layer's own estimate
     assert own[q[1]].weight_divergence[Format.MXFP4] == 0.0
+    with pytest.raises(ValueError, match=r"class_shrinkage: invalid value -0.1; allowed: a number in \[0, 1\]"):
+        shrink_to_class_means(ld, -0.1)
+
+    # Classes follow the stack: an encoder's, a decoder's and a cross-attention's q_proj are apart, each
+    # stack with its own first and last block; the router is not an expert.
+    names = [f"model.{side}.layers.{i}.{m}" for side, n in (("encoder", 3), ("decoder", 5)) for i in range(n)
+             for m in ("self_attn.q_proj", "encoder_attn.q_proj")[: 1 + (side == "decoder")]]
+    names += ["model.moe.layers.1.mlp.gate", "model.moe.layers.1.mlp.experts.0.gate_proj", "lm_head"]
+    classes = layer_classes(names)
+    assert classes["model.encoder.layers.2.self_attn.q_proj"] == "model.encoder.layers.*.self_attn.q_proj@last"
+    assert classes["model.decoder.layers.2.self_attn.q_proj"] == "model.decoder.layers.*.self_attn.q_proj@inner"
+    assert classes["model.decoder.layers.2.encoder_attn.q_proj"] == "model.decoder.layers.*.encoder_attn.q_proj@inner"
+    assert classes["model.moe.layers.1.mlp.gate"] != classes["model.moe.layers.1.mlp.experts.0.gate_proj"]
+    assert classes["lm_head"] == "lm_head"
+
+    # A model where no two layers share a class: said at setup.
+    with caplog.at_level(logging.WARNING, logger="lightning_snip"):
+        snip = SNIPCallback(SNIPConfig(class_shrinkage=0.5, pins={}))
+        snip.controller.attach(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), device="cpu")
+    assert "class_shrinkage=0.5 has no effect on this model" in caplog.text
 
 
 def test_plans_are_solved_on_the_class_shrunk_aggregate(tmp_path):
@@ -349,18 +374,20 @@ def test_plans_are_solved_on_the_class_shrunk_aggregate(tmp_path):
                                                                   hidden_dim=160)))
     assert snip.aggregate.num_rounds == 2
 
-    def place(fqn):
+    def place(fqn):  # blocks 0 (first), 1-2 (inner), 3 (last)
         block = int(re.search(r"layers\.(\d+)\.", fqn).group(1)) if "layers." in fqn else None
-        return fqn if block is None else (fqn.rsplit(".", 1)[1], min(block, 2) if block < 3 else 3)
+        return fqn if block is None else (fqn.rsplit(".", 1)[1], "inner" if 0 < block < 3 else block)
 
     def class_means(values):
         groups = {}
         for fqn, per_format in values.items():
             if snip.layers[fqn].pinned is None:
                 for fmt, v in per_format.items():
-                    groups.setdefault((place(fqn), fmt), []).append(v)
+                    if math.isfinite(v):
+                        groups.setdefault((place(fqn), fmt), []).append(v)
         return {fqn: {fmt: (sum(groups[(place(fqn), fmt)]) / len(groups[(place(fqn), fmt)])
-                            if snip.layers[fqn].pinned is None else v) for fmt, v in per_format.items()}
+                            if snip.layers[fqn].pinned is None and math.isfinite(v) else v)
+                      for fmt, v in per_format.items()}
                 for fqn, per_format in values.items()}
 
     ld, wd = (class_means(snip.aggregate.values(m)) for m in ("loss_divergence", "weight_divergence"))
