@@ -424,6 +424,9 @@ def test_quality_cache_keeps_runs_only_for_the_same_checkpoint(tmp_path, monkeyp
     assert not (store / "rows.jsonl").exists() and len(list(store.glob("rows_stale_*.jsonl"))) == 1
     other = cp.Setup(**{**cp._setting(s), "continue_steps": s.continue_steps + 1})
     assert cp.prepare(other, work, store)[1]["fingerprint"] == "3.0"  # another protocol: measured afresh
+    # SmolLM2's 4 pretraining steps regenerated in another session: 1e-11 apart, the same checkpoint.
+    assert cp.same_checkpoint("1.861693311702e+07", "1.861693311684e+07")
+    assert not cp.same_checkpoint("1.861693311702e+07", "1.861693331684e+07")  # 1e-8 apart: another one
 
 
 def test_objective_outcome_plan_study_prices_plans_out_of_sample():
