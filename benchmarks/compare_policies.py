@@ -9,8 +9,8 @@ policy; the pretraining and the truths are shared by all seeds.
 Policies at each FP4 fraction (candidates fp8 / mxfp4 / nvfp4; the fixed rules use the setting's
 ``low`` FP4 format and fp8; the LM head pinned bf16 everywhere):
   snip, snip_gemm        the callback (granularity layer / gemm), plans from its own statistics rounds
-                         (+horizon: SNIPConfig.pricing=horizon; +shrink<x>: class_shrinkage=x; run only
-                         where --policies names them)
+                         (+horizon: SNIPConfig.pricing=horizon; +shrink<x>: class_shrinkage=x; +rows<n>:
+                         max_rows=n, the statistics slice; run only where --policies names them)
   oracle, oracle_gemm    the same ILP fed with measured truths instead of estimates: per layer and
                          format, the mean relative loss increase over K batches with only its forward
                          in the format (LD's truth) and the one-step AdamW update deviation with only
@@ -442,12 +442,13 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
     base, *modifiers = base.split("+")
     pricing = "horizon" if "horizon" in modifiers else None
     shrink = next((float(m[len("shrink"):]) for m in modifiers if m.startswith("shrink")), None)
+    max_rows = next((int(m[len("rows"):]) for m in modifiers if m.startswith("rows")), s.max_rows)  # "+rows2048"
     granularity = "gemm" if base.endswith("_gemm") or base == "backward_only" else "layer"
     if base in ("snip", "snip_gemm"):
         # The first round runs at the checkpoint (no first-order history yet), then every interval.
         config = SNIPConfig(warmup_steps=s.pretrain_steps, interval=s.snip_interval, apply_delay=1, fp4_fraction=fraction,
                             candidate_formats=s.candidates, initial_format="fp8", pins=PINS, granularity=granularity,
-                            first_order_steps=min(s.first_order_steps, s.snip_interval - 1), max_rows=s.max_rows,
+                            first_order_steps=min(s.first_order_steps, s.snip_interval - 1), max_rows=max_rows,
                             first_order_rows=s.first_order_rows,
                             **({"weight_divergence_weight": float(lam)} if lam else {}),
                             **({"pricing": pricing} if pricing else {}),
@@ -1038,9 +1039,9 @@ def main() -> None:
             jobs += [(f"{p}@{lam:g}", f, seed) for seed in range(1 if args.quick else args.seeds)
                      for f in args.fractions for lam in args.lambdas for p in ("snip", "snip_gemm", "oracle", "oracle_gemm")]
             # SNIP with SNIPConfig.pricing=horizon (issue 33), only where --policies names it
-            # and with SNIPConfig.class_shrinkage=<x> ("snip_gemm+shrink0.5"), the same way
+            # and with SNIPConfig.class_shrinkage=<x> ("snip_gemm+shrink0.5") or max_rows=<n> ("+rows2048")
             named = [p for p in args.policies or () if p in ("snip+horizon", "snip_gemm+horizon")
-                     or re.fullmatch(r"snip(_gemm)?\+shrink(0(\.\d+)?|1(\.0*)?)", p)]
+                     or re.fullmatch(r"snip(_gemm)?\+(shrink(0(\.\d+)?|1(\.0*)?)|rows[1-9]\d*)", p)]
             jobs += [(p, f, seed) for p in named
                      for seed in range(1 if args.quick else args.seeds) for f in args.fractions]
         if args.policies:
