@@ -15,11 +15,11 @@ def _compose(overrides):
 
 def test_compose_with_overrides_builds_the_config():
     cfg = to_config(_compose(["trainer.max_steps=60", "snip.warmup_steps=10", "snip.interval=20", "snip.fp4_fraction=0.8",
-                              "snip.candidate_formats=[fp8,nvfp4]", "model.num_layers=2", "data.path=/tmp/x.txt"]))
+                              "snip.candidate_formats=[fp8,nvfp4]", "model.num_layers=2", "data.path=/nonexistent/corpus.txt"]))
     assert isinstance(cfg, TrainConfig) and isinstance(cfg.snip, SNIPConfig)
     assert cfg.trainer.max_steps == 60 and cfg.snip.interval == 20 and cfg.snip.fp4_fraction == 0.8
     assert cfg.snip.candidate_formats == (Format.FP8, Format.NVFP4) and cfg.model.num_layers == 2
-    assert cfg.snip.pin_formats == {"*lm_head": "bf16"} and cfg.data.path == "/tmp/x.txt"
+    assert cfg.snip.pin_formats == {"*lm_head": "bf16"} and cfg.data.path == "/nonexistent/corpus.txt"
     with pytest.raises(Exception):
         cfg.snip.interval = 3  # frozen once built
 
