@@ -210,10 +210,10 @@ def plan_study(s: cp.Setup, rounds: list[dict], rows: list[dict], lam: float, st
                 a = [rounds[i] for i in held]
                 b = [r for i, r in enumerate(rounds) if i not in held]
                 price = {"ld": mean_rounds(b, "ld"), "wd": mean_rounds(b, "wd"), "drift": {}}
+                evidence = {"loss_divergence": mean_rounds(a, "ld"), "weight_divergence": mean_rounds(a, "wd")}
                 for strength in strengths:
-                    # pooled_truths' shrinkage toward GEMM-class means (the callback's class_shrinkage)
-                    shrunk = cp.pooled_truths({"loss_divergence": mean_rounds(a, "ld"), "weight_divergence": mean_rounds(a, "wd")},
-                                              strength)
+                    # pooled_truths' shrinkage toward class means (the callback's class_shrinkage)
+                    shrunk = cp.pooled_truths(evidence, strength)
                     cands = cp._candidates(module, shrunk, s.candidates)
                     plan = planner.solve_gemm_plan(cands, fp4_fraction=frac, weight_divergence_weight=lam)
                     prices.setdefault(f"shrink {strength:g}", []).append(

@@ -104,9 +104,10 @@ class SNIPConfig:
         drift_probes: shifted re-runs of the statistics slice per round under pricing=horizon.
         aggregate_decay: EMA decay of LD and WD over statistics rounds, in [0, 1); plans are solved on
             the aggregate (0: the last round alone). See lightning_snip.aggregate.
-        class_shrinkage: how far each layer's aggregated LD and WD move toward the mean of its GEMM
-            class (layer type x first / inner / last block, per format) before the solve, in [0, 1]:
-            0 plans on each layer's own estimates, 1 on the class means (evidence.shrink_to_class_means).
+        class_shrinkage: how far each layer's aggregated LD and WD move toward the mean of its class
+            (the same module in the first / inner / last blocks of its stack, per format;
+            evidence.layer_classes) before the solve, in [0, 1]: 0 plans on each layer's own estimates,
+            1 on the class means (evidence.shrink_to_class_means). Measured: no gain in training (issue 33).
         weight_divergence_weight: lambda in LD + lambda * WD (default 0.1, by measurement; the method
             text's 1 prices FP4 backward GEMMs too high: planner.DEFAULT_WEIGHT_DIVERGENCE_WEIGHT).
         time_limit_seconds: ILP solver limit; the best feasible plan is used after it.

@@ -41,9 +41,8 @@ from lightning_snip.convert import UnmatchedPinsError, apply_plan, convert_linea
 from lightning_snip.drift import Pricing
 from lightning_snip.divergence import (DivergenceResult, FirstOrderTerms, LayerDivergence, LossEstimator,
                                        estimate_divergence)
-from lightning_snip.evidence import (check_class_shrinkage, check_reachable, grad_noise_ratios, guarded_formats,
-                                     invalid_formats, layer_candidates, layer_flops, shrink_to_class_means,
-                                     solve_guarded)
+from lightning_snip.evidence import (aggregate_candidates, check_class_shrinkage, check_reachable, grad_noise_ratios,
+                                     guarded_formats, invalid_formats, layer_flops, solve_guarded)
 from lightning_snip.formats import Format
 from lightning_snip.gemm import describe_kernels, emulated_layers
 from lightning_snip.linear import SNIPLinear
@@ -327,13 +326,8 @@ class SNIPController:
     # ------------------------------------------------------------------ evidence -> plan
 
     def candidates(self):
-        """The planner's choices, valued by the aggregate over rounds (evidence.layer_candidates), each
-        estimate moved toward its GEMM class's mean by ``class_shrinkage`` (evidence.shrink_to_class_means)."""
-        pinned = {fqn for fqn, layer in self.layers.items() if layer.pinned is not None}
-        ld, wd = (shrink_to_class_means(self.aggregate.values(metric), self.config.class_shrinkage, pinned=pinned)
-                  for metric in ("loss_divergence", "weight_divergence"))
-        return layer_candidates(self.layers, self.config.formats, flops=self.flops, loss_divergence=ld,
-                                weight_divergence=wd)
+        """The planner's choices from the aggregate over rounds (evidence.aggregate_candidates)."""
+        return aggregate_candidates(self.layers, self.config, self.aggregate, self.flops)
 
     def guarded(self) -> dict[str, frozenset[Format]]:
         """The noise guard's blocked FP4 formats per layer, from the aggregate ({} when it is off)."""

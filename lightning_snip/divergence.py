@@ -56,11 +56,11 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_snip.adamw import AdamState
-from lightning_snip.drift import DriftTerms, drift_terms, output_grad_tangents
+from lightning_snip.drift import DriftTerms, drift_terms, output_grad_tangents, sign_tangent
 from lightning_snip.formats import Choice, Format, QuantRecipe
 from lightning_snip.gemm import mm_fp32, quantized_matmul
 from lightning_snip.quantize import fake_quantize
-from lightning_snip.sharding import all_reduce_sum, dense, from_local_parts, is_sharded, local_part
+from lightning_snip.sharding import all_reduce_sum, dense, is_sharded, local_part
 from lightning_snip.stats import LayerStats, Propagation, RoundPrecision, Statistics
 
 logger = logging.getLogger(__name__)
@@ -599,17 +599,8 @@ def _probe_propagated(stats: Statistics, adam: Mapping[str, AdamState | None], i
 
         def tangent_of(name: str, param: torch.Tensor, seed: int = seed) -> torch.Tensor:
             # Regenerated from (probe, parameter), not stored: the same tangent wherever the
-            # parameter is used (tied weights), one module's tangents in memory at a time. FSDP2:
-            # every rank draws the whole parameter's signs (the same ones as unsharded), scales its
-            # shard by its shard of the moments, and one all-gather joins the shards.
-            like = stats.parameter(name)
-            draw = torch.Generator(device=param.device).manual_seed((seed + 7919 * index[name]) % 2**63)
-            signs = torch.randint(0, 2, like.shape, generator=draw, device=param.device, dtype=torch.int8)
-            state = adam.get(name)
-            grad = stats.param_grad(name, precision)
-            scale = (state.local().update_sensitivity(None if grad is None else local_part(grad, like))
-                     if state is not None else 1.0)
-            return from_local_parts((2.0 * local_part(signs, like) - 1.0) * scale, like)
+            # parameter is used (tied weights), one module's tangents in memory at a time.
+            return sign_tangent(stats, adam, name, index[name], seed, precision)
 
         def measure(fqn: str, tangent: torch.Tensor) -> None:
             if fqn in input_errors:

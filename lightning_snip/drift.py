@@ -49,7 +49,7 @@ import torch
 from lightning_snip.adamw import AdamState
 from lightning_snip.formats import Choice, Format
 from lightning_snip.sharding import from_local_parts, local_part
-from lightning_snip.stats import Statistics
+from lightning_snip.stats import RoundPrecision, Statistics
 
 # The finite difference's step: the shift h Lambda r has this fraction of one AdamW update's norm
 # (a training step moves the weights by one update: the mixed derivative is wanted at that scale).
@@ -87,23 +87,29 @@ class DriftTerms:
         return horizon * bias + max(0.0, self.total - bias)
 
 
+def sign_tangent(stats: Statistics, adam: Mapping[str, AdamState | None], name: str, index: int, seed: int,
+                 precision: RoundPrecision = RoundPrecision.TRAINING) -> torch.Tensor:
+    """Lambda r of parameter ``name`` (the ``index``-th of stats.param_names): random signs r drawn from
+    (``seed``, index), not from a shared stream, so the same tangent comes back wherever the parameter
+    is used, times AdamW's update sensitivity at the slice's gradient (gradient operands in
+    ``precision``; 1 without moments). FSDP2: every rank draws the whole parameter's signs, scales its
+    shard by its shard of the moments, and one all-gather joins the shards. The WD probes
+    (divergence._probe_propagated) and the drift's shifts (_tangents) draw through it."""
+    like = stats.parameter(name)
+    draw = torch.Generator(device=like.device).manual_seed((seed + 7919 * index) % 2**63)
+    signs = torch.randint(0, 2, like.shape, generator=draw, device=like.device, dtype=torch.int8)
+    state = adam.get(name)
+    scale = 1.0
+    if state is not None:
+        grad = stats.param_grad(name, precision)
+        scale = state.local().update_sensitivity(None if grad is None else local_part(grad, like))
+    return from_local_parts((2.0 * local_part(signs, like) - 1.0) * scale, like)
+
+
 def _tangents(stats: Statistics, adam: Mapping[str, AdamState | None], seed: int) -> dict[str, torch.Tensor]:
-    """Lambda r for every parameter with a gradient: random signs r (drawn from ``seed`` and the
-    parameter's index, not from a shared stream) times AdamW's update sensitivity (1 without moments)."""
-    out = {}
-    for index, name in enumerate(stats.param_names):
-        if not stats.has_grad(name):
-            continue
-        like = stats.parameter(name)
-        draw = torch.Generator(device=like.device).manual_seed((seed + 7919 * index) % 2**63)
-        signs = 2.0 * torch.randint(0, 2, like.shape, generator=draw, device=like.device, dtype=torch.int8) - 1.0
-        state = adam.get(name)
-        if state is not None:
-            grad = stats.param_grad(name)
-            scale = state.local().update_sensitivity(None if grad is None else local_part(grad, like))
-            signs = from_local_parts(local_part(signs, like) * scale, like)
-        out[name] = signs
-    return out
+    """Lambda r (sign_tangent) for every parameter with a gradient."""
+    return {name: sign_tangent(stats, adam, name, index, seed)
+            for index, name in enumerate(stats.param_names) if stats.has_grad(name)}
 
 
 def _halves(stats: Statistics, fqn: str) -> int:

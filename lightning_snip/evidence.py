@@ -143,6 +143,16 @@ def layer_candidates(layers: Mapping[str, SNIPLinear], formats: Sequence[Format]
     return out
 
 
+def aggregate_candidates(layers: Mapping[str, SNIPLinear], config: SNIPConfig, aggregate,
+                         flops: Mapping[str, float] | None = None) -> list[LayerCandidates]:
+    """The planner's choices valued by ``aggregate`` (a DivergenceAggregate: LD and WD over rounds),
+    each estimate moved toward its class's mean by ``config.class_shrinkage`` (shrink_to_class_means)."""
+    pinned = {fqn for fqn, layer in layers.items() if layer.pinned is not None}
+    ld, wd = (shrink_to_class_means(aggregate.values(metric), config.class_shrinkage, pinned=pinned)
+              for metric in ("loss_divergence", "weight_divergence"))
+    return layer_candidates(layers, config.formats, flops=flops, loss_divergence=ld, weight_divergence=wd)
+
+
 def invalid_formats(layers: Mapping[str, SNIPLinear], formats: Sequence[Format],
                     result: DivergenceResult) -> list[tuple[str, Format]]:
     """(fqn, format) of the unpinned layers' allowed low-precision candidates whose LD or WD the
