@@ -38,6 +38,7 @@ from lightning_snip.convert import convert_linears
 from lightning_snip.demo.model import LlamaConfig, TinyLlama
 from lightning_snip.divergence import estimate_divergence
 from lightning_snip.formats import Format
+import lightning_snip.stats as stats_module
 from lightning_snip.stats import Propagation, RoundPrecision, collect_stats, slice_batch
 
 FORMATS = (Format.MXFP4, Format.NVFP4)
@@ -390,7 +391,7 @@ def peak_rise(fn) -> float:
 
 
 def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, mode: str,
-                variants: list[int] = (), device: str = "cpu", fp32_round: bool = False) -> dict:
+                variants: list[tuple[int, bool]] = (), device: str = "cpu", fp32_round: bool = False) -> dict:
     """One configuration's measurement. ``device="cuda"`` (benchmarks/gpu_check.py) times on a GPU with
     CUDA synchronisation; memory mode is CPU-only (it reads the process's RSS). ``fp32_round``: also
     time, interleaved, rounds whose GEMM operands are fp32 (RoundPrecision.FP32: the round before
@@ -425,8 +426,10 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
             layer.format = Format.BF16
 
     def round_on(b, propagation: Propagation, probes: int = cfg.wd_probes,
-                 precision: RoundPrecision = RoundPrecision.TRAINING):
+                 precision: RoundPrecision = RoundPrecision.TRAINING, unbatched: bool = False):
         sliced = slice_batch(b, cfg.max_rows)
+        if unbatched:  # the probes one forward-mode pass each (the round before 2026-12-02, night)
+            stats_module._unbatched_models.add(model)
 
         def loss_fn():
             with autocast():
@@ -440,6 +443,7 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
                                 generator=torch.Generator(device=device).manual_seed(seed))
         finally:
             stats.release()
+            stats_module._unbatched_models.discard(model)
 
     # Adam state and every compiled quantizer kernel, on a tiny batch (no large temporaries yet).
     step(tiny, Format.BF16)
@@ -477,14 +481,15 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
         probe.append(timed(lambda: round_on(batch, Propagation.PROBE)))
         if fp32_round:
             fp32_times.append(timed(lambda: round_on(batch, Propagation.PROBE, precision=RoundPrecision.FP32)))
-        for probes, times in variant_times.items():
-            times.append(timed(lambda: round_on(batch, Propagation.PROBE, probes)))
+        for variant, times in variant_times.items():
+            probes, unbatched = variant
+            times.append(timed(lambda: round_on(batch, Propagation.PROBE, probes, unbatched=unbatched)))
         if exact:
             exact_times.append(timed(lambda: round_on(batch, Propagation.EXACT)))
     out["hp_step_seconds"] = statistics.median(hp)
     out["emulated_step_seconds"] = statistics.median(emulated)
     out["round_seconds"] = statistics.median(probe)
-    out["variants"] = [[probes, statistics.median(t)] for probes, t in variant_times.items()]
+    out["variants"] = [[f"{p}{'unbatched' if u else ''}", statistics.median(t)] for (p, u), t in variant_times.items()]
     if exact:
         out["round_seconds_exact"] = statistics.median(exact_times)
     if fp32_round:

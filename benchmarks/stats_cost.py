@@ -18,8 +18,9 @@ draws per format, SNIPConfig().wd_probes forward-mode probes). Measured:
 ``--exact-max-blocks``: also the EXACT propagation (one vector-Jacobian product per layer), the
 round before issue 11, at depths up to that.
 
-``--variants 8,2``: also time, interleaved with the default round in the same process, rounds with
-that many WD probes.
+``--variants 8,2,4unbatched``: also time, interleaved with the default round in the same process, rounds
+with that many WD probes (``unbatched``: one forward-mode pass per probe, the round before 2026-12-02 night;
+batched in one pass since).
 
     python benchmarks/stats_cost.py [--blocks 2,4,8,16,32] [--widths 128,256] [--repeats 2] [--quick]
 
@@ -44,13 +45,16 @@ from lightning_snip.config import SNIPConfig
 
 from harness import BATCH, SEQ_LEN, measure_one
 
-def parse_variants(text: str) -> list[int]:
-    """"8,2" -> [8, 2]: WD probes of each extra round timed."""
+def parse_variants(text: str) -> list[tuple[int, bool]]:
+    """"8,4unbatched" -> [(8, False), (4, True)]: WD probes of each extra round timed, and whether they
+    run one forward-mode pass each instead of batched in one."""
     out = []
     for item in filter(None, text.split(",")):
-        if not item.isdigit() or int(item) < 1:
-            raise SystemExit(f"--variants: invalid item {item!r}; allowed: a number of probes >= 1, e.g. 8,2")
-        out.append(int(item))
+        count = item.removesuffix("unbatched")
+        if not count.isdigit() or int(count) < 1:
+            raise SystemExit(f"--variants: invalid item {item!r}; allowed: a number of probes >= 1, optionally "
+                             "followed by 'unbatched', e.g. 8,4unbatched")
+        out.append((int(count), item.endswith("unbatched")))
     return out
 
 
@@ -63,7 +67,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="2 and 4 blocks, width 64, one repeat")
-    parser.add_argument("--variants", default="", help="also time rounds with these numbers of WD probes, e.g. 8,2")
+    parser.add_argument("--variants", default="", help="also time rounds with these numbers of WD probes, e.g. 8,4unbatched")
     parser.add_argument("--one", nargs=2, type=int, metavar=("WIDTH", "BLOCKS"), help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=["memory", "time"], default="time", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_snip.adamw import AdamState
-from lightning_snip.drift import DriftTerms, drift_terms, output_grad_tangents, sign_tangent
+from lightning_snip.drift import DriftTerms, drift_terms, output_grad_tangents, sign_tangents
 from lightning_snip.formats import Choice, Format, QuantRecipe
 from lightning_snip.gemm import mm_fp32, quantized_matmul
 from lightning_snip.quantize import fake_quantize
@@ -590,25 +590,26 @@ def _probe_propagated(stats: Statistics, adam: Mapping[str, AdamState | None], i
     # Accumulated on the errors' device and read once at the end: no device sync per layer and probe.
     sums = {fqn: torch.zeros(len(e), dtype=torch.float64, device=e.device) for fqn, e in input_errors.items()}
     squares = {fqn: torch.zeros(len(e), dtype=torch.float64, device=e.device) for fqn, e in input_errors.items()}
-    touched: set[str] = set()
     # Seeds from the round generator's seed, without drawing from it: the stochastic rounding of the
     # gradient GEMMs after the probes sees the same draws in both Propagation modes.
     base = (generator.initial_seed() if generator is not None else int(torch.randint(0, 2**62, ()))) * 0x9E3779B1
-    for probe in range(probes):
-        seed = (base + 0x632BE5AB * (probe + 1)) % 2**62
+    seeds = [(base + 0x632BE5AB * (probe + 1)) % 2**62 for probe in range(probes)]
 
-        def tangent_of(name: str, param: torch.Tensor, seed: int = seed) -> torch.Tensor:
-            # Regenerated from (probe, parameter), not stored: the same tangent wherever the
-            # parameter is used (tied weights), one module's tangents in memory at a time.
-            return sign_tangent(stats, adam, name, index[name], seed, precision)
+    def tangents_of(name: str, param: torch.Tensor, which: range) -> list[torch.Tensor]:
+        # Regenerated from (probe, parameter), not stored: the same tangent wherever the parameter
+        # is used (tied weights), one module's tangents in memory at a time.
+        return sign_tangents(stats, adam, name, index[name], [seeds[k] for k in which], precision)
 
-        def measure(fqn: str, tangent: torch.Tensor) -> None:
-            if fqn in input_errors:
-                value = (input_errors[fqn] * tangent).sum(dim=(1, 2)).double().pow(2)
-                sums[fqn] += value
-                squares[fqn] += value.pow(2)
+    def measure(fqn: str, tangent: torch.Tensor) -> torch.Tensor | None:
+        if fqn not in input_errors:
+            return None
+        return (input_errors[fqn] * tangent).sum(dim=(1, 2)).double().pow(2)
 
-        touched |= stats.input_tangents(tangent_of, measure)
+    per_probe, touched = stats.input_tangents(tangents_of, measure, probes)
+    for values in per_probe:  # in probe order, as one pass per probe summed them
+        for fqn, value in values.items():
+            sums[fqn] += value
+            squares[fqn] += value.pow(2)
     missing = [n for n in stats.param_names if n not in touched and stats.has_grad(n)]
     if missing:
         logger.warning("weight divergence: parameters %s have gradients but were not used by the module that "

@@ -41,7 +41,7 @@ above. Not supported with FSDP2 (sharded parameters): the round fails with that 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -95,15 +95,25 @@ def sign_tangent(stats: Statistics, adam: Mapping[str, AdamState | None], name: 
     ``precision``; 1 without moments). FSDP2: every rank draws the whole parameter's signs, scales its
     shard by its shard of the moments, and one all-gather joins the shards. The WD probes
     (divergence._probe_propagated) and the drift's shifts (_tangents) draw through it."""
+    return sign_tangents(stats, adam, name, index, [seed], precision)[0]
+
+
+def sign_tangents(stats: Statistics, adam: Mapping[str, AdamState | None], name: str, index: int,
+                  seeds: Sequence[int], precision: RoundPrecision = RoundPrecision.TRAINING) -> list[torch.Tensor]:
+    """sign_tangent for each of ``seeds``, the update sensitivity (and the weight's recomputed G^T X it
+    needs) computed once for all of them: what the WD probes batched in one pass need."""
     like = stats.parameter(name)
-    draw = torch.Generator(device=like.device).manual_seed((seed + 7919 * index) % 2**63)
-    signs = torch.randint(0, 2, like.shape, generator=draw, device=like.device, dtype=torch.int8)
     state = adam.get(name)
     scale = 1.0
     if state is not None:
         grad = stats.param_grad(name, precision)
         scale = state.local().update_sensitivity(None if grad is None else local_part(grad, like))
-    return from_local_parts((2.0 * local_part(signs, like) - 1.0) * scale, like)
+    out = []
+    for seed in seeds:
+        draw = torch.Generator(device=like.device).manual_seed((seed + 7919 * index) % 2**63)
+        signs = torch.randint(0, 2, like.shape, generator=draw, device=like.device, dtype=torch.int8)
+        out.append(from_local_parts((2.0 * local_part(signs, like) - 1.0) * scale, like))
+    return out
 
 
 def _tangents(stats: Statistics, adam: Mapping[str, AdamState | None], seed: int) -> dict[str, torch.Tensor]:

@@ -1,0 +1,142 @@
+"""WD's forward-mode probes batched into one pass (stats._probe_passes): the same numbers as one pass
+per probe, bit for bit, on the demo model and on a Hugging Face Llama; a model that cannot run them
+batched falls back to one pass per probe with one warning."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lightning_snip.stats as stats_module
+from lightning_snip.convert import convert_linears
+from lightning_snip.divergence import estimate_divergence
+from lightning_snip.formats import Format
+from lightning_snip.stats import collect_stats
+
+
+def _demo():
+    from lightning_snip.demo.model import LlamaConfig, TinyLlama
+
+    model = TinyLlama(LlamaConfig(dim=32, num_layers=2, num_heads=2, num_kv_heads=1, hidden_dim=64))
+    tokens = torch.randint(0, 256, (2, 17))
+    return model, lambda: model.loss((tokens[:, :-1], tokens[:, 1:]))
+
+
+def _hf_llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=True, attention_dropout=0.1)
+    model = transformers.LlamaForCausalLM(config)
+    model.train()  # attention dropout on: the probes replay the recording pass's draws
+    tokens = torch.randint(0, 256, (2, 17))
+
+    def loss_fn():
+        logits = model(input_ids=tokens[:, :-1]).logits
+        return F.cross_entropy(logits.reshape(-1, 256).float(), tokens[:, 1:].reshape(-1))
+
+    return model, loss_fn
+
+
+def _trained(make):
+    torch.manual_seed(0)
+    model, loss_fn = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        opt.zero_grad()
+        loss_fn().backward()
+        opt.step()
+    return model, loss_fn, opt, convert_linears(model)
+
+
+def _round(model, loss_fn, opt, layers, *, batched: bool, forwards: list | None = None):
+    if not batched:
+        stats_module._unbatched_models.add(model)
+    try:
+        stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
+        handle = model.register_forward_hook(lambda *_: forwards.append(1)) if forwards is not None else None
+        try:
+            result = estimate_divergence(stats, [Format.FP8, Format.MXFP4], noise_draws=0, probes=4,
+                                         generator=torch.Generator().manual_seed(3))
+        finally:
+            if handle is not None:
+                handle.remove()
+            stats.release()
+    finally:
+        if not batched:
+            stats_module._unbatched_models.discard(model)
+    return result.layers
+
+
+@pytest.mark.parametrize("make", [_demo, _hf_llama], ids=["demo", "hf_llama"])
+def test_batched_probes_give_one_pass_per_probes_numbers_bit_for_bit(make, caplog):
+    model, loss_fn, opt, layers = _trained(make)
+    passes = {True: [], False: []}
+    with caplog.at_level(logging.WARNING, logger="lightning_snip"):
+        results = {batched: _round(model, loss_fn, opt, layers, batched=batched, forwards=passes[batched])
+                   for batched in (True, False)}
+    assert not [r for r in caplog.records if "could not run batched" in r.getMessage()]
+    # No curvature draws: the probes are the round's only forward passes after the recording one.
+    assert (len(passes[True]), len(passes[False])) == (1, 4)
+    one, each = results[True], results[False]
+    assert set(one) == set(each) == set(layers)
+    for fqn in layers:
+        for fmt in (Format.FP8, Format.MXFP4):
+            assert one[fqn].wd_propagated[fmt] == each[fqn].wd_propagated[fmt], (fqn, fmt)
+            assert one[fqn].wd_propagated_stderr[fmt] == each[fqn].wd_propagated_stderr[fmt], (fqn, fmt)
+            assert one[fqn].weight_divergence[fmt] == each[fqn].weight_divergence[fmt], (fqn, fmt)
+    assert any(one[fqn].wd_propagated[Format.MXFP4] > 0 for fqn in layers)
+
+
+class _NoVmapTanh(torch.autograd.Function):
+    """A custom op with a forward-mode derivative but no vmap rule (as a user's fused kernel may be)."""
+
+    @staticmethod
+    def forward(x):
+        return torch.tanh(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_forward(output)
+        ctx.save_for_backward(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * (1 - y * y)
+
+    @staticmethod
+    def jvp(ctx, tangent):
+        (y,) = ctx.saved_tensors
+        return tangent * (1 - y * y)
+
+
+class _CustomOpModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(32, 32)
+        self.second = nn.Linear(32, 16)
+        self.x, self.target = torch.randn(24, 32), torch.randn(24, 16)
+
+    def forward(self, x):
+        return self.second(_NoVmapTanh.apply(self.first(x)))
+
+
+def test_a_model_the_probes_cannot_batch_runs_one_pass_per_probe_after_one_warning(caplog):
+    def make():
+        model = _CustomOpModel()
+        return model, lambda: F.mse_loss(model(model.x), model.target)
+
+    model, loss_fn, opt, layers = _trained(make)
+    with caplog.at_level(logging.WARNING, logger="lightning_snip"):
+        fallback = [_round(model, loss_fn, opt, layers, batched=True) for _ in range(2)]
+        assert model in stats_module._unbatched_models  # remembered for the model's later rounds
+        reference = _round(model, loss_fn, opt, layers, batched=False)
+    warned = [r.getMessage() for r in caplog.records if "could not run batched" in r.getMessage()]
+    assert len(warned) == 1 and "one pass per probe" in warned[0], warned
+    for result in fallback:
+        for fqn in layers:
+            assert result[fqn].wd_propagated[Format.MXFP4] == reference[fqn].wd_propagated[Format.MXFP4]
+        assert result["second"].wd_propagated[Format.MXFP4] > 0  # "first" has nothing upstream
