@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_snip.divergence import CurvatureProbe, LossEstimator
+from lightning_snip.divergence import Curvature8Bit, CurvatureProbe, LossEstimator
 from lightning_snip.drift import Pricing
 from lightning_snip.stats import Propagation
 from lightning_snip.formats import CostModel, Format, Fp8Scaling, QuantRecipe, Rounding
@@ -77,6 +77,10 @@ class SNIPConfig:
             (the per-token empirical Fisher: no pass, a 20-27% cheaper round, steadier rounds, but a
             worse aggregate on the demo model) or gaussian (isotropic noise). See
             lightning_snip.divergence.CurvatureProbe.
+        curvature_8bit: the 8-bit formats' (fp8, mxfp8) second-order term under the error probes:
+            transfer (the default: each layer's curvature along its FP4 errors, no pass of their own;
+            half the curvature passes at the default candidates) or probe (noise_draws passes per
+            8-bit format too, the round until 2026-12-02). See lightning_snip.divergence.Curvature8Bit.
         noise_draws / noise_scale: curvature passes of the loss divergence (error, gaussian).
         loss_estimator: how LD combines its first- and second-order terms (accumulated | batch |
             second_order | shrunk | momentum; lightning_snip.divergence.LossEstimator).
@@ -143,6 +147,7 @@ class SNIPConfig:
     extra_pins: Any = field(default_factory=list)
     max_rows: int = 1024
     curvature_probe: CurvatureProbe = CurvatureProbe.ERROR
+    curvature_8bit: Curvature8Bit = Curvature8Bit.TRANSFER
     noise_draws: int = 2
     noise_scale: float = 0.1
     loss_estimator: LossEstimator = LossEstimator.ACCUMULATED
@@ -189,6 +194,7 @@ class SNIPConfig:
             value = getattr(self, name)
             check_field(value > 0, name, value, "a number > 0")
         for name, choice in (("granularity", Granularity), ("curvature_probe", CurvatureProbe),
+                             ("curvature_8bit", Curvature8Bit),
                              ("loss_estimator", LossEstimator), ("wd_propagation", Propagation), ("pricing", Pricing),
                              ("fp8_scaling", Fp8Scaling), ("fp4_grad_rounding", Rounding)):
             object.__setattr__(self, name, choice.parse(getattr(self, name), field_name=name))

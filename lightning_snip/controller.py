@@ -513,8 +513,8 @@ def run_statistics_round(model: torch.nn.Module, loss_fn: Callable[[], torch.Ten
             try:
                 result = estimate_divergence(
                     stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws, noise_scale=cfg.noise_scale,
-                    curvature_probe=cfg.curvature_probe, loss_estimator=cfg.loss_estimator,
-                    first_order_history=first_order_history or {},
+                    curvature_probe=cfg.curvature_probe, curvature_8bit=cfg.curvature_8bit,
+                    loss_estimator=cfg.loss_estimator, first_order_history=first_order_history or {},
                     allowed={fqn: layer.allowed_formats for fqn, layer in layers.items()},
                     generator=generator() if callable(generator) else generator, probes=cfg.wd_probes,
                     drift_probes=cfg.drift_probes if cfg.pricing is Pricing.HORIZON else 0,

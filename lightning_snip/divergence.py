@@ -225,6 +225,24 @@ class LossEstimator(Choice):
     ACCUMULATED = "accumulated"
 
 
+class Curvature8Bit(Choice):
+    """LD's second-order term of the 8-bit formats (FP8, MXFP8) under the error probes.
+
+    TRANSFER (the default since 2026-12-02, night): no curvature pass of their own. Each layer's
+    curvature along its FP4 errors this round (their probed 1/2 dY^T H dY over ||dY||^2) times the
+    8-bit format's ||dY||^2: quantization errors of the same GEMM, the second one 4-5 bits finer, so
+    the quotient along one stands for the other. It halves the curvature passes at the default
+    candidates (fp8, mxfp4). Measured on the deep8 demo and SmolLM2: 8-bit second-order terms are
+    ~5% of the FP4 ones; plans solved on rounds with it priced out of sample like those solved with
+    the probe (benchmarks/results/curvature_8bit_2026-12-02.md). Layers with no FP4 format in the
+    round get the probe.
+    PROBE: noise_draws error-probe passes per 8-bit format too (the round until then).
+    """
+
+    TRANSFER = "transfer"
+    PROBE = "probe"
+
+
 def _shrink(value: float, stderr: float) -> float:
     if value == 0.0 or not math.isfinite(stderr):
         return 0.0
@@ -264,6 +282,7 @@ def estimate_divergence(
     probes: int = 4,
     precision: RoundPrecision = RoundPrecision.TRAINING,
     drift_probes: int = 0,
+    curvature_8bit: Curvature8Bit = Curvature8Bit.TRANSFER,
 ) -> DivergenceResult:
     """LD and WD for every recorded layer and each of ``formats``.
 
@@ -287,6 +306,7 @@ def estimate_divergence(
             ran, bf16 under bf16-mixed; or fp32).
         drift_probes: shifted re-runs of the slice measuring each forward error's drift of AdamW's
             updates (lightning_snip.drift; LayerDivergence.drift); 0 measures none.
+        curvature_8bit: the 8-bit formats' second-order term under the error probes (Curvature8Bit).
 
     A layer whose sample holds NaN/Inf, or whose metric comes out non-finite, gets +inf for its
     low-precision formats (the planner then keeps it high) and a warning naming it.
@@ -316,7 +336,8 @@ def estimate_divergence(
     if drift_probes:  # seeded from the round generator's seed without drawing from it (as the WD probes)
         seed = generator.initial_seed() if generator is not None else int(torch.randint(0, 2**62, ()))
         tangents = output_grad_tangents(stats, adam, drift_probes, seed, r.denominator)
-    curvature, moments = _forward_divergence(r, valid, metrics, curvature_probe, noise_draws, noise_scale, tangents)
+    curvature, moments = _forward_divergence(r, valid, metrics, curvature_probe, noise_draws, noise_scale, tangents,
+                                             Curvature8Bit(curvature_8bit))
     del tangents
     # Backward (WD): the dgrad errors E_X of every (layer, format), drawn before any propagation (one
     # order of stochastic-rounding draws for both Propagation modes), then each layer's wgrad error.
@@ -376,7 +397,8 @@ def _valid_formats(stats: Statistics, formats: list[Format], allowed) -> tuple[d
 
 
 def _forward_divergence(r: _RoundInputs, valid: dict, metrics: dict, curvature_probe: CurvatureProbe,
-                        noise_draws: int, noise_scale: float, tangents=()) -> tuple[dict[str, float], dict]:
+                        noise_draws: int, noise_scale: float, tangents=(),
+                        curvature_8bit: Curvature8Bit = Curvature8Bit.TRANSFER) -> tuple[dict[str, float], dict]:
     """LD's parts of every valid (layer, format) into ``metrics`` (formats that turn out non-finite
     leave ``valid``); returns the GAUSSIAN probe's curvature per layer ({} for the others) and the
     Adam moments the MOMENTUM estimator used, per layer."""
@@ -400,7 +422,12 @@ def _forward_divergence(r: _RoundInputs, valid: dict, metrics: dict, curvature_p
         curvature = _estimate_curvature(stats, output_rms, noise_draws, noise_scale, generator)
     # (FSDP2: m_hat is sharded; the MOMENTUM estimator's parts are not computed there.)
     moments = {fqn: _momentum_and_variance(None if stats.sharded else stats.layers[fqn].adam) for fqn in valid}
-    for fmt in r.formats:
+    transfer = curvature_8bit is Curvature8Bit.TRANSFER and curvature_probe in (CurvatureProbe.ERROR,
+                                                                                CurvatureProbe.ERROR_LAYER)
+    # TRANSFER: the FP4 formats first, so each layer's curvature along its FP4 errors is known when its
+    # 8-bit formats come (stable sort: the configured order within each group).
+    order = sorted(r.formats, key=lambda f: not f.is_fp4) if transfer else r.formats
+    for fmt in order:
         output_errors = {}
         for fqn, fmts in valid.items():
             if fmt in fmts:
@@ -413,6 +440,9 @@ def _forward_divergence(r: _RoundInputs, valid: dict, metrics: dict, curvature_p
         elif curvature_probe is CurvatureProbe.FISHER:
             second_order = {(fqn, f): _fisher_second_order(stats.layers[fqn].g, dy, tokens)
                             for (fqn, f), dy in output_errors.items()}
+        elif transfer and not fmt.is_fp4:
+            second_order = _transferred_second_order(r, output_errors, fmt, metrics, noise_draws, generator,
+                                                     per_sample=curvature_probe is CurvatureProbe.ERROR)
         else:
             second_order = error_probe_second_order(stats, output_errors, [fmt], noise_draws, generator,
                                                      per_sample=curvature_probe is CurvatureProbe.ERROR)
@@ -442,6 +472,27 @@ def _drop_non_finite(r: _RoundInputs, output_errors: dict, fmt: Format, valid: d
             valid[fqn] = [f for f in valid[fqn] if f is not fmt]
             metrics[fqn]["ld"][fmt] = metrics[fqn]["wd"][fmt] = math.inf
             r.invalid.append((fqn, fmt))
+
+
+def _transferred_second_order(r: _RoundInputs, output_errors: dict, fmt: Format, metrics: dict, draws: int,
+                              generator, *, per_sample: bool) -> dict:
+    """Curvature8Bit.TRANSFER: 1/2 dY^T H dY of an 8-bit format as q_l ||dY||^2, q_l the layer's
+    curvature along its FP4 errors this round (sum of their probed second-order terms / sum of their
+    ||dY||^2, already in ``metrics``). Layers with no FP4 format probed this round (only 8-bit formats
+    allowed, or their FP4 errors non-finite) get the error probe for ``fmt``, their errors alone."""
+    stats, quotient = r.stats, {}
+    for fqn, _ in output_errors:
+        m = metrics[fqn]
+        probed = [f for f in m["second"] if f.is_fp4 and f in m["abs_y"] and m["abs_y"][f] > 0]
+        if probed:  # metrics hold second / |loss| (_forward_metrics): back to the loss's units
+            quotient[fqn] = sum(m["second"][f] * r.loss_norm for f in probed) / sum(m["abs_y"][f] for f in probed)
+    keys = [key for key in output_errors if key[0] in quotient]
+    energies = _read_scalars([output_errors[key].pow(2).sum().double() for key in keys])
+    out = {key: quotient[key[0]] * e for key, e in zip(keys, energies)}
+    rest = {key: dy for key, dy in output_errors.items() if key[0] not in quotient}
+    if rest:
+        out.update(error_probe_second_order(stats, rest, [fmt], draws, generator, per_sample=per_sample))
+    return out
 
 
 def _backward_divergence(r: _RoundInputs, valid: dict, metrics: dict, probes: int) -> dict:

@@ -457,3 +457,34 @@ def test_objective_outcome_plan_study_prices_plans_out_of_sample():
     for name, price in cell["price"].items():
         assert price >= own * (1 - 1e-6), name
     assert cell["vs_own"]["1"][0] > 0 and cell["vs_own"]["1"][1] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_curvature_8bit_study_forms_the_transfer_the_library_computes():
+    """benchmarks/curvature_8bit.py derives the transferred 8-bit term from a round measured with
+    curvature_8bit=probe: it must be what a round with curvature_8bit=transfer computes (the same FP4
+    draws when the FP4 format comes first in both)."""
+    import torch
+
+    from lightning_snip.convert import convert_linears
+    from lightning_snip.demo.model import LlamaConfig, TinyLlama
+    from lightning_snip.divergence import estimate_divergence
+    from lightning_snip.formats import Format
+    from lightning_snip.stats import collect_stats
+
+    study = _benchmark("curvature_8bit")
+    torch.manual_seed(0)
+    model = TinyLlama(LlamaConfig(dim=32, num_layers=2, num_heads=2, num_kv_heads=1, hidden_dim=64))
+    layers = convert_linears(model)
+    tokens = torch.randint(0, 256, (2, 17))
+    formats = [Format.MXFP4, Format.FP8]
+    results = {}
+    for mode in ("probe", "transfer"):
+        stats = collect_stats(model, lambda: model.loss((tokens[:, :-1], tokens[:, 1:])), layers=layers)
+        results[mode] = estimate_divergence(stats, formats, noise_draws=2, curvature_8bit=mode,
+                                            generator=torch.Generator().manual_seed(0)).layers
+        stats.release()
+    for fqn, d in results["probe"].items():
+        derived = study.transferred_second_order(d, formats)
+        assert derived[Format.MXFP4] == d.second_order[Format.MXFP4] == results["transfer"][fqn].second_order[Format.MXFP4]
+        assert derived[Format.FP8] == pytest.approx(results["transfer"][fqn].second_order[Format.FP8], rel=1e-9)
+        assert derived[Format.FP8] != pytest.approx(d.second_order[Format.FP8], rel=1e-3)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_snip.convert import convert_linears
-from lightning_snip.divergence import DivergenceResult, estimate_divergence
+from lightning_snip.divergence import DivergenceResult, LossEstimator, estimate_divergence
 from lightning_snip.formats import Format
 from lightning_snip.quantize import fake_quantize
 from lightning_snip.gemm import quantized_matmul
@@ -996,3 +996,63 @@ def test_error_probe_signs_are_fair_and_independent(monkeypatch):
     products = (signs.t() @ signs) / len(signs) - torch.eye(12, dtype=torch.float64)
     assert products.abs().max() < limit  # pairwise uncorrelated, across samples and layers
     stats.release()
+
+
+def _backward_count(monkeypatch):
+    counts = {"backward": 0}
+    real_grad = torch.autograd.grad
+
+    def counting_grad(*args, **kwargs):
+        counts["backward"] += 1
+        return real_grad(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", counting_grad)
+    return counts
+
+
+@pytest.mark.parametrize("probe", ["error", "error_layer"])
+def test_8bit_curvature_is_the_fp4_errors_quotient_times_the_8bit_error_without_a_pass(probe, monkeypatch):
+    from lightning_snip.divergence import Curvature8Bit
+
+    model, layers, opt, loss_fn, _ = _setup()
+    counts = _backward_count(monkeypatch)
+    results = {}
+    for mode in Curvature8Bit:
+        stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
+        before = counts["backward"]
+        results[mode] = estimate_divergence(stats, [Format.FP8, Format.MXFP4], noise_draws=3, curvature_probe=probe,
+                                            curvature_8bit=mode, generator=torch.Generator().manual_seed(0)).layers
+        results[mode, "passes"] = counts["backward"] - before
+        stats.release()
+    # 3 draws of mxfp4 only, against 3 per format (2-D inputs: no independence check pass).
+    assert (results[Curvature8Bit.TRANSFER, "passes"], results[Curvature8Bit.PROBE, "passes"]) == (3, 6)
+    transfer, probed = results[Curvature8Bit.TRANSFER], results[Curvature8Bit.PROBE]
+    for fqn, d in transfer.items():
+        quotient = d.second_order[Format.MXFP4] / d.abs_error_forward[Format.MXFP4]
+        assert d.second_order[Format.FP8] == pytest.approx(quotient * d.abs_error_forward[Format.FP8], rel=1e-9)
+        assert d.second_order[Format.FP8] != 0.0
+        # the probed 8-bit term is its own measurement (another estimate of the same quantity)
+        assert probed[fqn].second_order[Format.FP8] != pytest.approx(d.second_order[Format.FP8], rel=1e-6)
+        # the same errors either way: only the FP4 formats come first under transfer
+        assert probed[fqn].abs_error_forward[Format.FP8] == pytest.approx(d.abs_error_forward[Format.FP8], rel=1e-9)
+        # LD was formed from the transferred term (its parts recombined give it back)
+        assert d.loss_divergence[Format.FP8] == pytest.approx(
+            d.loss_divergence_as(LossEstimator.ACCUMULATED)[Format.FP8], rel=1e-12, abs=1e-15)
+
+
+def test_8bit_curvature_of_a_layer_without_an_fp4_format_is_probed(monkeypatch):
+    model, layers, opt, loss_fn, _ = _setup()
+    counts = _backward_count(monkeypatch)
+    stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
+    before = counts["backward"]
+    result = estimate_divergence(stats, [Format.FP8, Format.MXFP4], noise_draws=2,
+                                 allowed={"first": [Format.BF16, Format.FP8], "second": list(Format)},
+                                 generator=torch.Generator().manual_seed(0)).layers
+    stats.release()
+    assert counts["backward"] - before == 2 + 2  # mxfp4's draws, then fp8's for "first" alone
+    assert math.isinf(result["first"].loss_divergence[Format.MXFP4])
+    assert math.isfinite(result["first"].second_order[Format.FP8]) and result["first"].second_order[Format.FP8] != 0.0
+    second = result["second"]
+    assert second.second_order[Format.FP8] == pytest.approx(
+        second.second_order[Format.MXFP4] / second.abs_error_forward[Format.MXFP4] * second.abs_error_forward[Format.FP8],
+        rel=1e-9)
