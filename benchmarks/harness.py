@@ -391,7 +391,7 @@ def peak_rise(fn) -> float:
 
 
 def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, mode: str,
-                variants: list[tuple[int, bool]] = (), device: str = "cpu", fp32_round: bool = False) -> dict:
+                variants: list[tuple[int, bool, str]] = (), device: str = "cpu", fp32_round: bool = False) -> dict:
     """One configuration's measurement. ``device="cuda"`` (benchmarks/gpu_check.py) times on a GPU with
     CUDA synchronisation; memory mode is CPU-only (it reads the process's RSS). ``fp32_round``: also
     time, interleaved, rounds whose GEMM operands are fp32 (RoundPrecision.FP32: the round before
@@ -426,7 +426,8 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
             layer.format = Format.BF16
 
     def round_on(b, propagation: Propagation, probes: int = cfg.wd_probes,
-                 precision: RoundPrecision = RoundPrecision.TRAINING, unbatched: bool = False):
+                 precision: RoundPrecision = RoundPrecision.TRAINING, unbatched: bool = False,
+                 curvature_8bit: str = cfg.curvature_8bit.value):
         sliced = slice_batch(b, cfg.max_rows)
         if unbatched:  # the probes one forward-mode pass each (the round before 2026-12-02, night)
             stats_module._unbatched_models.add(model)
@@ -439,7 +440,7 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
         try:
             estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
                                 noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator, probes=probes,
-                                curvature_probe=cfg.curvature_probe, precision=precision,
+                                curvature_probe=cfg.curvature_probe, precision=precision, curvature_8bit=curvature_8bit,
                                 generator=torch.Generator(device=device).manual_seed(seed))
         finally:
             stats.release()
@@ -482,14 +483,16 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
         if fp32_round:
             fp32_times.append(timed(lambda: round_on(batch, Propagation.PROBE, precision=RoundPrecision.FP32)))
         for variant, times in variant_times.items():
-            probes, unbatched = variant
-            times.append(timed(lambda: round_on(batch, Propagation.PROBE, probes, unbatched=unbatched)))
+            probes, unbatched, eight = variant
+            times.append(timed(lambda: round_on(batch, Propagation.PROBE, probes, unbatched=unbatched,
+                                                curvature_8bit=eight)))
         if exact:
             exact_times.append(timed(lambda: round_on(batch, Propagation.EXACT)))
     out["hp_step_seconds"] = statistics.median(hp)
     out["emulated_step_seconds"] = statistics.median(emulated)
     out["round_seconds"] = statistics.median(probe)
-    out["variants"] = [[f"{p}{'unbatched' if u else ''}", statistics.median(t)] for (p, u), t in variant_times.items()]
+    out["variants"] = [[f"{p}{'+unbatched' if u else ''}{'+probe8' if e == 'probe' else ''}", statistics.median(t)]
+                       for (p, u, e), t in variant_times.items()]
     if exact:
         out["round_seconds_exact"] = statistics.median(exact_times)
     if fp32_round:

@@ -18,9 +18,10 @@ draws per format, SNIPConfig().wd_probes forward-mode probes). Measured:
 ``--exact-max-blocks``: also the EXACT propagation (one vector-Jacobian product per layer), the
 round before issue 11, at depths up to that.
 
-``--variants 8,2,4unbatched``: also time, interleaved with the default round in the same process, rounds
-with that many WD probes (``unbatched``: one forward-mode pass per probe, the round before 2026-12-02 night;
-batched in one pass since).
+``--variants 8,2,4+unbatched+probe8``: also time, interleaved with the default round in the same process,
+rounds with that many WD probes (``+unbatched``: one forward-mode pass per probe, as before 2026-12-02 night,
+batched in one pass since; ``+probe8``: curvature_8bit=probe, the 8-bit formats' own curvature passes, the
+default until the same night). ``4+unbatched+probe8`` is the round of 2026-12-02 afternoon.
 
     python benchmarks/stats_cost.py [--blocks 2,4,8,16,32] [--widths 128,256] [--repeats 2] [--quick]
 
@@ -45,16 +46,17 @@ from lightning_snip.config import SNIPConfig
 
 from harness import BATCH, SEQ_LEN, measure_one
 
-def parse_variants(text: str) -> list[tuple[int, bool]]:
-    """"8,4unbatched" -> [(8, False), (4, True)]: WD probes of each extra round timed, and whether they
-    run one forward-mode pass each instead of batched in one."""
+def parse_variants(text: str) -> list[tuple[int, bool, str]]:
+    """"8,4+unbatched+probe8" -> [(8, False, "transfer"), (4, True, "probe")]: for each extra round timed, its
+    WD probes, whether they run one forward-mode pass each (``unbatched``) instead of batched in one, and
+    the 8-bit formats' curvature (``probe8``: curvature_8bit=probe, their own error-probe passes)."""
     out = []
     for item in filter(None, text.split(",")):
-        count = item.removesuffix("unbatched")
-        if not count.isdigit() or int(count) < 1:
+        count, *flags = item.split("+")
+        if not count.isdigit() or int(count) < 1 or not set(flags) <= {"unbatched", "probe8"}:
             raise SystemExit(f"--variants: invalid item {item!r}; allowed: a number of probes >= 1, optionally "
-                             "followed by 'unbatched', e.g. 8,4unbatched")
-        out.append((int(count), item.endswith("unbatched")))
+                             "followed by +unbatched and/or +probe8, e.g. 8,4+unbatched+probe8")
+        out.append((int(count), "unbatched" in flags, "probe" if "probe8" in flags else "transfer"))
     return out
 
 
@@ -67,7 +69,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="2 and 4 blocks, width 64, one repeat")
-    parser.add_argument("--variants", default="", help="also time rounds with these numbers of WD probes, e.g. 8,4unbatched")
+    parser.add_argument("--variants", default="", help="also time rounds with these settings, e.g. 8,4+unbatched+probe8")
     parser.add_argument("--one", nargs=2, type=int, metavar=("WIDTH", "BLOCKS"), help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=["memory", "time"], default="time", help=argparse.SUPPRESS)
     args = parser.parse_args()
