@@ -14,8 +14,10 @@ defaults but ``curvature_8bit=probe`` (every format's own error-probe passes). F
   the splits, and how many layers' formats the transfer changed.
 
     python benchmarks/curvature_8bit.py --setting deep8 --checkpoint <dir>/pretrained.ckpt [--rounds 8]
+    python benchmarks/curvature_8bit.py --setting deep8 --from-json <its output> --lam 1
 
-Writes benchmarks/results/curvature_8bit_<setting>_<date>.json and prints the lines of the report.
+Writes benchmarks/results/curvature_8bit_<setting>_<date>.json (the result and the rounds) and prints the
+lines of the report. Plans and prices at the callback's lambda (weight_divergence_weight) unless --lam says.
 """
 
 from __future__ import annotations
@@ -26,15 +28,13 @@ import datetime
 import itertools
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+import compare_policies as cp
+import objective_outcome as oo
 
-import compare_policies as cp  # noqa: E402
-import objective_outcome as oo  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 
 def transferred_second_order(d, formats) -> dict:
@@ -91,8 +91,9 @@ def measure_rounds(s: cp.Setup, ckpt: Path, count: int) -> list[dict]:
     return rounds
 
 
-def study(s: cp.Setup, rounds: list[dict], lam: float = 1.0) -> dict:
-    """The numbers of the report (see the module docstring) from ``rounds``."""
+def study(s: cp.Setup, rounds: list[dict], lam: float) -> dict:
+    """The numbers of the report (see the module docstring) from ``rounds``; plans and prices at
+    lambda ``lam`` (LD + lam WD)."""
     from lightning_snip import planner
     from lightning_snip.formats import Format
 
@@ -102,7 +103,8 @@ def study(s: cp.Setup, rounds: list[dict], lam: float = 1.0) -> dict:
     eight = [f.value for f in formats if not f.is_fp4 and f is not Format.BF16]
     fp4 = [f.value for f in formats if f.is_fp4]
     keys = {v: [k for k in rounds[0]["ld"] if k.endswith("|" + v)] for v in eight + fp4}
-    out = {"rounds": len(rounds), "round_seconds": statistics.median(r["seconds"] for r in rounds), "formats": {}}
+    out = {"rounds": len(rounds), "round_seconds": statistics.median(r["seconds"] for r in rounds), "lambda": lam,
+           "formats": {}}
     for v in eight:
         ks = keys[v]
         probe_vs_transfer = [spearman([r["ld"][k] for k in ks], [r["ld_transfer"][k] for k in ks]) for r in rounds]
@@ -152,7 +154,7 @@ def _reachable(module, s: cp.Setup, fraction: float) -> bool:
 
 
 def report_lines(name: str, result: dict) -> list[str]:
-    lines = [f"[{name}] {result['rounds']} rounds, median {result['round_seconds']:.1f} s each"]
+    lines = [f"[{name}] {result['rounds']} rounds, median {result['round_seconds']:.1f} s each; lambda {result['lambda']:g}"]
     for v, r in result["formats"].items():
         lines.append(f"[{name}] {v} LD, probed vs transferred, Spearman per round: "
                      + " ".join(f"{x:.2f}" for x in r["probe_vs_transfer"]))
@@ -170,20 +172,32 @@ def report_lines(name: str, result: dict) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--setting", choices=sorted(cp.SETTINGS), default="deep8")
-    parser.add_argument("--checkpoint", type=Path, required=True, help="compare_policies' pretrained.ckpt of the setting")
+    parser.add_argument("--checkpoint", type=Path, help="compare_policies' pretrained.ckpt of the setting")
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--lam", type=float, default=None,
+                        help="lambda of the plans and prices (default: the callback's weight_divergence_weight)")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="an earlier run's output: its rounds again, not measured (another --lam)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
     import torch
 
     torch.set_num_threads(args.threads)
+    from lightning_snip.config import SNIPConfig
+
     s = cp.SETTINGS[args.setting]
-    rounds = measure_rounds(s, args.checkpoint, args.rounds)
-    result = study(s, rounds)
+    lam = SNIPConfig().weight_divergence_weight if args.lam is None else args.lam
+    if args.from_json is not None:
+        rounds = json.loads(args.from_json.read_text())["rounds"]
+    elif args.checkpoint is None:
+        raise SystemExit("curvature_8bit: --checkpoint (or --from-json) is required")
+    else:
+        rounds = measure_rounds(s, args.checkpoint, args.rounds)
+    result = study(s, rounds, lam)
     date = datetime.date.today().isoformat()
     path = args.out / f"curvature_8bit_{args.setting}_{date}.json"
-    path.write_text(json.dumps({"setting": args.setting, "result": result}, indent=1))
+    path.write_text(json.dumps({"setting": args.setting, "result": result, "rounds": rounds}))
     print("\n".join(report_lines(args.setting, result)))
     print(f"wrote {path}")
 

@@ -399,6 +399,15 @@ def block_speed(device, lines, width, tokens, repeats):
         lines.append(f"block {recipe}: speedup over compiled bf16 snip {ours:.3f} torchao {theirs:.3f} "
                      f"vs_torchao {ours / theirs:.3f} (target >= 0.95, snip > 1)")
     lines.append(f"block snip fp8 rowwise: compiled vs eager speedup {ms['snip_fp8_rowwise_eager'] / ms['snip_fp8_rowwise']:.2f}")
+    # What fp8_scaling=auto picks here (its eager GEMM timing), beside the compiled blocks' own ranking.
+    from lightning_snip.gemm import choose_fp8_scaling
+
+    shapes = [(m.out_features, m.in_features) for m in base.modules() if isinstance(m, torch.nn.Linear)]
+    chosen, times = choose_fp8_scaling(device, shapes, rows=tokens[0] * tokens[1])
+    faster = min(("rowwise", "tensorwise"), key=lambda r: ms[f"snip_fp8_{r}"])
+    lines.append(f"block fp8_scaling=auto chooses {chosen.value} ("
+                 + (", ".join(f"{k.value} {v * 1e3:.2f} ms" for k, v in times.items()) or "fp8 emulated: not timed")
+                 + f"); the faster compiled block: {faster}")
 
 
 def demo_run(device, steps, lines):

@@ -38,8 +38,7 @@ from lightning_snip.convert import convert_linears
 from lightning_snip.demo.model import LlamaConfig, TinyLlama
 from lightning_snip.divergence import estimate_divergence
 from lightning_snip.formats import Format
-import lightning_snip.stats as stats_module
-from lightning_snip.stats import Propagation, RoundPrecision, collect_stats, slice_batch
+from lightning_snip.stats import Propagation, RoundPrecision, collect_stats, slice_batch, unbatch_probes
 
 FORMATS = (Format.MXFP4, Format.NVFP4)
 
@@ -430,7 +429,7 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
                  curvature_8bit: str = cfg.curvature_8bit.value):
         sliced = slice_batch(b, cfg.max_rows)
         if unbatched:  # the probes one forward-mode pass each (the round before 2026-12-02, night)
-            stats_module._unbatched_models.add(model)
+            unbatch_probes(model)
 
         def loss_fn():
             with autocast():
@@ -444,7 +443,7 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
                                 generator=torch.Generator(device=device).manual_seed(seed))
         finally:
             stats.release()
-            stats_module._unbatched_models.discard(model)
+            unbatch_probes(model, False)
 
     # Adam state and every compiled quantizer kernel, on a tiny batch (no large temporaries yet).
     step(tiny, Format.BF16)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 
 import lightning.pytorch as pl
 import torch
@@ -10,11 +12,16 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from typing_extensions import override
 
-from lightning_snip.config import SNIPConfig
-from lightning_snip.controller import Collective, SNIPController
+from lightning_snip.config import FP8_SCALING_AUTO, SNIPConfig
+from lightning_snip.controller import SINGLE_PROCESS, Collective, SNIPController
+from lightning_snip.convert import glob_filter
+from lightning_snip.gemm import choose_fp8_scaling
+from lightning_snip.formats import Format
 from lightning_snip.plan import Plan
 from lightning_snip.reporting import log_to_loggers
 from lightning_snip.stats import Propagation
+
+logger = logging.getLogger(__name__)
 
 # Single device, DDP, and FSDP2 through ModelParallelStrategy without tensor parallelism (the user
 # shards with fully_shard in configure_model). FSDP1 and DeepSpeed are not among them;
@@ -91,8 +98,9 @@ class SNIPCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Converted here, not in setup: layers built (or compiled) in ``configure_model`` exist only
         # after setup, and the strategy has moved the model to its device.
-        self.controller.attach(pl_module, device=pl_module.device)
         self._collective = _collective(trainer)
+        self.controller.config = resolve_fp8_scaling(self.controller.config, pl_module, pl_module.device, self._collective)
+        self.controller.attach(pl_module, device=pl_module.device)
         if trainer.is_global_zero:  # the run's setup lines once, not once per rank
             max_steps = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps >= 0 else None
             self.controller.log_setup(pl_module.device, max_steps)
@@ -169,6 +177,29 @@ def _check_strategy(strategy, config: SNIPConfig) -> None:
         if Propagation(config.wd_propagation) is Propagation.EXACT:
             raise ValueError("wd_propagation: exact is not supported under FSDP2 (ModelParallelStrategy): it "
                              "holds every parameter's gradient whole; allowed: probe")
+
+
+def resolve_fp8_scaling(config: SNIPConfig, model: torch.nn.Module, device, collective: Collective = SINGLE_PROCESS
+                        ) -> SNIPConfig:
+    """``config`` with fp8_scaling="auto" replaced by rank 0's choice on ``device`` (gemm.choose_fp8_scaling
+    over the shapes of the linears the config selects), logged once and the same on every rank; any other
+    config unchanged."""
+    if config.fp8_scaling != FP8_SCALING_AUTO:
+        return config
+    chosen = None
+    if collective.is_rank_zero:
+        select = glob_filter(config.include, config.exclude)
+        # not the layers pinned to another format (the LM head in bf16): their GEMMs never run FP8
+        other = glob_filter([g for g, f in config.pin_formats.items() if Format.parse(f) is not Format.FP8] or ["-"])
+        shapes = [(m.out_features, m.in_features) for name, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and select(name, m) and not other(name, m)]
+        chosen, times = choose_fp8_scaling(device, shapes)
+        timed = ", ".join(f"{s.value} {t * 1e3:.2f} ms" for s, t in times.items())
+        logger.info("SNIP: fp8_scaling=auto chose %s on %s (%s)", chosen.value, torch.device(device),
+                    f"fp8 GEMMs with casts of the model's {len(shapes)} layer shapes: {timed}" if times
+                    else "no native FP8 GEMM here: emulated, the finer scales")
+    chosen = collective.broadcast(chosen)  # one recipe on every rank: the ranks' timings may differ
+    return dataclasses.replace(config, fp8_scaling=chosen)
 
 
 def _collective(trainer: pl.Trainer) -> Collective:

@@ -22,6 +22,8 @@ from lightning_snip.formats import CostModel, Format, Fp8Scaling, QuantRecipe, R
 from lightning_snip.plan import Granularity
 from lightning_snip.planner import DEFAULT_WEIGHT_DIVERGENCE_WEIGHT
 
+FP8_SCALING_AUTO = "auto"  # SNIPConfig.fp8_scaling: the faster FP8 scaling on the run's device
+
 DEFAULT_PINS = ("*lm_head=bf16",)
 """SNIPConfig's default pins: the LM head in bf16 (a model without an ``lm_head`` simply has none to pin)."""
 
@@ -115,7 +117,9 @@ class SNIPConfig:
         weight_divergence_weight: lambda in LD + lambda * WD (default 0.1, by measurement; the method
             text's 1 prices FP4 backward GEMMs too high: planner.DEFAULT_WEIGHT_DIVERGENCE_WEIGHT).
         time_limit_seconds: ILP solver limit; the best feasible plan is used after it.
-        fp8_scaling: rowwise | tensorwise. fp4_grad_rounding: stochastic | nearest.
+        fp8_scaling: rowwise | tensorwise | auto (the faster of the two on the run's GPU, timed at fit
+            start on the model's layer shapes where the GPU has FP8 GEMMs; rowwise where FP8 is
+            emulated; lightning_snip.gemm.choose_fp8_scaling). fp4_grad_rounding: stochastic | nearest.
         relative_cost: format -> GEMM cost relative to bf16, overriding the defaults.
         granularity: layer (a format per layer) or gemm (a forward and a backward format per layer;
             the forward is 1/3 of a layer's GEMM FLOPs, dgrad + wgrad 2/3; LD prices the forward,
@@ -161,7 +165,7 @@ class SNIPConfig:
     class_shrinkage: float = 0.0
     weight_divergence_weight: float = DEFAULT_WEIGHT_DIVERGENCE_WEIGHT
     time_limit_seconds: float = 10.0
-    fp8_scaling: Fp8Scaling = Fp8Scaling.ROWWISE
+    fp8_scaling: Any = Fp8Scaling.ROWWISE  # Any: an Fp8Scaling or "auto"
     fp4_grad_rounding: Rounding = Rounding.STOCHASTIC
     relative_cost: dict[str, float] = field(default_factory=dict)
     granularity: Granularity = Granularity.LAYER
@@ -196,8 +200,12 @@ class SNIPConfig:
         for name, choice in (("granularity", Granularity), ("curvature_probe", CurvatureProbe),
                              ("curvature_8bit", Curvature8Bit),
                              ("loss_estimator", LossEstimator), ("wd_propagation", Propagation), ("pricing", Pricing),
-                             ("fp8_scaling", Fp8Scaling), ("fp4_grad_rounding", Rounding)):
+                             ("fp4_grad_rounding", Rounding)):
             object.__setattr__(self, name, choice.parse(getattr(self, name), field_name=name))
+        if self.fp8_scaling != FP8_SCALING_AUTO:  # "auto": resolved on the run's device (gemm.choose_fp8_scaling)
+            check_field(str(getattr(self.fp8_scaling, "value", self.fp8_scaling)) in {s.value for s in Fp8Scaling},
+                        "fp8_scaling", self.fp8_scaling, "rowwise, tensorwise or auto")
+            object.__setattr__(self, "fp8_scaling", Fp8Scaling.parse(self.fp8_scaling, field_name="fp8_scaling"))
         check_field(isinstance(self.aggregate_decay, (int, float)) and 0.0 <= self.aggregate_decay < 1.0,
                     "aggregate_decay", self.aggregate_decay, "a number in [0, 1)")
         check_field(isinstance(self.class_shrinkage, (int, float)) and not isinstance(self.class_shrinkage, bool)
@@ -251,6 +259,9 @@ class SNIPConfig:
 
     @property
     def recipe(self) -> QuantRecipe:
+        if self.fp8_scaling == FP8_SCALING_AUTO:
+            raise RuntimeError("fp8_scaling: 'auto' has no recipe until it is resolved on the run's device "
+                               "(SNIPCallback does at fit start; elsewhere call lightning_snip.gemm.resolve_fp8_scaling)")
         return QuantRecipe(fp8_scaling=self.fp8_scaling, fp4_grad_rounding=self.fp4_grad_rounding)
 
     @property

@@ -483,6 +483,16 @@ except ImportError:  # another torch: the probes run one pass each
 _unbatched_models: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
+def unbatch_probes(model: nn.Module, unbatched: bool = True) -> None:
+    """Run ``model``'s WD probes one forward-mode pass per probe (``unbatched``), as a model whose
+    batched pass failed does, or batched again (False): the same numbers either way; for timing one
+    against the other (benchmarks/stats_cost.py's ``+unbatched``)."""
+    if unbatched:
+        _unbatched_models.add(model)
+    else:
+        _unbatched_models.discard(model)
+
+
 def _probe_passes(model, run, tangents_of, probes: int, *, batched: bool) -> tuple[list[dict], set[str]]:
     """Statistics.input_tangents: ``probes`` forward-mode passes of ``run`` (_forward_mode_pass).
 

@@ -753,3 +753,34 @@ def test_non_finite_candidates_are_counted_logged_and_kept_out_of_plans(tmp_path
     assert len(warned) == 2 and all("2 (layer, format)" in m and downs[0] in m for m in warned)
     assert snip.plan is not None and all(snip.plan[fqn] is not Format.MXFP4 for fqn in downs)
     assert snip.plan.fp4_fraction >= 0.5
+
+
+@pytest.mark.parametrize("chosen", ["rowwise", "tensorwise"])
+def test_fp8_scaling_auto_is_resolved_once_at_fit_start_for_every_layer(tmp_path, caplog, monkeypatch, chosen):
+    """fp8_scaling=auto: on a CPU (FP8 emulated) the chooser says rowwise without timing anything; where
+    it picks tensorwise (as on an H200) every layer, the round and the plan run that recipe."""
+    import lightning_snip.callback as callback_module
+    from lightning_snip import gemm
+    from lightning_snip.formats import Fp8Scaling
+
+    calls = []
+    real = gemm.choose_fp8_scaling
+
+    def chooser(device, shapes, **kw):
+        calls.append((torch.device(device).type, list(shapes)))
+        if chosen == "rowwise":
+            return real(device, shapes, timer=lambda *_: pytest.fail("nothing is timed where fp8 is emulated"))
+        return Fp8Scaling.TENSORWISE, {Fp8Scaling.ROWWISE: 2e-3, Fp8Scaling.TENSORWISE: 1e-3}
+
+    monkeypatch.setattr(callback_module, "choose_fp8_scaling", chooser)
+    snip = SNIPCallback(_snip(fp8_scaling="auto", candidate_formats=("fp8", "mxfp4")))
+    with caplog.at_level(logging.INFO, logger="lightning_snip"):
+        _fit(tmp_path, snip, max_steps=4)
+    assert len(calls) == 1 and calls[0][0] == "cpu"
+    # every linear the config selects but the lm_head, pinned in bf16 (it never runs fp8)
+    assert len(calls[0][1]) == len(snip.layers) - 1 and (256, 64) not in calls[0][1]
+    assert snip.config.fp8_scaling is Fp8Scaling(chosen)
+    assert {layer.recipe.fp8_scaling for layer in snip.layers.values()} == {Fp8Scaling(chosen)}
+    said = [r.getMessage() for r in caplog.records if "fp8_scaling=auto chose" in r.getMessage()]
+    assert len(said) == 1 and f"chose {chosen} on cpu" in said[0], said
+    assert snip.num_stats_rounds == 1 and snip.num_plans_applied == 1

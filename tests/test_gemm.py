@@ -387,3 +387,34 @@ def test_snip_linear_native_block_path_in_all_three_gemms(monkeypatch, fmt):
             assert float((n.double() - e.double()).norm() / e.double().norm()) < 1e-2
         else:
             assert torch.equal(n, e)
+
+
+def test_fp8_scaling_auto_times_each_distinct_layer_shape_and_takes_the_faster_scaling(monkeypatch):
+    from lightning_snip import gemm
+    from lightning_snip.formats import Fp8Scaling
+
+    def no_timing(*_):
+        raise AssertionError("nothing is timed where fp8 is emulated")
+
+    assert gemm.choose_fp8_scaling("cpu", [(64, 32)], timer=no_timing) == (Fp8Scaling.ROWWISE, {})
+    # As where FP8 runs natively: the layer GEMMs recorded instead of run, timed by a scripted clock.
+    monkeypatch.setattr(gemm, "kernel_for", lambda fmt, device: gemm.Kernel.TORCHAO_FP8)
+    seen = []
+    monkeypatch.setattr(gemm, "quantized_matmul", lambda a, b, fmt, *, recipe, **kw: seen.append(
+        (recipe.fp8_scaling, tuple(a.shape), tuple(b.shape), kw.get("a_is_grad", False))))
+    cost = {Fp8Scaling.ROWWISE: 1.0, Fp8Scaling.TENSORWISE: 0.5}
+
+    def clock(fn, repeats):
+        fn()
+        return cost[seen[-1][0]]
+
+    # (30, 64): not a native FP8 shape, not timed; (64, 32) twice in the model: counted twice
+    chosen, times = gemm.choose_fp8_scaling("cpu", [(64, 32), (48, 64), (64, 32), (30, 64)], rows=16, timer=clock)
+    assert chosen is Fp8Scaling.TENSORWISE and times == {Fp8Scaling.ROWWISE: 2.0 * 1 + 1.0, Fp8Scaling.TENSORWISE: 1.5}
+    rowwise = [s[1:] for s in seen if s[0] is Fp8Scaling.ROWWISE]
+    # forward X W^T, dgrad G W, wgrad G^T X of each distinct shape
+    assert rowwise == [((16, 32), (64, 32), False), ((16, 64), (32, 64), True), ((64, 16), (32, 16), True),
+                       ((16, 64), (48, 64), False), ((16, 48), (64, 48), True), ((48, 16), (64, 16), True)]
+    cost[Fp8Scaling.TENSORWISE] = 1.0  # a tie keeps the finer scales
+    assert gemm.choose_fp8_scaling("cpu", [(64, 32)], rows=16, timer=clock)[0] is Fp8Scaling.ROWWISE
+    assert gemm.choose_fp8_scaling("cpu", [(30, 60)], timer=no_timing) == (Fp8Scaling.ROWWISE, {})
