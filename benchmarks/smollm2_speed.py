@@ -40,10 +40,13 @@ from lightning_snip.demo.lightning import ByteTextDataModule, CausalLM
 from lightning_snip.divergence import estimate_divergence
 from lightning_snip.formats import Format
 from lightning_snip.hf import load_smollm2
-from lightning_snip.stats import collect_stats, high_precision, slice_batch
+from lightning_snip.stats import collect_stats, high_precision, slice_batch, unbatch_probes
 
 FORMATS = (Format.BF16, Format.FP8, Format.MXFP4, Format.NVFP4)
-ROUND_SETTINGS = {"preset": SNIPConfig(max_rows=256), "default": SNIPConfig()}
+ROUND_SETTINGS = {"preset": SNIPConfig(max_rows=256), "default": SNIPConfig(),
+                  # the preset's round of 2026-12-02 afternoon: fp8's own curvature passes, one pass per WD probe
+                  "preset_before": SNIPConfig(max_rows=256, curvature_8bit="probe")}
+UNBATCHED = {"preset_before"}
 
 
 def main() -> None:
@@ -52,7 +55,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", default="preset,default", help="round settings to time: preset, default")
+    parser.add_argument("--rounds", default="preset,default",
+                        help="round settings to time: preset, default, preset_before (the preset's round before "
+                             "2026-12-02 night: fp8 probed, one pass per WD probe)")
     parser.add_argument("--runs", type=int, default=51, help="quality runs per session (16 policies x 3 seeds + 3 bf16)")
     parser.add_argument("--session-minutes", type=float, default=150.0)
     parser.add_argument("--evals", type=int, default=2, help="held-out evaluations per quality run")
@@ -90,17 +95,21 @@ def main() -> None:
         with torch.no_grad(), high_precision(layers):
             module.snip_loss(held_out)
 
-    def statistics_round(cfg: SNIPConfig) -> None:
+    def statistics_round(name: str) -> None:
+        cfg = ROUND_SETTINGS[name]
         for layer in unpinned:
             layer.format = Format.FP8
         sliced = slice_batch(batch, cfg.max_rows)
+        unbatch_probes(model, name in UNBATCHED)
         stats = collect_stats(model, lambda: module.snip_loss(sliced), layers=layers, optimizer=optimizer)
         try:
             estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
                                 noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator, probes=cfg.wd_probes,
-                                curvature_probe=cfg.curvature_probe, generator=torch.Generator().manual_seed(0))
+                                curvature_probe=cfg.curvature_probe, curvature_8bit=cfg.curvature_8bit,
+                                generator=torch.Generator().manual_seed(0))
         finally:
             stats.release()
+            unbatch_probes(model, False)
 
     peaks: dict[str, float] = {}
 
@@ -123,7 +132,7 @@ def main() -> None:
             times.setdefault(f"step_{fmt.value}", []).append(timed(f"step_{fmt.value}", lambda: step(fmt)))
         times.setdefault("eval", []).append(timed("eval", evaluate))
         for r in rounds:
-            times.setdefault(f"round_{r}", []).append(timed(f"round_{r}", lambda: statistics_round(ROUND_SETTINGS[r])))
+            times.setdefault(f"round_{r}", []).append(timed(f"round_{r}", lambda: statistics_round(r)))
     med = {k: statistics.median(v) for k, v in times.items()}
     hp = med["step_bf16"]
 
@@ -140,7 +149,8 @@ def main() -> None:
         cfg = ROUND_SETTINGS[r]
         rows = min(cfg.max_rows, args.batch * args.seq_len)
         print(f"round {r} {med[f'round_{r}']:.1f} {med[f'round_{r}'] / hp:.1f} ({rows} rows: max_rows {cfg.max_rows}, noise_draws "
-              f"{cfg.noise_draws}, wd_probes {cfg.wd_probes}, candidates {'/'.join(f.value for f in cfg.candidate_formats)})")
+              f"{cfg.noise_draws}, wd_probes {cfg.wd_probes}{' unbatched' if r in UNBATCHED else ''}, curvature_8bit "
+              f"{cfg.curvature_8bit.value}, candidates {'/'.join(f.value for f in cfg.candidate_formats)})")
     print(f"peak_rss_mib rest {rest:.0f} (model and tokenizer loaded: {rest_before:.0f})")
     for name, peak in peaks.items():
         print(f"peak_rss_mib {name} {peak:.0f}")

@@ -411,8 +411,10 @@ class _Passes:
                 loss * loss_scale, [outputs[f] for f in names] + [used.get(n, params[n]) for n in param_names],
                 retain_graph=record and self.propagation is Propagation.EXACT, allow_unused=True,
             )
-        out_grads = {f: g.detach().reshape(-1, g.shape[-1]).float() / loss_scale for f, g in zip(names, grads[: len(names)])}
-        param_grads = {n: g.detach().float() / loss_scale for n, g in zip(param_names, grads[len(names):]) if g is not None}
+        # (x / 1 is x, bit for bit: without a loss scale no copy of every gradient is made)
+        unscale = (lambda g: g.float()) if loss_scale == 1.0 else (lambda g: g.float() / loss_scale)
+        out_grads = {f: unscale(g.detach().reshape(-1, g.shape[-1])) for f, g in zip(names, grads[: len(names)])}
+        param_grads = {n: unscale(g.detach()) for n, g in zip(param_names, grads[len(names):]) if g is not None}
         return loss, inputs, out_grads, param_grads, recomputed, calls
 
     def _capture_hook(self, used: dict):
