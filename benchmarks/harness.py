@@ -443,7 +443,8 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
                                 generator=torch.Generator(device=device).manual_seed(seed))
         finally:
             stats.release()
-            unbatch_probes(model, False)
+            if unbatched:  # (a model that fell back on its own stays unbatched)
+                unbatch_probes(model, False)
 
     # Adam state and every compiled quantizer kernel, on a tiny batch (no large temporaries yet).
     step(tiny, Format.BF16)

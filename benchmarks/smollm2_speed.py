@@ -100,7 +100,8 @@ def main() -> None:
         for layer in unpinned:
             layer.format = Format.FP8
         sliced = slice_batch(batch, cfg.max_rows)
-        unbatch_probes(model, name in UNBATCHED)
+        if name in UNBATCHED:
+            unbatch_probes(model)
         stats = collect_stats(model, lambda: module.snip_loss(sliced), layers=layers, optimizer=optimizer)
         try:
             estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
@@ -109,7 +110,8 @@ def main() -> None:
                                 generator=torch.Generator().manual_seed(0))
         finally:
             stats.release()
-            unbatch_probes(model, False)
+            if name in UNBATCHED:  # (a model that fell back on its own stays unbatched)
+                unbatch_probes(model, False)
 
     peaks: dict[str, float] = {}
 

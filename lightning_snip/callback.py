@@ -16,7 +16,7 @@ from lightning_snip.config import FP8_SCALING_AUTO, SNIPConfig
 from lightning_snip.controller import SINGLE_PROCESS, Collective, SNIPController
 from lightning_snip.convert import glob_filter
 from lightning_snip.gemm import choose_fp8_scaling
-from lightning_snip.formats import Format
+from lightning_snip.formats import Format, Fp8Scaling
 from lightning_snip.plan import Plan
 from lightning_snip.reporting import log_to_loggers
 from lightning_snip.stats import Propagation
@@ -88,6 +88,8 @@ class SNIPCallback(Callback):
         super().__init__()
         self.controller = SNIPController(config, plan=plan)
         self._collective: Collective | None = None  # the trainer's ranks, built once per fit
+        self._fp8_auto = self.controller.config.fp8_scaling == FP8_SCALING_AUTO
+        self._restored_fp8_scaling: str | None = None  # fp8_scaling=auto's choice, from a checkpoint
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -99,7 +101,8 @@ class SNIPCallback(Callback):
         # Converted here, not in setup: layers built (or compiled) in ``configure_model`` exist only
         # after setup, and the strategy has moved the model to its device.
         self._collective = _collective(trainer)
-        self.controller.config = resolve_fp8_scaling(self.controller.config, pl_module, pl_module.device, self._collective)
+        self.controller.config = resolve_fp8_scaling(self.controller.config, pl_module, pl_module.device, self._collective,
+                                                     restored=self._restored_fp8_scaling)
         self.controller.attach(pl_module, device=pl_module.device)
         if trainer.is_global_zero:  # the run's setup lines once, not once per rank
             max_steps = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps >= 0 else None
@@ -143,11 +146,15 @@ class SNIPCallback(Callback):
 
     @override
     def state_dict(self) -> dict:
-        return self.controller.state_dict()
+        state = self.controller.state_dict()
+        if self._fp8_auto and self.controller.config.fp8_scaling != FP8_SCALING_AUTO:
+            state["fp8_scaling_auto"] = self.controller.config.fp8_scaling.value  # a resumed run keeps it
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict) -> None:
         self.controller.load_state_dict(state_dict)
+        self._restored_fp8_scaling = state_dict.get("fp8_scaling_auto")
 
 
 def _controller_attribute(name: str) -> property:
@@ -179,27 +186,42 @@ def _check_strategy(strategy, config: SNIPConfig) -> None:
                              "holds every parameter's gradient whole; allowed: probe")
 
 
-def resolve_fp8_scaling(config: SNIPConfig, model: torch.nn.Module, device, collective: Collective = SINGLE_PROCESS
-                        ) -> SNIPConfig:
+def resolve_fp8_scaling(config: SNIPConfig, model: torch.nn.Module, device, collective: Collective = SINGLE_PROCESS,
+                        *, restored: str | None = None) -> SNIPConfig:
     """``config`` with fp8_scaling="auto" replaced by rank 0's choice on ``device`` (gemm.choose_fp8_scaling
-    over the shapes of the linears the config selects), logged once and the same on every rank; any other
-    config unchanged."""
+    over the shapes of the linears the config selects, but those pinned to another format), logged once and
+    the same on every rank; ``restored``: the choice a checkpoint holds, kept (a resumed run does not switch
+    recipe mid-run); any other config unchanged. A timing that fails leaves rowwise, with a warning."""
     if config.fp8_scaling != FP8_SCALING_AUTO:
         return config
     chosen = None
-    if collective.is_rank_zero:
-        select = glob_filter(config.include, config.exclude)
-        # not the layers pinned to another format (the LM head in bf16): their GEMMs never run FP8
-        other = glob_filter([g for g, f in config.pin_formats.items() if Format.parse(f) is not Format.FP8] or ["-"])
-        shapes = [(m.out_features, m.in_features) for name, m in model.named_modules()
-                  if isinstance(m, torch.nn.Linear) and select(name, m) and not other(name, m)]
-        chosen, times = choose_fp8_scaling(device, shapes)
-        timed = ", ".join(f"{s.value} {t * 1e3:.2f} ms" for s, t in times.items())
-        logger.info("SNIP: fp8_scaling=auto chose %s on %s (%s)", chosen.value, torch.device(device),
-                    f"fp8 GEMMs with casts of the model's {len(shapes)} layer shapes: {timed}" if times
-                    else "no native FP8 GEMM here: emulated, the finer scales")
+    if restored is not None:
+        chosen = Fp8Scaling.parse(restored, field_name="fp8_scaling")
+        if collective.is_rank_zero:
+            logger.info("SNIP: fp8_scaling=auto keeps the checkpoint's choice, %s", chosen.value)
+    elif collective.is_rank_zero:
+        chosen = _timed_fp8_scaling(config, model, device)
     chosen = collective.broadcast(chosen)  # one recipe on every rank: the ranks' timings may differ
     return dataclasses.replace(config, fp8_scaling=chosen)
+
+
+def _timed_fp8_scaling(config: SNIPConfig, model: torch.nn.Module, device) -> Fp8Scaling:
+    select = glob_filter(config.include, config.exclude)
+    # not the layers pinned to another format (the LM head in bf16): their GEMMs never run FP8
+    other = glob_filter([g for g, f in config.pin_formats.items() if Format.parse(f) is not Format.FP8] or ["-"])
+    shapes = [(m.out_features, m.in_features) for name, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) and select(name, m) and not other(name, m)]
+    try:
+        chosen, times = choose_fp8_scaling(device, shapes)
+    except Exception as err:  # noqa: BLE001 - a failed timing must not stop the run (nor hang the other ranks)
+        logger.warning("SNIP: fp8_scaling=auto could not time the FP8 GEMMs on %s (%s: %s); using rowwise",
+                       torch.device(device), type(err).__name__, (str(err).splitlines() or [""])[0][:200])
+        return Fp8Scaling.ROWWISE
+    timed = ", ".join(f"{s.value} {t * 1e3:.2f} ms" for s, t in times.items())
+    logger.info("SNIP: fp8_scaling=auto chose %s on %s (%s)", chosen.value, torch.device(device),
+                f"fp8 GEMMs with casts of the model's {len(shapes)} layer shapes: {timed}" if times
+                else "no native FP8 GEMM here: emulated, the finer scales")
+    return chosen
 
 
 def _collective(trainer: pl.Trainer) -> Collective:

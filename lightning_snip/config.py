@@ -50,6 +50,43 @@ def check_field(condition: bool, name: str, value, allowed: str) -> None:
         raise ValueError(f"{name}: invalid value {value!r}; allowed: {allowed}")
 
 
+def _parse_fp8_scaling(value):
+    """An Fp8Scaling (as Choice.parse reads it: its value or its name, any case), or "auto": resolved on the
+    run's device (lightning_snip.callback.resolve_fp8_scaling)."""
+    if isinstance(value, str) and not isinstance(value, Fp8Scaling) and value.strip().lower() == FP8_SCALING_AUTO:
+        return FP8_SCALING_AUTO
+    try:
+        return Fp8Scaling.parse(value, field_name="fp8_scaling")
+    except ValueError:
+        raise ValueError(f"fp8_scaling: invalid value {value!r}; allowed: rowwise, tensorwise or auto") from None
+
+
+def _check_counts_and_targets(cfg: "SNIPConfig") -> None:
+    """SNIPConfig's integer counts, its FP4 target and its positive numbers (the first checks of __post_init__)."""
+    for name in ("interval", "max_rows", "first_order_rows", "wd_probes", "drift_probes"):
+        value = getattr(cfg, name)
+        check_field(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, value, "an integer > 0")
+    for name in ("warmup_steps", "apply_delay", "noise_draws", "first_order_steps"):
+        value = getattr(cfg, name)
+        check_field(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name, value, "an integer >= 0")
+    check_field(cfg.max_consecutive_failures is None or (isinstance(cfg.max_consecutive_failures, int) and not isinstance(
+        cfg.max_consecutive_failures, bool) and cfg.max_consecutive_failures > 0),
+        "max_consecutive_failures", cfg.max_consecutive_failures, "an integer > 0, or null (never raise)")
+    check_field(cfg.apply_delay < cfg.interval, "apply_delay", cfg.apply_delay, f"an integer < interval ({cfg.interval})")
+    if (cfg.fp4_fraction is None) == (cfg.cost_budget is None):
+        raise ValueError(
+            f"fp4_fraction / cost_budget: set exactly one (the other null); got "
+            f"fp4_fraction={cfg.fp4_fraction!r}, cost_budget={cfg.cost_budget!r}"
+        )
+    if cfg.fp4_fraction is not None:
+        check_field(0.0 <= cfg.fp4_fraction <= 1.0, "fp4_fraction", cfg.fp4_fraction, "a number in [0, 1]")
+    if cfg.cost_budget is not None:
+        check_field(cfg.cost_budget > 0 and math.isfinite(cfg.cost_budget), "cost_budget", cfg.cost_budget, "a number > 0")
+    for name in ("noise_scale", "time_limit_seconds"):
+        value = getattr(cfg, name)
+        check_field(value > 0, name, value, "a number > 0")
+
+
 @dataclass(frozen=True, kw_only=True)
 class SNIPConfig:
     """SNIPCallback settings.
@@ -175,37 +212,13 @@ class SNIPConfig:
     noise_guard_threshold: float = math.sqrt(3.0)
 
     def __post_init__(self) -> None:
-        for name in ("interval", "max_rows", "first_order_rows", "wd_probes", "drift_probes"):
-            value = getattr(self, name)
-            check_field(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, value, "an integer > 0")
-        for name in ("warmup_steps", "apply_delay", "noise_draws", "first_order_steps"):
-            value = getattr(self, name)
-            check_field(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name, value, "an integer >= 0")
-        check_field(self.max_consecutive_failures is None or (isinstance(self.max_consecutive_failures, int) and not isinstance(
-            self.max_consecutive_failures, bool) and self.max_consecutive_failures > 0),
-            "max_consecutive_failures", self.max_consecutive_failures, "an integer > 0, or null (never raise)")
-        check_field(self.apply_delay < self.interval, "apply_delay", self.apply_delay, f"an integer < interval ({self.interval})")
-        if (self.fp4_fraction is None) == (self.cost_budget is None):
-            raise ValueError(
-                f"fp4_fraction / cost_budget: set exactly one (the other null); got "
-                f"fp4_fraction={self.fp4_fraction!r}, cost_budget={self.cost_budget!r}"
-            )
-        if self.fp4_fraction is not None:
-            check_field(0.0 <= self.fp4_fraction <= 1.0, "fp4_fraction", self.fp4_fraction, "a number in [0, 1]")
-        if self.cost_budget is not None:
-            check_field(self.cost_budget > 0 and math.isfinite(self.cost_budget), "cost_budget", self.cost_budget, "a number > 0")
-        for name in ("noise_scale", "time_limit_seconds"):
-            value = getattr(self, name)
-            check_field(value > 0, name, value, "a number > 0")
+        _check_counts_and_targets(self)
         for name, choice in (("granularity", Granularity), ("curvature_probe", CurvatureProbe),
                              ("curvature_8bit", Curvature8Bit),
                              ("loss_estimator", LossEstimator), ("wd_propagation", Propagation), ("pricing", Pricing),
                              ("fp4_grad_rounding", Rounding)):
             object.__setattr__(self, name, choice.parse(getattr(self, name), field_name=name))
-        if self.fp8_scaling != FP8_SCALING_AUTO:  # "auto": resolved on the run's device (gemm.choose_fp8_scaling)
-            check_field(str(getattr(self.fp8_scaling, "value", self.fp8_scaling)) in {s.value for s in Fp8Scaling},
-                        "fp8_scaling", self.fp8_scaling, "rowwise, tensorwise or auto")
-            object.__setattr__(self, "fp8_scaling", Fp8Scaling.parse(self.fp8_scaling, field_name="fp8_scaling"))
+        object.__setattr__(self, "fp8_scaling", _parse_fp8_scaling(self.fp8_scaling))
         check_field(isinstance(self.aggregate_decay, (int, float)) and 0.0 <= self.aggregate_decay < 1.0,
                     "aggregate_decay", self.aggregate_decay, "a number in [0, 1)")
         check_field(isinstance(self.class_shrinkage, (int, float)) and not isinstance(self.class_shrinkage, bool)
@@ -261,7 +274,7 @@ class SNIPConfig:
     def recipe(self) -> QuantRecipe:
         if self.fp8_scaling == FP8_SCALING_AUTO:
             raise RuntimeError("fp8_scaling: 'auto' has no recipe until it is resolved on the run's device "
-                               "(SNIPCallback does at fit start; elsewhere call lightning_snip.gemm.resolve_fp8_scaling)")
+                               "(SNIPCallback does at fit start; elsewhere call lightning_snip.callback.resolve_fp8_scaling)")
         return QuantRecipe(fp8_scaling=self.fp8_scaling, fp4_grad_rounding=self.fp4_grad_rounding)
 
     @property

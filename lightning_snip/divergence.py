@@ -492,7 +492,9 @@ def _transferred_second_order(r: _RoundInputs, output_errors: dict, fmt: Format,
     stats, quotient = r.stats, {}
     for fqn, _ in output_errors:
         m = metrics[fqn]
-        probed = [f for f in m["second"] if f.is_fp4 and f in m["abs_y"] and m["abs_y"][f] > 0]
+        # (a non-finite probed term is no curvature to transfer: the 8-bit format is probed instead)
+        probed = [f for f in m["second"] if f.is_fp4 and f in m["abs_y"] and m["abs_y"][f] > 0
+                  and math.isfinite(m["second"][f])]
         if probed:  # metrics hold second / |loss| (_forward_metrics): back to the loss's units
             quotient[fqn] = sum(m["second"][f] * r.loss_norm for f in probed) / sum(m["abs_y"][f] for f in probed)
     keys = [key for key in output_errors if key[0] in quotient]
@@ -655,7 +657,7 @@ def _probe_propagated(stats: Statistics, adam: Mapping[str, AdamState | None], i
     base = (generator.initial_seed() if generator is not None else int(torch.randint(0, 2**62, ()))) * 0x9E3779B1
     seeds = [(base + 0x632BE5AB * (probe + 1)) % 2**62 for probe in range(probes)]
 
-    def tangents_of(name: str, param: torch.Tensor, which: range) -> list[torch.Tensor]:
+    def tangents_of(name: str, param: torch.Tensor, which: range) -> torch.Tensor:
         # Regenerated from (probe, parameter), not stored: the same tangent wherever the parameter
         # is used (tied weights), one module's tangents in memory at a time.
         return sign_tangents(stats, adam, name, index[name], [seeds[k] for k in which], precision)
@@ -765,7 +767,7 @@ def _forward_metrics(r: _RoundInputs, s: LayerStats, fmt: Format, dy: torch.Tens
         first_weight_momentum=None if first_mom is None else first_mom / norm,
         first_weight_momentum_stderr=first_mom_se / norm, first_accumulated=first_acc / norm if history else None,
         first_accumulated_stderr=first_acc_se / norm, second=second / norm)
-    if not math.isfinite(ld):
+    if not math.isfinite(ld) or not math.isfinite(second):  # max(0, nan) is 0: a NaN curvature is no estimate, not free
         r.invalid.append((s.fqn, fmt))
         ld = math.inf
     metrics["ld"][fmt] = ld

@@ -99,20 +99,25 @@ def sign_tangent(stats: Statistics, adam: Mapping[str, AdamState | None], name: 
 
 
 def sign_tangents(stats: Statistics, adam: Mapping[str, AdamState | None], name: str, index: int,
-                  seeds: Sequence[int], precision: RoundPrecision = RoundPrecision.TRAINING) -> list[torch.Tensor]:
-    """sign_tangent for each of ``seeds``, the update sensitivity (and the weight's recomputed G^T X it
-    needs) computed once for all of them: what the WD probes batched in one pass need."""
+                  seeds: Sequence[int], precision: RoundPrecision = RoundPrecision.TRAINING) -> torch.Tensor:
+    """sign_tangent for each of ``seeds``, stacked (len(seeds) x the parameter's shape), the update
+    sensitivity (and the weight's recomputed G^T X it needs) computed once for all of them: what the WD
+    probes batched in one pass need."""
     like = stats.parameter(name)
     state = adam.get(name)
     scale = 1.0
     if state is not None:
         grad = stats.param_grad(name, precision)
         scale = state.local().update_sensitivity(None if grad is None else local_part(grad, like))
-    out = []
-    for seed in seeds:
+    out = None  # one (len(seeds), *shape) tensor filled in place: no list of copies to stack
+    for i, seed in enumerate(seeds):
         draw = torch.Generator(device=like.device).manual_seed((seed + 7919 * index) % 2**63)
         signs = torch.randint(0, 2, like.shape, generator=draw, device=like.device, dtype=torch.int8)
-        out.append(from_local_parts((2.0 * local_part(signs, like) - 1.0) * scale, like))
+        tangent = from_local_parts((2.0 * local_part(signs, like) - 1.0) * scale, like)
+        if out is None:
+            out = tangent.new_empty((len(seeds), *tangent.shape))
+        out[i] = tangent
+        del tangent
     return out
 
 

@@ -103,7 +103,7 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
                 _MM_OUT_DTYPE_WORKS[a.device.type] = False
                 logger.warning("lightning_snip: torch.mm(out_dtype=float32) is unavailable on %s (%s); statistics "
                                "rounds multiply bf16 operands upcast to fp32 (same numbers, slower GEMMs)",
-                               a.device.type, str(err).splitlines()[0][:200])
+                               a.device.type, (str(err).splitlines() or [""])[0][:200])
     return a.float() @ b.float().t()
 
 

@@ -217,7 +217,7 @@ def run_compiled(kernel: Callable, *args):
     except Exception as err:  # noqa: BLE001 - any compiler failure falls back to the same eager code
         _broken.add(key)
         logger.warning("lightning_snip: kernel %s could not be compiled on %s (%s: %s); running it eagerly "
-                       "(same numerics, slower)", name, device_type, type(err).__name__, str(err).splitlines()[0][:200])
+                       "(same numerics, slower)", name, device_type, type(err).__name__, (str(err).splitlines() or [""])[0][:200])
         return kernel(*args)
     if first:
         compile_seconds[key] = time.perf_counter() - start

@@ -217,12 +217,12 @@ class Statistics:
         return {n: torch.stack([grads[i] for grads in per_vector]).float() / scale
                 for i, n in enumerate(names) if per_vector[0][i] is not None}
 
-    def input_tangents(self, tangents_of: Callable[[str, nn.Parameter, range], list[torch.Tensor]],
+    def input_tangents(self, tangents_of: Callable[[str, nn.Parameter, range], torch.Tensor],
                        measure: Callable[[str, torch.Tensor], torch.Tensor], probes: int
                        ) -> tuple[list[dict[str, torch.Tensor]], set[str]]:
         """``probes`` forward-mode passes over the slice (Propagation.PROBE), batched into one pass
         where the model allows it (_probe_passes). Each trainable parameter's tangents come from
-        ``tangents_of(name, param, which)``, one per probe of the range ``which`` (called when the
+        ``tangents_of(name, param, which)``, stacked, one per probe of the range ``which`` (called when the
         module owning it runs; a parameter used by two modules must get the same tangents);
         ``measure(fqn, t)`` maps one probe's input tangent t = J_l(tangents) of each layer (rows x k,
         float32) to a tensor, and must be a pure function of t (it runs under torch.func.vmap).
@@ -514,7 +514,7 @@ def _probe_passes(model, run, tangents_of, probes: int, *, batched: bool) -> tup
                 # and the compiled AdamW kernels see plain tensors, as in an unbatched pass
                 # (torch.compile refuses to trace under functorch); only the selection is batched.
                 with _clear_functorch():
-                    stacked = torch.stack(tangents_of(name, param, range(probes)))
+                    stacked = tangents_of(name, param, range(probes))
                 return stacked[k]
 
             def probe_pass(anchor):
@@ -534,7 +534,7 @@ def _probe_passes(model, run, tangents_of, probes: int, *, batched: bool) -> tup
         except Exception as err:  # noqa: BLE001 - any vmap failure falls back to the same passes unbatched
             _unbatched_models.add(model)
             logger.warning("statistics: the WD probes could not run batched in one pass (%s: %s); one pass per probe "
-                           "for this model (same numbers, slower)", type(err).__name__, str(err).splitlines()[0][:200])
+                           "for this model (same numbers, slower)", type(err).__name__, (str(err).splitlines() or [""])[0][:200])
         else:
             return [{fqn: v[k] for fqn, v in values.items()} for k in range(probes)], seen
     out, touched = [], set()

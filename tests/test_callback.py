@@ -784,3 +784,37 @@ def test_fp8_scaling_auto_is_resolved_once_at_fit_start_for_every_layer(tmp_path
     said = [r.getMessage() for r in caplog.records if "fp8_scaling=auto chose" in r.getMessage()]
     assert len(said) == 1 and f"chose {chosen} on cpu" in said[0], said
     assert snip.num_stats_rounds == 1 and snip.num_plans_applied == 1
+
+
+def test_fp8_scaling_auto_is_rank_zeros_choice_kept_across_a_resume_and_never_fatal(monkeypatch, caplog):
+    import lightning_snip.callback as callback_module
+    from lightning_snip.controller import Collective
+    from lightning_snip.formats import Fp8Scaling
+
+    model = DemoLM(SMALL)
+    config = SNIPConfig(fp8_scaling="auto")
+    timed = []
+    monkeypatch.setattr(callback_module, "choose_fp8_scaling",
+                        lambda device, shapes: timed.append(1) or (Fp8Scaling.TENSORWISE, {Fp8Scaling.TENSORWISE: 1e-3}))
+    # another rank times nothing and takes rank 0's choice
+    rank1 = Collective(rank=1, world_size=2, broadcast=lambda obj: Fp8Scaling.TENSORWISE if obj is None else pytest.fail())
+    assert callback_module.resolve_fp8_scaling(config, model, "cpu", rank1).fp8_scaling is Fp8Scaling.TENSORWISE
+    assert not timed
+    # a checkpoint's choice is kept, not timed again
+    assert callback_module.resolve_fp8_scaling(config, model, "cpu", restored="tensorwise").fp8_scaling is Fp8Scaling.TENSORWISE
+    assert not timed
+    snip = SNIPCallback(config)
+    snip.controller.config = callback_module.resolve_fp8_scaling(config, model, "cpu")
+    assert timed == [1] and snip.state_dict()["fp8_scaling_auto"] == "tensorwise"
+    resumed = SNIPCallback(config)
+    resumed.load_state_dict(snip.state_dict())
+    assert resumed._restored_fp8_scaling == "tensorwise"
+    assert "fp8_scaling_auto" not in SNIPCallback(SNIPConfig()).state_dict()  # only where auto was asked for
+
+    def broken(device, shapes):
+        raise RuntimeError()
+
+    monkeypatch.setattr(callback_module, "choose_fp8_scaling", broken)
+    with caplog.at_level(logging.WARNING, logger="lightning_snip"):
+        assert callback_module.resolve_fp8_scaling(config, model, "cpu").fp8_scaling is Fp8Scaling.ROWWISE
+    assert any("could not time" in r.getMessage() for r in caplog.records)

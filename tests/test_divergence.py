@@ -1056,3 +1056,26 @@ def test_8bit_curvature_of_a_layer_without_an_fp4_format_is_probed(monkeypatch):
     assert second.second_order[Format.FP8] == pytest.approx(
         second.second_order[Format.MXFP4] / second.abs_error_forward[Format.MXFP4] * second.abs_error_forward[Format.FP8],
         rel=1e-9)
+
+
+def test_a_nan_fp4_curvature_voids_that_format_and_is_not_transferred(monkeypatch):
+    """max(0, nan) is 0: a NaN second-order term must make the format +inf (no estimate), not free, and
+    must not reach the 8-bit format through the transfer (which then probes it)."""
+    import lightning_snip.divergence as div
+
+    model, layers, opt, loss_fn, _ = _setup()
+    real = div.error_probe_second_order
+
+    def nan_for_mxfp4(stats, output_errors, formats, *args, **kw):
+        out = real(stats, output_errors, formats, *args, **kw)
+        return {key: (math.nan if key[1] is Format.MXFP4 and key[0] == "second" else v) for key, v in out.items()}
+
+    monkeypatch.setattr(div, "error_probe_second_order", nan_for_mxfp4)
+    stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
+    result = estimate_divergence(stats, [Format.FP8, Format.MXFP4], noise_draws=2,
+                                 generator=torch.Generator().manual_seed(0)).layers
+    stats.release()
+    assert math.isinf(result["second"].loss_divergence[Format.MXFP4])
+    assert math.isfinite(result["second"].second_order[Format.FP8])  # probed, not transferred
+    assert math.isfinite(result["second"].loss_divergence[Format.FP8])
+    assert math.isfinite(result["first"].loss_divergence[Format.MXFP4])

@@ -78,6 +78,8 @@ def test_batched_probes_give_one_pass_per_probes_numbers_bit_for_bit(make, caplo
         results = {batched: _round(model, loss_fn, opt, layers, batched=batched, forwards=passes[batched])
                    for batched in (True, False)}
     assert not [r for r in caplog.records if "could not run batched" in r.getMessage()]
+    # every parameter got its tangent in the batched pass too (else: "... were not used ..." per round)
+    assert not [r for r in caplog.records if "were not used" in r.getMessage()]
     # No curvature draws: the probes are the round's only forward passes after the recording one.
     assert (len(passes[True]), len(passes[False])) == (1, 4)
     one, each = results[True], results[False]
