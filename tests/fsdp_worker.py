@@ -16,6 +16,7 @@ import lightning_snip.controller as ctl
 from lightning_snip.controller import SNIPController
 from lightning_snip.callback import SNIPCallback
 from lightning_snip.config import SNIPConfig
+from lightning_snip.stats import unbatch_probes
 from lightning_snip.demo.lightning import ByteTextDataModule, DemoLM
 from lightning_snip.demo.model import LlamaConfig
 from lightning_snip.formats import Format
@@ -109,6 +110,10 @@ def main(out_dir: str, mode: str) -> None:
     model = MODEL if gathers is None else LlamaConfig(dim=64, num_layers=int(mode[len("gathers"):]), num_heads=4,
                                                       num_kv_heads=2, hidden_dim=160)
     module = ShardedLM(shard=not single, model=model)
+    if mode == "bf16_single":
+        # FSDP2 runs the WD probes one pass each; batched, bf16 autocast rounds their tangents along other
+        # GEMM paths (~1% apart, tests/test_probes.py): compare the same arithmetic.
+        unbatch_probes(module)
     data = ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1, seed=0)  # the same data on both ranks
     snip = SNIPCallback(SNIPConfig(warmup_steps=2, interval=3, apply_delay=1, fp4_fraction=0.6, max_rows=128,
                                    noise_draws=1, wd_probes=4, initial_format="fp8"))
