@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import logging
 
 import lightning.pytorch as pl
@@ -208,9 +209,10 @@ def resolve_fp8_scaling(config: SNIPConfig, model: torch.nn.Module, device, coll
 def _timed_fp8_scaling(config: SNIPConfig, model: torch.nn.Module, device) -> Fp8Scaling:
     select = glob_filter(config.include, config.exclude)
     # not the layers pinned to another format (the LM head in bf16): their GEMMs never run FP8
-    other = glob_filter([g for g, f in config.pin_formats.items() if Format.parse(f) is not Format.FP8] or ["-"])
+    pinned_away = [g for g, f in config.pin_formats.items() if Format.parse(f) is not Format.FP8]
     shapes = [(m.out_features, m.in_features) for name, m in model.named_modules()
-              if isinstance(m, torch.nn.Linear) and select(name, m) and not other(name, m)]
+              if isinstance(m, torch.nn.Linear) and select(name, m)
+              and not any(fnmatch.fnmatchcase(name, g) for g in pinned_away)]
     try:
         chosen, times = choose_fp8_scaling(device, shapes)
     except Exception as err:  # noqa: BLE001 - a failed timing must not stop the run (nor hang the other ranks)

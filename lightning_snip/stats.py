@@ -501,8 +501,8 @@ def _probe_passes(model, run, tangents_of, probes: int, *, batched: bool) -> tup
     Batched: one pass under torch.func.vmap over the probe index, in which each parameter carries the
     probes' tangents stacked (a batched forward gradient): the primal forward and each weight's
     update sensitivity (its recomputed G^T X) are computed once for all probes, not once per probe,
-    and the tangents' GEMMs of every layer run batched (0.70x the time of 4 passes at width 256, the
-    same numbers). torch.func has no forward-mode pass over a module with lazily created tangents, so
+    and the tangents' GEMMs of every layer run batched (the round 0.86-0.89x, benchmarks/results/
+    stats_cost_2026-12-02.md; the same numbers in fp32, within bf16 rounding under autocast). torch.func has no forward-mode pass over a module with lazily created tangents, so
     a dummy torch.func.jvp opens the forward-AD level the parameters' duals are made at. A model that
     fails there (an operation with no vmap rule, an in-place write of a batched value) runs one pass
     per probe from then on, with a warning. FSDP2 (``batched`` False): one pass per probe, so every
