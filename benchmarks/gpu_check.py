@@ -176,14 +176,16 @@ def speed(device, sizes, repeats, lines):
 
 
 def round_cost(device, shapes, lines):
-    from harness import measure_one
+    from harness import RoundVariant, measure_one
 
     for width, blocks in shapes:
         # beside it, interleaved: the round of 2026-12-02 afternoon (one forward-mode pass per WD probe, the
-        # 8-bit formats' own curvature passes), the one the earlier GPU runs timed
+        # 8-bit formats' own curvature passes, each layer's metrics alone), the one the earlier GPU runs
+        # timed, and today's round with each layer's quantizers and GEMMs alone (no groups of one shape)
+        before_v, ungrouped_v = RoundVariant(4, True, "probe", 1), RoundVariant(group_layers=1)
         r = measure_one(width, blocks, repeats=3, exact=False, seed=0, mode="time", device=device.type, fp32_round=True,
-                        variants=[(4, True, "probe")])
-        before = dict(r["variants"])["4+unbatched+probe8"]
+                        variants=[before_v, ungrouped_v])
+        before, ungrouped = dict(r["variants"])[before_v.name], dict(r["variants"])[ungrouped_v.name]
         lines.append(f"round_cost width={width} blocks={blocks} layers={r['layers']} rows={r['rows']} "
                      f"max_rows={r['max_rows']} hp_step_ms {r['hp_step_seconds'] * 1e3:.1f} "
                      f"emulated_mxfp4_step_ms {r['emulated_step_seconds'] * 1e3:.1f} "
@@ -192,7 +194,8 @@ def round_cost(device, shapes, lines):
                      f"emulated_steps {r['round_seconds'] / r['emulated_step_seconds']:.2f} "
                      f"fp32_operands_round_ms {r['round_seconds_fp32'] * 1e3:.1f} "
                      f"fp32_operands_hp_steps {r['round_seconds_fp32'] / r['hp_step_seconds']:.2f} "
-                     f"unbatched_probe8_round_ms {before * 1e3:.1f} unbatched_probe8_hp_steps {before / r['hp_step_seconds']:.2f}")
+                     f"unbatched_probe8_ungrouped_round_ms {before * 1e3:.1f} unbatched_probe8_ungrouped_hp_steps {before / r['hp_step_seconds']:.2f} "
+                     f"ungrouped_round_ms {ungrouped * 1e3:.1f} ungrouped_hp_steps {ungrouped / r['hp_step_seconds']:.2f}")
         print(lines[-1], flush=True)
 
 

@@ -28,6 +28,7 @@ import time
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,7 @@ from lightning_snip.convert import convert_linears
 from lightning_snip.demo.model import LlamaConfig, TinyLlama
 from lightning_snip.divergence import estimate_divergence
 from lightning_snip.formats import Format
+from lightning_snip.groups import MAX_GROUP_LAYERS
 from lightning_snip.stats import Propagation, RoundPrecision, collect_stats, slice_batch, unbatch_probes
 
 FORMATS = (Format.MXFP4, Format.NVFP4)
@@ -389,11 +391,63 @@ def peak_rise(fn) -> float:
     return rss_mib()[1] - before
 
 
+class RoundVariant(NamedTuple):
+    """A statistics round timed beside the default one (measure_one's ``variants``)."""
+
+    probes: int = SNIPConfig().wd_probes
+    unbatched: bool = False  # one forward-mode pass per WD probe (the round before 2026-12-02, night)
+    curvature_8bit: str = SNIPConfig().curvature_8bit.value  # "probe": the 8-bit formats' own curvature passes
+    group_layers: int = MAX_GROUP_LAYERS  # 1: each layer's quantizers and GEMMs alone (before 2026-12-03)
+
+    @property
+    def name(self) -> str:
+        """e.g. "4+unbatched+probe8+ungrouped" (benchmarks/stats_cost.py's --variants)."""
+        return (f"{self.probes}{'+unbatched' if self.unbatched else ''}{'+probe8' if self.curvature_8bit == 'probe' else ''}"
+                f"{'+ungrouped' if self.group_layers == 1 else ''}")
+
+
+# aten operations that launch no kernel on a GPU: views, metadata, allocations (count_kernel_ops)
+_NO_KERNEL_OPS = frozenset(f"aten::{name}" for name in (
+    "view _unsafe_view _reshape_alias as_strided select slice t transpose permute unsqueeze squeeze expand expand_as "
+    "alias detach detach_ lift_fresh split split_with_sizes unbind chunk narrow resolve_conj resolve_neg empty "
+    "empty_strided empty_like is_same_size _has_same_storage_numel result_type view_as diagonal unflatten movedim "
+    "numpy_T mT set_ is_nonzero").split())
+# ... and these only where they copy (a descendant copies: clone, copy_)
+_COPY_IF_NEEDED_OPS = frozenset(f"aten::{name}" for name in "to reshape contiguous flatten type_as".split())
+
+
+def count_kernel_ops(fn) -> int:
+    """A CPU proxy of the GPU kernel launches of ``fn()``: the aten operations it dispatches that are not
+    inside another aten operation, less views, metadata and allocations (_NO_KERNEL_OPS) and casts or
+    reshapes that copy nothing; a compiled graph's fused kernels do not appear (inductor's CPU kernels are
+    no aten operations), its extern calls (a GEMM) do. Read with the profiler, which, unlike a
+    TorchDispatchMode, leaves torch.compile's kernels compiled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+
+    def copies(event) -> bool:
+        return any(c.name in ("aten::copy_", "aten::clone") or copies(c) for c in event.cpu_children)
+
+    count = 0
+    for event in prof.events():
+        if not event.name.startswith("aten::") or event.name in _NO_KERNEL_OPS:
+            continue
+        if event.cpu_parent is not None and event.cpu_parent.name.startswith("aten::"):
+            continue
+        if event.name in _COPY_IF_NEEDED_OPS and not copies(event):
+            continue
+        count += 1
+    return count
+
+
 def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, mode: str,
-                variants: list[tuple[int, bool, str]] = (), device: str = "cpu", fp32_round: bool = False) -> dict:
+                variants: list[RoundVariant] = (), device: str = "cpu", fp32_round: bool = False) -> dict:
     """One configuration's measurement. ``device="cuda"`` (benchmarks/gpu_check.py) times on a GPU with
-    CUDA synchronisation; memory mode is CPU-only (it reads the process's RSS). ``fp32_round``: also
-    time, interleaved, rounds whose GEMM operands are fp32 (RoundPrecision.FP32: the round before
+    CUDA synchronisation; memory mode is CPU-only (it reads the process's RSS); ops mode counts each
+    round's operations that would launch GPU kernels (count_kernel_ops), one round each. ``fp32_round``:
+    also time, interleaved, rounds whose GEMM operands are fp32 (RoundPrecision.FP32: the round before
     2026-11-30 night; the default takes them in the training dtype, bf16 under the GPU's autocast)."""
     if mode == "memory" and device != "cpu":
         raise ValueError(f"mode='memory' measures RSS and needs device='cpu', got device={device!r}")
@@ -426,7 +480,7 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
 
     def round_on(b, propagation: Propagation, probes: int = cfg.wd_probes,
                  precision: RoundPrecision = RoundPrecision.TRAINING, unbatched: bool = False,
-                 curvature_8bit: str = cfg.curvature_8bit.value):
+                 curvature_8bit: str = cfg.curvature_8bit.value, group_layers: int = MAX_GROUP_LAYERS):
         sliced = slice_batch(b, cfg.max_rows)
         if unbatched:  # the probes one forward-mode pass each (the round before 2026-12-02, night)
             unbatch_probes(model)
@@ -440,7 +494,7 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
             estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
                                 noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator, probes=probes,
                                 curvature_probe=cfg.curvature_probe, precision=precision, curvature_8bit=curvature_8bit,
-                                generator=torch.Generator(device=device).manual_seed(seed))
+                                group_layers=group_layers, generator=torch.Generator(device=device).manual_seed(seed))
         finally:
             stats.release()
             if unbatched:  # (a model that fell back on its own stays unbatched)
@@ -464,6 +518,13 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
         if exact:
             out["round_extra_mib_exact"] = peak_rise(lambda: round_on(batch, Propagation.EXACT))
         return out
+    if mode == "ops":
+        out["ops_hp_step"] = count_kernel_ops(lambda: step(batch, Format.BF16))
+        out["ops_round"] = count_kernel_ops(lambda: round_on(batch, Propagation.PROBE))
+        out["ops_variants"] = [[v.name, count_kernel_ops(lambda: round_on(
+            batch, Propagation.PROBE, v.probes, unbatched=v.unbatched, curvature_8bit=v.curvature_8bit,
+            group_layers=v.group_layers))] for v in variants]
+        return out
 
     def timed(fn) -> float:
         if device != "cpu":
@@ -482,17 +543,15 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
         probe.append(timed(lambda: round_on(batch, Propagation.PROBE)))
         if fp32_round:
             fp32_times.append(timed(lambda: round_on(batch, Propagation.PROBE, precision=RoundPrecision.FP32)))
-        for variant, times in variant_times.items():
-            probes, unbatched, eight = variant
-            times.append(timed(lambda: round_on(batch, Propagation.PROBE, probes, unbatched=unbatched,
-                                                curvature_8bit=eight)))
+        for v, times in variant_times.items():
+            times.append(timed(lambda: round_on(batch, Propagation.PROBE, v.probes, unbatched=v.unbatched,
+                                                curvature_8bit=v.curvature_8bit, group_layers=v.group_layers)))
         if exact:
             exact_times.append(timed(lambda: round_on(batch, Propagation.EXACT)))
     out["hp_step_seconds"] = statistics.median(hp)
     out["emulated_step_seconds"] = statistics.median(emulated)
     out["round_seconds"] = statistics.median(probe)
-    out["variants"] = [[f"{p}{'+unbatched' if u else ''}{'+probe8' if e == 'probe' else ''}", statistics.median(t)]
-                       for (p, u, e), t in variant_times.items()]
+    out["variants"] = [[v.name, statistics.median(t)] for v, t in variant_times.items()]
     if exact:
         out["round_seconds_exact"] = statistics.median(exact_times)
     if fp32_round:

@@ -18,14 +18,20 @@ draws per format, SNIPConfig().wd_probes forward-mode probes). Measured:
 ``--exact-max-blocks``: also the EXACT propagation (one vector-Jacobian product per layer), the
 round before issue 11, at depths up to that.
 
-``--variants 8,2,4+unbatched+probe8``: also time, interleaved with the default round in the same process,
-rounds with that many WD probes (``+unbatched``: one forward-mode pass per probe, as before 2026-12-02 night,
-batched in one pass since; ``+probe8``: curvature_8bit=probe, the 8-bit formats' own curvature passes, the
-default until the same night). ``4+unbatched+probe8`` is the round of 2026-12-02 afternoon.
+``--variants 8,2,4+unbatched+probe8+ungrouped``: also time, interleaved with the default round in the same
+process, rounds with that many WD probes (``+unbatched``: one forward-mode pass per probe, as before 2026-12-02
+night, batched in one pass since; ``+probe8``: curvature_8bit=probe, the 8-bit formats' own curvature passes,
+the default until the same night; ``+ungrouped``: group_layers=1, each layer's quantizers and GEMMs alone, as
+before 2026-12-03). ``4+unbatched+probe8+ungrouped`` is the round of 2026-12-02 afternoon.
 
     python benchmarks/stats_cost.py [--blocks 2,4,8,16,32] [--widths 128,256] [--repeats 2] [--quick]
 
+``--ops``: also count, one round each, the operations each round dispatches that would launch a GPU kernel
+(harness.count_kernel_ops), beside those of the high-precision step.
+
 Prints ``round_cost <blocks> <hp_steps> <emulated_steps> <extra_mib> width=<w>``, ``memory_bound ...``,
+``round_ops <blocks> <ops> <hp_step_ops> <ops_per_layer> width=<w>``, ``round_ops_variant <blocks> <variant> <ops>
+<ops / the default round's> width=<w>``,
 ``round_cost_exact ...``, ``round_variant <blocks> <variant> <hp_steps> <emulated_steps> width=<w>`` and
 ``depth_scaling <width> <hp_steps at max depth / at 4 blocks>``.
 """
@@ -44,19 +50,22 @@ import torch
 
 from lightning_snip.config import SNIPConfig
 
-from harness import BATCH, SEQ_LEN, measure_one
+from harness import BATCH, SEQ_LEN, RoundVariant, measure_one
+from lightning_snip.groups import MAX_GROUP_LAYERS
 
-def parse_variants(text: str) -> list[tuple[int, bool, str]]:
-    """"8,4+unbatched+probe8" -> [(8, False, "transfer"), (4, True, "probe")]: for each extra round timed, its
-    WD probes, whether they run one forward-mode pass each (``unbatched``) instead of batched in one, and
-    the 8-bit formats' curvature (``probe8``: curvature_8bit=probe, their own error-probe passes)."""
+def parse_variants(text: str) -> list[RoundVariant]:
+    """"8,4+unbatched+probe8+ungrouped" -> the extra rounds to time: their WD probes, whether they run one
+    forward-mode pass each (``unbatched``) instead of batched in one, the 8-bit formats' curvature
+    (``probe8``: curvature_8bit=probe, their own error-probe passes) and whether each layer's quantizers and
+    GEMMs run alone (``ungrouped``: group_layers=1) instead of stacked with the layers of its shape."""
     out = []
     for item in filter(None, text.split(",")):
         count, *flags = item.split("+")
-        if not count.isdigit() or int(count) < 1 or not set(flags) <= {"unbatched", "probe8"}:
+        if not count.isdigit() or int(count) < 1 or not set(flags) <= {"unbatched", "probe8", "ungrouped"}:
             raise SystemExit(f"--variants: invalid item {item!r}; allowed: a number of probes >= 1, optionally "
-                             "followed by +unbatched and/or +probe8, e.g. 8,4+unbatched+probe8")
-        out.append((int(count), "unbatched" in flags, "probe" if "probe8" in flags else "transfer"))
+                             "followed by +unbatched, +probe8 and/or +ungrouped, e.g. 8,4+unbatched+probe8+ungrouped")
+        out.append(RoundVariant(int(count), "unbatched" in flags, "probe" if "probe8" in flags else "transfer",
+                                1 if "ungrouped" in flags else MAX_GROUP_LAYERS))
     return out
 
 
@@ -71,7 +80,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 and 4 blocks, width 64, one repeat")
     parser.add_argument("--variants", default="", help="also time rounds with these settings, e.g. 8,4+unbatched+probe8")
     parser.add_argument("--one", nargs=2, type=int, metavar=("WIDTH", "BLOCKS"), help=argparse.SUPPRESS)
-    parser.add_argument("--mode", choices=["memory", "time"], default="time", help=argparse.SUPPRESS)
+    parser.add_argument("--ops", action="store_true", help="also count each round's kernel-launching operations "
+                        "(harness.count_kernel_ops: a CPU proxy of a GPU's launches)")
+    parser.add_argument("--mode", choices=["memory", "time", "ops"], default="time", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.one:
@@ -93,7 +104,7 @@ def main() -> None:
     for width in widths:
         for blocks in blocks_list:
             r = {}
-            for mode in ("memory", "time"):
+            for mode in ("memory", "time") + (("ops",) if args.ops else ()):
                 cmd = [sys.executable, __file__, "--one", str(width), str(blocks), "--repeats", str(args.repeats),
                        "--exact-max-blocks", str(args.exact_max_blocks), "--threads", str(args.threads),
                        "--seed", str(args.seed), "--mode", mode, "--variants", args.variants]
@@ -118,6 +129,10 @@ def main() -> None:
         for probes, seconds in r.get("variants", []):
             print(f"round_variant {b} {probes} {seconds / r['hp_step_seconds']:.2f} "
                   f"{seconds / r['emulated_step_seconds']:.2f} width={w}")
+        if "ops_round" in r:
+            print(f"round_ops {b} {r['ops_round']} {r['ops_hp_step']} {r['ops_round'] / r['layers']:.0f} width={w}")
+            for name, ops in r["ops_variants"]:
+                print(f"round_ops_variant {b} {name} {ops} {ops / r['ops_round']:.2f} width={w}")
         if "round_seconds_exact" in r:
             print(f"round_cost_exact {b} {r['round_seconds_exact'] / r['hp_step_seconds']:.2f} "
                   f"{r['round_seconds_exact'] / r['emulated_step_seconds']:.2f} {r['round_extra_mib_exact']:.1f} width={w}")

@@ -57,9 +57,12 @@ import torch
 
 from lightning_snip.adamw import AdamState
 from lightning_snip.drift import DriftTerms, drift_terms, output_grad_tangents, sign_tangents
-from lightning_snip.formats import Choice, Format, QuantRecipe
-from lightning_snip.gemm import mm_fp32, quantized_matmul
-from lightning_snip.quantize import fake_quantize
+from lightning_snip.formats import Choice, Format, QuantRecipe, Rounding
+from lightning_snip import kernels
+from lightning_snip.gemm import Kernel, bmm_fp32, kernel_for, mm_fp32, operand_rounding, quantized_matmul
+from lightning_snip.grid import random_bits
+from lightning_snip.quantize import padded_numel
+from lightning_snip.groups import MAX_GROUP_LAYERS, layer_groups, quantize_stack, stack
 from lightning_snip.sharding import all_reduce_sum, dense, is_sharded, local_part
 from lightning_snip.stats import LayerStats, Propagation, RoundPrecision, Statistics
 
@@ -283,6 +286,7 @@ def estimate_divergence(
     precision: RoundPrecision = RoundPrecision.TRAINING,
     drift_probes: int = 0,
     curvature_8bit: Curvature8Bit = Curvature8Bit.TRANSFER,
+    group_layers: int = MAX_GROUP_LAYERS,
 ) -> DivergenceResult:
     """LD and WD for every recorded layer and each of ``formats``.
 
@@ -307,11 +311,15 @@ def estimate_divergence(
         drift_probes: shifted re-runs of the slice measuring each forward error's drift of AdamW's
             updates (lightning_snip.drift; LayerDivergence.drift); 0 measures none.
         curvature_8bit: the 8-bit formats' second-order term under the error probes (Curvature8Bit).
+        group_layers: the most layers of one shape whose quantizers and GEMMs run as one batched call
+            (lightning_snip.groups: the same numbers, fewer launches); 1: one layer at a time (before 2026-12-03).
 
     A layer whose sample holds NaN/Inf, or whose metric comes out non-finite, gets +inf for its
     low-precision formats (the planner then keeps it high) and a warning naming it.
     """
     global _warned_no_adam
+    if not isinstance(group_layers, int) or group_layers < 1:
+        raise ValueError(f"group_layers: invalid value {group_layers!r}; allowed: an integer >= 1")
     formats = [f for f in dict.fromkeys(formats) if f is not Format.BF16]
     curvature_probe = CurvatureProbe(curvature_probe)
     precision = RoundPrecision(precision)
@@ -325,12 +333,9 @@ def estimate_divergence(
         stats=stats, formats=tuple(formats), recipe=recipe, adam=adam, denominator=1.0,
         loss_norm=abs(stats.loss) if stats.loss else 1.0, loss_estimator=LossEstimator(loss_estimator),
         first_order_history=first_order_history or {}, generator=generator, invalid=invalid, precision=precision,
+        group_layers=group_layers,
     )
-    metrics = {fqn: {k: {Format.BF16: 0.0} for k in _METRICS} for fqn in stats.layers}
-    for fqn, fmts in valid.items():
-        for fmt in formats:
-            if fmt not in fmts:
-                metrics[fqn]["ld"][fmt] = metrics[fqn]["wd"][fmt] = math.inf
+    metrics = _initial_metrics(stats, formats, valid)
     r = dataclasses.replace(r, denominator=update_energy(stats, adam, precision) or 1.0)
     tangents = []
     if drift_probes:  # seeded from the round generator's seed without drawing from it (as the WD probes)
@@ -344,6 +349,16 @@ def estimate_divergence(
     direct = _backward_divergence(r, valid, metrics, probes)
     out = _layer_divergences(r, valid, metrics, moments, direct, curvature)
     return DivergenceResult(layers=out, loss=stats.loss, used_adam=used_adam)
+
+
+def _initial_metrics(stats: Statistics, formats: list[Format], valid: dict) -> dict:
+    """fqn -> metric -> format -> value: bf16 free, a format a valid layer does not allow +inf."""
+    metrics = {fqn: {k: {Format.BF16: 0.0} for k in _METRICS} for fqn in stats.layers}
+    for fqn, fmts in valid.items():
+        for fmt in formats:
+            if fmt not in fmts:
+                metrics[fqn]["ld"][fmt] = metrics[fqn]["wd"][fmt] = math.inf
+    return metrics
 
 
 def _layer_divergences(r: _RoundInputs, valid: dict, metrics: dict, moments: dict, direct: dict,
@@ -412,18 +427,21 @@ def _forward_divergence(r: _RoundInputs, valid: dict, metrics: dict, curvature_p
     leave ``valid``); returns the GAUSSIAN probe's curvature per layer ({} for the others) and the
     Adam moments the MOMENTUM estimator used, per layer."""
     stats, precision, generator = r.stats, r.precision, r.generator
-    # One format at a time, so the round holds one format's dY of every layer (the error probe
-    # injects them all at once), not all of them; Y = X W^T of every layer is computed once and
-    # kept, the reference of every format's dY (was: once per format, plus once for its RMS).
-    references, rms = {}, []
-    for fqn, st in stats.layers.items():
-        x, _, w = round_operands(stats, st, precision)
-        y = mm_fp32(x, w)
-        rms.append(y.pow(2).mean().sqrt())
-        if valid.get(fqn):
-            references[fqn] = y
-        del y
-    output_rms = dict(zip(stats.layers, _read_scalars(rms)))
+    # Layers of one shape (and the same formats) stacked: each quantizer and GEMM below runs once per
+    # group, not once per layer (lightning_snip.groups; the same numbers).
+    groups = layer_groups(stats, stats.layers, precision, max_layers=r.group_layers,
+                          extra_key=lambda fqn: tuple(valid.get(fqn, ())))
+    # Y = X W^T of every layer, computed once: the reference of every format's dY. One format at a time
+    # below, so the round holds one format's dY of every layer (the error probe injects them all at once).
+    references, rms = {}, {}
+    for group in groups:
+        xs, ws = _stacked_operands(r, group, "x"), _stacked_operands(r, group, "w")
+        ys = bmm_fp32(xs, ws)
+        del xs, ws
+        references[tuple(group)] = ys
+        rms.update(zip(group, ys.pow(2).mean(dim=(1, 2)).sqrt()))
+    output_rms = dict(zip(stats.layers, _read_scalars([rms[fqn] for fqn in stats.layers])))
+    del rms
     curvature = {}
     # FISHER: the per-token losses the loss averages, taken as the most token rows any layer saw.
     tokens = max((st.num_rows for st in stats.layers.values()), default=0)
@@ -437,12 +455,14 @@ def _forward_divergence(r: _RoundInputs, valid: dict, metrics: dict, curvature_p
     # 8-bit formats come (stable sort: the configured order within each group).
     order = sorted(r.formats, key=lambda f: not f.is_fp4) if transfer else r.formats
     for fmt in order:
-        output_errors = {}
-        for fqn, fmts in valid.items():
-            if fmt in fmts:
-                x, _, w = round_operands(stats, stats.layers[fqn], precision)
-                output_errors[fqn, fmt] = quantized_matmul(x, w, fmt, recipe=r.recipe, out_dtype=torch.float32) - references[fqn]
-        _drop_non_finite(r, output_errors, fmt, valid, metrics)
+        errors, scalars, finite = {}, {}, {}
+        for group in groups:
+            if fmt in valid.get(group[0], ()):  # (a group's layers share their formats)
+                _output_errors(r, group, fmt, references[tuple(group)], moments, errors, scalars, finite)
+        keys = [(fqn, fmt) for fqn in stats.layers if (fqn, fmt) in errors]  # layer order: the probe's draws follow it
+        output_errors = {key: errors[key] for key in keys}
+        del errors
+        _drop_non_finite(r, output_errors, fmt, valid, metrics, [finite[key] for key in keys])
         if curvature_probe is CurvatureProbe.GAUSSIAN:
             second_order = {(fqn, f): 0.5 * curvature.get(fqn, 0.0) * float(dy.pow(2).sum())
                             for (fqn, f), dy in output_errors.items()}
@@ -458,20 +478,76 @@ def _forward_divergence(r: _RoundInputs, valid: dict, metrics: dict, curvature_p
         if tangents:
             for (fqn, f), terms in drift_terms(stats, output_errors, tangents, r.denominator).items():
                 metrics[fqn]["drift"][f] = terms
+        # Every layer's scalars of this format read with one device transfer (a sync per value made a GPU
+        # round wait ~10x per layer and format).
+        flat = [(key, i) for key in output_errors for i in range(len(scalars[key]))]
+        values = {key: [] for key in output_errors}
+        for (key, _), value in zip(flat, _read_scalars([scalars[key][i] for key, i in flat])):
+            values[key].append(value)
         for (fqn, _), dy in output_errors.items():
-            _forward_metrics(r, stats.layers[fqn], fmt, dy, references[fqn], second_order[fqn, fmt], output_rms[fqn],
-                             moments[fqn], metrics[fqn])
-        del output_errors
+            _forward_metrics(r, stats.layers[fqn], fmt, values[fqn, fmt], dy.numel(), second_order[fqn, fmt],
+                             output_rms[fqn], moments[fqn], metrics[fqn])
+        del output_errors, scalars
     return curvature, moments
 
 
-def _drop_non_finite(r: _RoundInputs, output_errors: dict, fmt: Format, valid: dict, metrics: dict) -> None:
+def _stacked_operands(r: _RoundInputs, group: list[str], which: str) -> torch.Tensor:
+    """One operand (``which``: "x", "g" or "w") of a group's layers in the round's dtype, stacked
+    (layers x rows x cols; a view for a group of one)."""
+    stats, index = r.stats, "xgw".index(which)
+    return stack([round_operands(stats, stats.layers[fqn], r.precision, weight=which == "w")[index] for fqn in group])
+
+
+def _output_errors(r: _RoundInputs, group: list[str], fmt: Format, ys: torch.Tensor, moments: dict,
+                   errors: dict, scalars: dict, finite: dict) -> None:
+    """dY = Q(X) Q(W)^T - Y of a group's layers in ``fmt`` into ``errors`` (views of one stack), their
+    finiteness (0-d bool tensors) into ``finite`` and the tensors of LD's parts into ``scalars``
+    (_forward_metrics reads them): per layer, the first-order term's sum and sampling variance, those of
+    its activation part, ||dY||, ||dY||^2, and with Adam moments <m_hat, dW> and <m_var, dW^2>."""
+    stats, recipe = r.stats, r.recipe
+    xs, ws = _stacked_operands(r, group, "x"), _stacked_operands(r, group, "w")
+    q_w = quantize_stack(ws, fmt, recipe=recipe)
+    if kernel_for(fmt, xs.device) is Kernel.EMULATED:
+        dys = bmm_fp32(quantize_stack(xs, fmt, recipe=recipe), q_w) - ys
+    else:  # a native GEMM per layer (its own casts; shapes it does not take are emulated inside)
+        dys = stack([quantized_matmul(x, w, fmt, recipe=recipe, out_dtype=torch.float32) for x, w in zip(xs, ws)]) - ys
+    gs = _stacked_operands(r, group, "g").float()
+    # The weight part of dY: X (Q(W) - W)^T = X Q(W)^T - Y; its first-order term is <G^T X, Q(W) - W>.
+    per_row = (gs * dys).sum(-1)
+    per_row_w = (gs * (bmm_fp32(xs, q_w) - ys)).sum(-1)
+    del xs, gs
+    first = _sums_and_variances(per_row, stats.layers[group[0]].num_samples)
+    first_x = _sums_and_variances(per_row - per_row_w, stats.layers[group[0]].num_samples)
+    norms = torch.linalg.vector_norm(dys.flatten(1), dim=1).double()
+    energies = dys.pow(2).sum(dim=(1, 2)).double()
+    if dys[0].numel():
+        low, high = torch.aminmax(dys.flatten(1), dim=1)  # (as _all_finite: NaN propagates into both)
+        ok = torch.isfinite(low) & torch.isfinite(high)
+    else:
+        ok = torch.ones(len(group), dtype=torch.bool, device=dys.device)
+    dw = q_w.float() - ws.float()
+    m_hats = [moments[fqn][0] for fqn in group]
+    m_vars = [moments[fqn][1] for fqn in group]
+    mom = (stack(m_hats) * dw).sum(dim=(1, 2)).double() if all(m is not None for m in m_hats) else None
+    mom_var = (stack(m_vars) * dw.pow(2)).sum(dim=(1, 2)).double() if all(v is not None for v in m_vars) else None
+    for i, fqn in enumerate(group):
+        key = (fqn, fmt)
+        errors[key], finite[key] = dys[i], ok[i]
+        scalars[key] = [*first[i], *first_x[i], norms[i], energies[i]]
+        if m_hats[i] is not None:
+            scalars[key].append(mom[i] if mom is not None else (m_hats[i] * dw[i]).sum().double())
+        if m_vars[i] is not None:
+            scalars[key].append(mom_var[i] if mom_var is not None else (m_vars[i] * dw[i].pow(2)).sum().double())
+
+
+def _drop_non_finite(r: _RoundInputs, output_errors: dict, fmt: Format, valid: dict, metrics: dict,
+                     finite: list[torch.Tensor]) -> None:
     """A non-finite output error (a quantizer fault) leaves the round for that (layer, format) only: the
     error probe injects every layer's dY into one forward pass, where one NaN would make every layer's
-    second-order term NaN. Ranks agree on the set (their collectives follow it)."""
+    second-order term NaN. ``finite``: each error's finiteness, in ``output_errors``' order. Ranks agree on
+    the set (their collectives follow it)."""
     stats = r.stats
-    bad = torch.tensor([0.0 if ok else 1.0 for ok in _read_scalars(
-        [_all_finite(dy) for dy in output_errors.values()])])  # one device sync, not one per layer
+    bad = torch.tensor([0.0 if ok else 1.0 for ok in _read_scalars(finite)])  # one device sync, not one per layer
     if stats.sharded and len(bad):
         like = _a_sharded_weight(stats)
         bad = all_reduce_sum(bad.to(like.device), like).cpu()
@@ -510,29 +586,80 @@ def _backward_divergence(r: _RoundInputs, valid: dict, metrics: dict, probes: in
     """WD's parts of every valid (layer, format) into ``metrics``; returns (fqn, format) -> the direct
     term's sum of squares (summed over ranks under FSDP2), before the division by the update energy."""
     stats, precision, generator = r.stats, r.precision, r.generator
+    measured = [fqn for fqn, fmts in valid.items() if fmts]
+    bits = _drawn_bits(r, [(fqn, f) for fqn in measured for f in valid[fqn]], "g")
     input_errors = {}
-    for fqn, fmts in valid.items():
-        if not fmts:
-            continue
-        _, g, w = round_operands(stats, stats.layers[fqn], precision)
-        w_t = w.t().contiguous()  # dgrad's W, quantized along its dim 0: one contiguous copy for every format
-        gx_ref = mm_fp32(g, w_t)
-        input_errors[fqn] = torch.stack([
-            quantized_matmul(g, w_t, fmt, recipe=r.recipe, a_is_grad=True, generator=generator, out_dtype=torch.float32)
-            - gx_ref for fmt in fmts])
+    for group in layer_groups(stats, measured, precision, max_layers=r.group_layers,
+                              extra_key=lambda fqn: tuple(valid[fqn])):
+        gs, ws = _stacked_operands(r, group, "g"), _stacked_operands(r, group, "w")
+        w_ts = ws.transpose(1, 2).contiguous()  # dgrad's W, quantized along its dim 0: one copy for every format
+        del ws
+        gx_ref = bmm_fp32(gs, w_ts)
+        errors = torch.stack([_quantized_bmm(r, gs, w_ts, fmt, group, bits) - gx_ref for fmt in valid[group[0]]], dim=1)
+        input_errors.update(zip(group, errors))  # per layer: formats x rows x k
+        del gs, w_ts, gx_ref, errors
     propagated = None
     if stats.propagation is Propagation.PROBE:
         propagated = _probe_propagated(stats, r.adam, input_errors, probes, generator, precision)
+    # wgrad: the reference G^T X and each format's error E_W, a group of layers at a time; its stochastic
+    # rounding draws in layer order, after the dgrad errors' (as one layer at a time drew them).
+    bits = _drawn_bits(r, [(fqn, f) for fqn in measured for f in valid[fqn]], "g_t")
     direct = {}  # (fqn, format) -> the direct term's sum of squares over this rank's shard
-    for fqn, st in stats.layers.items():
-        if valid.get(fqn):
-            direct.update(_backward_metrics(r, st, valid[fqn], input_errors.pop(fqn),
-                                            None if propagated is None else propagated[fqn], metrics[fqn]))
+    for group in layer_groups(stats, measured, precision, max_layers=r.group_layers,
+                              extra_key=lambda fqn: tuple(valid[fqn])):
+        # wgrad's operands, quantized along the token axis: one contiguous copy each for every format
+        g_ts = _stacked_operands(r, group, "g").transpose(1, 2).contiguous()
+        x_ts = _stacked_operands(r, group, "x").transpose(1, 2).contiguous()
+        gw_refs = bmm_fp32(g_ts, x_ts)
+        e_ws = torch.stack([_quantized_bmm(r, g_ts, x_ts, fmt, group, bits) - gw_refs for fmt in valid[group[0]]], dim=1)
+        del g_ts, x_ts
+        norms = torch.linalg.vector_norm(e_ws.flatten(2), dim=2).double()  # layers x formats
+        energies = e_ws.pow(2).sum(dim=(2, 3)).double()
+        ref_norms = torch.linalg.vector_norm(gw_refs.flatten(1), dim=1).double().clamp_min(1e-30)
+        for i, fqn in enumerate(group):
+            wgrad = (gw_refs[i], e_ws[i], [t for pair in zip(norms[i], energies[i]) for t in pair] + [ref_norms[i]])
+            direct.update(_backward_metrics(r, stats.layers[fqn], valid[fqn], input_errors.pop(fqn),
+                                            None if propagated is None else propagated[fqn], wgrad, metrics[fqn]))
+        del gw_refs, e_ws
     if stats.sharded and direct:  # one all-reduce for every layer's direct term
         like = _a_sharded_weight(stats)
         summed = all_reduce_sum(torch.tensor(list(direct.values()), dtype=torch.float64, device=like.device), like)
         direct = dict(zip(direct, summed.cpu().tolist()))
     return direct
+
+
+def _drawn_bits(r: _RoundInputs, keys: list[tuple[str, Format]], operand: str) -> dict:
+    """(fqn, format) -> the random bits of the stochastic rounding of a gradient GEMM's gradient operand
+    (``operand`` "g": dgrad's G; "g_t": wgrad's G^T), drawn from the round's generator in ``keys``' order,
+    as quantized_matmul layer by layer draws them, for _quantized_bmm's stacked quantizers: the same
+    draws in the same order. Only formats that round stochastically in emulation draw; none under the
+    reference quantizers (they draw for themselves, one layer at a time)."""
+    if kernels.quantizer_mode() == "reference":
+        return {}
+    out = {}
+    for fqn, fmt in keys:
+        s = r.stats.layers[fqn]
+        if (operand_rounding(fmt, r.recipe, True) is Rounding.STOCHASTIC
+                and kernel_for(fmt, s.g.device) is Kernel.EMULATED):
+            shape = tuple(s.g.shape) if operand == "g" else (s.g.shape[1], s.g.shape[0])
+            out[fqn, fmt] = random_bits(padded_numel(shape, fmt, 1), r.generator, s.g.device)
+    return out
+
+
+def _quantized_bmm(r: _RoundInputs, grads: torch.Tensor, others: torch.Tensor, fmt: Format, group: list[str],
+                   bits: dict) -> torch.Tensor:
+    """Q(grads[i]) @ Q(others[i])^T in fp32 for a group's stacked gradient GEMM operands (dgrad: G and
+    W^T; wgrad: G^T and X^T), as quantized_matmul(a_is_grad=True) gives them layer by layer: the stochastic
+    rounding of the gradients from ``bits`` (_drawn_bits), in one stacked quantizer call and one bmm. A
+    native kernel, or the reference quantizers, run layer by layer and draw for themselves."""
+    if kernel_for(fmt, grads.device) is not Kernel.EMULATED or (
+            operand_rounding(fmt, r.recipe, True) is Rounding.STOCHASTIC and (group[0], fmt) not in bits):
+        return stack([quantized_matmul(a, b, fmt, recipe=r.recipe, a_is_grad=True, generator=r.generator,
+                                       out_dtype=torch.float32) for a, b in zip(grads, others)])
+    rounding = operand_rounding(fmt, r.recipe, True)
+    q_grads = quantize_stack(grads, fmt, recipe=r.recipe, is_grad=True, rounding=rounding,
+                             bits=[bits.pop((fqn, fmt)) for fqn in group] if rounding is Rounding.STOCHASTIC else None)
+    return bmm_fp32(q_grads, quantize_stack(others, fmt, recipe=r.recipe))
 
 
 @dataclass(frozen=True)
@@ -549,6 +676,7 @@ class _RoundInputs:
     first_order_history: Mapping[tuple[str, Format], list[float]]
     generator: torch.Generator | None  # stochastic rounding of the gradient GEMMs' errors
     precision: RoundPrecision = RoundPrecision.TRAINING
+    group_layers: int = MAX_GROUP_LAYERS  # the most layers of one shape stacked into one batched call
     # (fqn, format) marked invalid for non-finite values: one warning per round
     invalid: list = dataclasses.field(default_factory=list)
 
@@ -696,15 +824,18 @@ def _read_scalars(values: list[torch.Tensor]) -> list[float]:
     return torch.stack([v.to(device) for v in values]).tolist()
 
 
-def _sum_and_variance(per_row: torch.Tensor, num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sum of per-row contributions and its sampling variance (inf with one unit), estimated from
-    the spread of the per-sample sums (rows of a sample are contiguous and correlated; samples are
-    independent); 0-d float64 tensors on the rows' device (read with the round's other scalars)."""
-    units = num_samples if 2 <= num_samples <= per_row.numel() and per_row.numel() % num_samples == 0 else per_row.numel()
-    per_unit = per_row.double().reshape(units, -1).sum(1)
+def _sums_and_variances(per_row: torch.Tensor, num_samples: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """For each layer of a group (``per_row``: layers x rows), the sum of its per-row contributions and
+    the sum's sampling variance (inf with one unit), estimated from the spread of the per-sample sums
+    (rows of a sample are contiguous and correlated; samples are independent); 0-d float64 tensors on the
+    rows' device (read with the round's other scalars)."""
+    length, rows = per_row.shape
+    units = num_samples if 2 <= num_samples <= rows and rows % num_samples == 0 else rows
+    per_unit = per_row.double().reshape(length, units, -1).sum(-1)
     if units < 2:
-        return per_unit.sum(), torch.full((), math.inf, dtype=torch.float64, device=per_row.device)
-    return per_unit.sum(), units * per_unit.var()
+        return [(per_unit[i].sum(), torch.full((), math.inf, dtype=torch.float64, device=per_row.device))
+                for i in range(length)]
+    return [(per_unit[i].sum(), units * per_unit[i].var()) for i in range(length)]
 
 
 _METRICS = ("ld", "wd", "first", "second", "direct", "prop", "rel_y", "rel_w", "first_w", "first_x", "first_se",
@@ -730,27 +861,12 @@ def round_operands(stats: Statistics, s: LayerStats, precision: RoundPrecision, 
     return x, g, dense(s.weight).to(s.operand_dtype(precision)) if weight else None
 
 
-def _forward_metrics(r: _RoundInputs, s: LayerStats, fmt: Format, dy: torch.Tensor, y: torch.Tensor, second: float,
+def _forward_metrics(r: _RoundInputs, s: LayerStats, fmt: Format, values: list[float], numel: int, second: float,
                      y_rms: float, moments, metrics: dict) -> None:
-    """LD and its parts for one layer and format, from its dY and Y = X W^T, into ``metrics``."""
-    x, g, w = round_operands(r.stats, s, r.precision)
+    """LD and its parts for one layer and format into ``metrics``, from the values of its scalars
+    (_output_errors) and the numel of its dY."""
     m_hat, m_var = moments
     norm = r.loss_norm
-    # The weight part of dY: X (Q(W) - W)^T = X Q(W)^T - Y; its first-order term is <G^T X, Q(W) - W>.
-    q_w = fake_quantize(w, fmt, axis=1, recipe=r.recipe)
-    dw_fwd = q_w.float() - w.float()
-    g = g.float()
-    per_row = (g * dy).sum(1)
-    per_row_w = (g * (mm_fp32(x, q_w) - y)).sum(1)
-    # Every scalar below read with one device transfer (a sync per value made a GPU round wait ~10x per
-    # layer and format).
-    scalars = [*_sum_and_variance(per_row, s.num_samples), *_sum_and_variance(per_row - per_row_w, s.num_samples),
-               dy.norm().double(), dy.pow(2).sum().double()]
-    if m_hat is not None:
-        scalars.append((m_hat * dw_fwd).sum().double())
-    if m_var is not None:
-        scalars.append((m_var * dw_fwd.pow(2)).sum().double())
-    values = _read_scalars(scalars)
     first, first_se, first_x, first_x_se = values[0], math.sqrt(values[1]), values[2], math.sqrt(values[3])
     dy_norm, abs_y = values[4], values[5]
     first_mom = None if m_hat is None else values[6]
@@ -778,20 +894,19 @@ def _forward_metrics(r: _RoundInputs, s: LayerStats, fmt: Format, dy: torch.Tens
         metrics["first_mom"][fmt], metrics["first_mom_se"][fmt] = first_mom / norm, first_mom_se / norm
     if history:
         metrics["first_acc"][fmt], metrics["first_acc_se"][fmt] = first_acc / norm, first_acc_se / norm
-    metrics["rel_y"][fmt] = dy_norm / max(y_rms * math.sqrt(dy.numel()), 1e-30)
+    metrics["rel_y"][fmt] = dy_norm / max(y_rms * math.sqrt(numel), 1e-30)
     metrics["abs_y"][fmt] = abs_y
 
 
-def _backward_metrics(r: _RoundInputs, s: LayerStats, fmts, input_errors: torch.Tensor, propagated,
+def _backward_metrics(r: _RoundInputs, s: LayerStats, fmts, input_errors: torch.Tensor, propagated, wgrad,
                       metrics: dict) -> dict[tuple[str, Format], float]:
     """WD's parts for one layer and its valid formats, into ``metrics``; returns its direct term's
     sum of squares per format (over this rank's shard under FSDP2: summed over ranks before WD is
     formed). ``input_errors``: E_X per format (formats x rows x k); ``propagated``: the probes'
-    (estimates, standard errors), or None for the exact vector-Jacobian products."""
-    x, g, _ = round_operands(r.stats, s, r.precision, weight=False)
-    # wgrad's operands, quantized along the token axis: one contiguous copy each for every format
-    g_t, x_t = g.t().contiguous(), x.t().contiguous()
-    gw_ref = mm_fp32(g_t, x_t)
+    (estimates, standard errors), or None for the exact vector-Jacobian products; ``wgrad``: the
+    reference G^T X, E_W per format (formats x m x k) and the 0-d tensors ||E_W||, ||E_W||^2 per format
+    and ||G^T X||."""
+    gw_ref, e_ws, norms = wgrad
     weight_name = s.weight_name or s.fqn + ".weight"
     if propagated is not None:
         propagated_by_format, propagated_stderr = propagated
@@ -805,18 +920,13 @@ def _backward_metrics(r: _RoundInputs, s: LayerStats, fmts, input_errors: torch.
         del upstream
     # A frozen weight (no gradient) has no update to deviate: only its propagated error counts.
     own_grad = gw_ref if r.stats.is_recomputed(weight_name) else r.stats.param_grad(weight_name, r.precision)
-    scalars = []  # per format: the direct term's sum of squares, ||E_W||, ||E_W||^2; read with one transfer
-    for fmt in fmts:
-        e_w = (quantized_matmul(g_t, x_t, fmt, recipe=r.recipe, a_is_grad=True, generator=r.generator,
-                                out_dtype=torch.float32) - gw_ref)
-        scalars += [_update_deviation(r, weight_name, e_w, own_grad).pow(2).sum().double() if own_grad is not None
-                    else torch.zeros((), dtype=torch.float64, device=e_w.device),
-                    e_w.norm().double(), e_w.pow(2).sum().double()]
-    scalars.append(gw_ref.norm().double().clamp_min(1e-30))
-    values = _read_scalars(scalars)
+    # per format: the direct term's sum of squares, then every norm; read with one transfer
+    scalars = [_update_deviation(r, weight_name, e_w, own_grad).pow(2).sum().double() if own_grad is not None
+               else torch.zeros((), dtype=torch.float64, device=e_w.device) for e_w in e_ws]
+    values = _read_scalars(scalars + norms)
     direct = {}
     for i, fmt in enumerate(fmts):
-        direct_sum, e_w_norm, abs_w = values[3 * i: 3 * i + 3]
+        direct_sum, (e_w_norm, abs_w) = values[i], values[len(fmts) + 2 * i: len(fmts) + 2 * i + 2]
         direct[s.fqn, fmt] = direct_sum
         metrics["prop"][fmt] = float(propagated_by_format[i]) / r.denominator
         metrics["prop_se"][fmt] = float(propagated_stderr[i]) / r.denominator

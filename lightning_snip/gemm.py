@@ -107,6 +107,22 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float().t()
 
 
+def bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """mm_fp32 batched: a[i] @ b[i]^T for stacks (L, m, k) and (L, n, k), accumulated and returned in fp32
+    (torch.bmm; on a CPU each slice's result is bit for bit mm_fp32's, tests/test_gemm.py). bf16/fp16
+    operands on a CUDA device run torch.bmm's ``out_dtype=float32`` form where it exists, as mm_fp32."""
+    if a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16) and a.device.type == "cuda":
+        if _MM_OUT_DTYPE_WORKS.get("cuda-bmm", True):
+            try:
+                return torch.bmm(a, b.transpose(1, 2), out_dtype=torch.float32)
+            except (TypeError, NotImplementedError) as err:  # no such form in this build (as mm_fp32)
+                _MM_OUT_DTYPE_WORKS["cuda-bmm"] = False
+                logger.warning("lightning_snip: torch.bmm(out_dtype=float32) is unavailable on %s (%s); statistics "
+                               "rounds multiply stacked bf16 operands upcast to fp32 (same numbers, slower GEMMs)",
+                               a.device.type, (str(err).splitlines() or [""])[0][:200])
+    return torch.bmm(a.float(), b.float().transpose(1, 2))
+
+
 def quantized_matmul(
     a: torch.Tensor,
     b: torch.Tensor,

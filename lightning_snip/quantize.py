@@ -29,6 +29,7 @@ def fake_quantize(
     recipe: QuantRecipe = QuantRecipe(),
     is_grad: bool = False,
     generator: torch.Generator | None = None,
+    bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Quantize a 2-D tensor to ``fmt`` with scales shared along ``axis`` and return it dequantized.
 
@@ -43,10 +44,16 @@ def fake_quantize(
         recipe: FP8 scaling granularity and gradient dtype.
         is_grad: the operand is a gradient (selects recipe.fp8_grad_dtype for FP8/MXFP8).
         generator: random source for stochastic rounding.
+        bits: stochastic rounding's random bits, drawn already (grid.random_bits for the numel of x
+            padded to whole blocks along ``axis``, padded_numel; groups.stacked_bits for a stack of
+            layers) instead of from ``generator``; the fused quantizers only (not the reference's).
     """
     _check_quantize_args(x, fmt, axis, rounding)
     if fmt is Format.BF16:
         return x
+    if bits is not None and (rounding is not Rounding.STOCHASTIC or kernels.quantizer_mode() == "reference"):
+        raise ValueError("bits: pre-drawn random bits are for stochastic rounding with the fused quantizers "
+                         f"(rounding={rounding.value}, LIGHTNING_SNIP_QUANTIZERS={kernels.quantizer_mode()})")
     if kernels.quantizer_mode() == "reference":
         return reference_fake_quantize(x, fmt, axis=axis, rounding=rounding, recipe=recipe, is_grad=is_grad,
                                        generator=generator)
@@ -66,9 +73,21 @@ def fake_quantize(
             out = kernels.mx_nearest(rows, grid)
     else:
         # Stochastic rounding: the random bits are drawn here, eagerly, as the reference draws them.
-        bits = random_bits(rows.numel(), generator, x.device)  # turned into uniforms inside the kernel
+        if bits is None:
+            bits = random_bits(rows.numel(), generator, x.device)  # turned into uniforms inside the kernel
+        elif bits.shape != ((rows.numel() + 1) // 2,):
+            raise ValueError(f"bits: expected {(rows.numel() + 1) // 2} random int64 values for {rows.numel()} "
+                             f"elements (grid.random_bits), got shape {tuple(bits.shape)}")
         out = kernels.nvfp4_stochastic(rows, bits) if fmt is Format.NVFP4 else kernels.mx_stochastic(rows, bits)
     return from_rows(out, x, axis)
+
+
+def padded_numel(shape: tuple[int, int], fmt: Format, axis: int) -> int:
+    """The elements fake_quantize rounds for a 2-D tensor of ``shape``: its contraction ``axis`` padded to
+    whole blocks of ``fmt`` (the count of grid.random_bits that stochastic rounding draws for it)."""
+    block = fmt.block_size or 1
+    cols = shape[axis]
+    return shape[1 - axis] * (cols + (-cols) % block)
 
 
 def reference_fake_quantize(

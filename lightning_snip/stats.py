@@ -445,19 +445,27 @@ class _Passes:
 @contextlib.contextmanager
 def _shifted_parameters(params: Mapping[str, nn.Parameter], shift: Mapping[str, torch.Tensor]):
     """The parameters of ``shift`` moved by it in place, put back on exit (adding and then subtracting
-    the same float tensor can leave a last-bit difference; the original values are kept instead)."""
-    saved = {}
+    the same float tensor can leave a last-bit difference; the original values are kept instead).
+
+    Their version counters are put back too: a graph the recording pass kept (Propagation.EXACT's
+    vector-Jacobian products) saved some of them, and autograd refuses a saved tensor whose version
+    moved, although its values are restored bit for bit. torch has no public way to say so; its private
+    setter is the one torch.func uses."""
+    saved, versions = {}, {}
     try:
         with torch.no_grad():
             for name, delta in shift.items():
                 param = params[name]
-                saved[name] = param.detach().clone()
+                saved[name], versions[name] = param.detach().clone(), param._version
                 param.add_(delta.to(param.dtype))
         yield
     finally:
         with torch.no_grad():
             for name, value in saved.items():
                 params[name].copy_(value)
+        setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+        if setter is not None and saved:
+            setter(tuple(params[name] for name in saved), tuple(versions[name] for name in saved))
 
 
 def _reshard(model: nn.Module) -> None:

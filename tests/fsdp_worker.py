@@ -54,15 +54,23 @@ def _nan_on_rank_one() -> None:
     collectives diverge."""
     import lightning_snip.divergence as div
 
-    real = div.quantized_matmul
+    real, real_forward, in_forward = div.quantize_stack, div._output_errors, []
 
-    def nan_for_down(a, b, fmt, **kw):
-        out = real(a, b, fmt, **kw)
-        forward = not kw.get("a_is_grad") and not kw.get("b_is_grad")
+    def forward(*args, **kw):  # the forward GEMM's errors of one group of layers
+        in_forward.append(True)
+        try:
+            return real_forward(*args, **kw)
+        finally:
+            in_forward.pop()
+
+    def nan_for_down(t, fmt, **kw):  # the forward quantizes the weights (out, in), stacked by shape
+        out = real(t, fmt, **kw)
         faulty = torch.distributed.is_initialized() and torch.distributed.get_rank() == 1
-        return out * float("nan") if faulty and forward and fmt is Format.MXFP4 and tuple(b.shape) == (64, 160) else out
+        weight = in_forward and not kw.get("is_grad") and tuple(t.shape[-2:]) == (64, 160)
+        return out * float("nan") if faulty and weight and fmt is Format.MXFP4 else out
 
-    div.quantized_matmul = nan_for_down
+    div.quantize_stack = nan_for_down
+    div._output_errors = forward
 
 
 def _count_gathers_in_rounds() -> dict:

@@ -735,14 +735,22 @@ def test_non_finite_candidates_are_counted_logged_and_kept_out_of_plans(tmp_path
     those layers MXFP4."""
     import lightning_snip.divergence as div
 
-    real = div.quantized_matmul
+    real, real_forward, in_forward = div.quantize_stack, div._output_errors, []
 
-    def nan_for_down(a, b, fmt, **kw):
-        out = real(a, b, fmt, **kw)
-        forward = not kw.get("a_is_grad") and not kw.get("b_is_grad")
-        return out * float("nan") if forward and fmt is Format.MXFP4 and tuple(b.shape) == (64, 160) else out
+    def forward(*args, **kw):  # the forward GEMM's errors of one group of layers
+        in_forward.append(True)
+        try:
+            return real_forward(*args, **kw)
+        finally:
+            in_forward.pop()
 
-    monkeypatch.setattr(div, "quantized_matmul", nan_for_down)
+    def nan_for_down(t, fmt, **kw):  # the forward quantizes the weights (out, in), stacked by shape
+        out = real(t, fmt, **kw)
+        weight = in_forward and not kw.get("is_grad") and tuple(t.shape[-2:]) == (64, 160)
+        return out * float("nan") if weight and fmt is Format.MXFP4 else out
+
+    monkeypatch.setattr(div, "quantize_stack", nan_for_down)
+    monkeypatch.setattr(div, "_output_errors", forward)
     snip = SNIPCallback(_snip(fp4_fraction=0.5))
     with caplog.at_level(logging.WARNING, logger="lightning_snip"):
         _fit(tmp_path, snip)

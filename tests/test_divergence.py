@@ -361,10 +361,13 @@ def test_estimate_ranks_the_expected_loss_increase_not_one_batch():
 
 
 def test_first_order_standard_error_is_over_samples_not_rows():
-    from lightning_snip.divergence import _sum_and_variance
+    from lightning_snip.divergence import _sums_and_variances
 
     def _sum_and_stderr(per_row, num_samples):
-        total, variance = _sum_and_variance(per_row, num_samples)
+        # as one layer, and as the second of a stack of two (a group of layers of one shape): the same values
+        (total, variance), = _sums_and_variances(per_row.unsqueeze(0), num_samples)
+        (_, _), (total_2, variance_2) = _sums_and_variances(torch.stack([per_row.flip(0) * 3, per_row]), num_samples)
+        assert torch.equal(total, total_2) and torch.equal(variance, variance_2)
         return float(total), math.sqrt(float(variance))
 
     # 4 samples of 2 rows each; per-sample sums 1, 2, 3, 4: total 10, Var(sum) = 4 * var(1, 2, 3, 4).
@@ -616,14 +619,16 @@ def test_a_non_finite_output_error_voids_only_its_layer_and_format(monkeypatch):
     model, layers, opt, loss_fn, _ = _setup()
     stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
     second = model.second.weight.detach().clone()
-    real = div.quantized_matmul
+    real = div.quantize_stack
 
-    def nan_for_second(a, b, fmt, **kw):
-        out = real(a, b, fmt, **kw)
-        forward = not kw.get("a_is_grad") and not kw.get("b_is_grad")
-        return out * float("nan") if forward and fmt is Format.MXFP4 and torch.equal(b, second) else out
+    def nan_for_second(t, fmt, **kw):  # the forward's quantizer of a stack of weights (layers of one shape)
+        out = real(t, fmt, **kw).clone()
+        for i, part in enumerate(t):
+            if not kw.get("is_grad") and fmt is Format.MXFP4 and torch.equal(part, second):
+                out[i] = float("nan")
+        return out
 
-    monkeypatch.setattr(div, "quantized_matmul", nan_for_second)
+    monkeypatch.setattr(div, "quantize_stack", nan_for_second)
     result = estimate_divergence(stats, [Format.MXFP4, Format.NVFP4]).layers
     assert math.isinf(result["second"].loss_divergence[Format.MXFP4])
     assert math.isinf(result["second"].weight_divergence[Format.MXFP4])

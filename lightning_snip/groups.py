@@ -1,0 +1,96 @@
+"""Layers of one shape, stacked: the statistics round's per-layer quantizers and GEMMs as one batched
+call per group of layers instead of one call per layer.
+
+A round on a GPU is bound by kernel launches (25,232 kernels in a 540 ms round of 29 layers, 80% of it
+the host launching them: benchmarks/results/gpu_check_2026-11-30_nvidia_h200.md), and a model repeats a
+few layer shapes block after block. torch has the batched GEMM (torch.bmm, gemm.bmm_fp32), and every
+format but NVFP4 and tensorwise FP8 scales its operands row by row, so a stack of layers quantizes as one
+tall matrix with the same numbers; nothing groups a model's layers by shape: written here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable
+
+import torch
+
+from lightning_snip.formats import Format, Fp8Scaling, QuantRecipe, Rounding
+from lightning_snip.quantize import fake_quantize
+
+# The most layers stacked into one batched call: launches fall by up to this factor, and the round holds
+# at most this many layers' stacked copies of an operand at a time (16 x 1024 rows x 4096 x bf16 = 128 MiB).
+MAX_GROUP_LAYERS = 16
+
+
+def layer_groups(stats, fqns: Iterable[str], precision, *, max_layers: int = MAX_GROUP_LAYERS,
+                 extra_key: Callable[[str], Hashable] | None = None) -> list[list[str]]:
+    """``fqns`` in groups of at most ``max_layers`` layers whose round operands (X, G, W: shapes, dtypes,
+    device) agree and whose rows split into the same samples, so that they stack; ``extra_key``: fqn ->
+    a further key to agree on (the formats a layer is measured in). Groups come in the order of their first
+    member, members in ``fqns``'s order. With ``max_layers`` 1, and under FSDP2 (each weight is all-gathered
+    alone, in the same order on every rank), each layer is a group of its own, in ``fqns``'s order."""
+    if max_layers < 1:
+        raise ValueError(f"max_layers: invalid value {max_layers!r}; allowed: an integer >= 1")
+    if max_layers == 1 or stats.sharded:
+        return [[fqn] for fqn in fqns]
+    groups: dict[Hashable, list[list[str]]] = {}
+    for fqn in fqns:
+        s = stats.layers[fqn]
+        dtype = s.operand_dtype(precision)
+        key = (tuple(s.x.shape), tuple(s.g.shape), tuple(s.weight.shape), dtype, s.x.device, s.num_samples,
+               s.leading_sample_dim, None if extra_key is None else extra_key(fqn))
+        chunks = groups.setdefault(key, [[]])
+        if len(chunks[-1]) == max_layers:
+            chunks.append([])
+        chunks[-1].append(fqn)
+    return [chunk for chunks in groups.values() for chunk in chunks]
+
+
+def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.stack, without the copy for a single tensor (a view with a leading dimension of 1)."""
+    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
+
+
+def row_scaled(fmt: Format, recipe: QuantRecipe) -> bool:
+    """Whether ``fmt``'s scales depend on one row of an operand only (FP8 rowwise, MXFP8, MXFP4), so that
+    rows of stacked layers quantize as they do layer by layer; NVFP4's per-tensor scale and tensorwise FP8
+    see the whole operand."""
+    if fmt is Format.FP8:
+        return recipe.fp8_scaling is Fp8Scaling.ROWWISE
+    return fmt in (Format.MXFP8, Format.MXFP4)
+
+
+def quantize_stack(t: torch.Tensor, fmt: Format, *, recipe: QuantRecipe, is_grad: bool = False,
+                   rounding: Rounding = Rounding.NEAREST, bits: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """fake_quantize of each slice t[i] (contraction axis last), for a stack (L, rows, k): one call on the
+    stack as a (L * rows, k) matrix where the format's scales are row by row (row_scaled), else slice by
+    slice. Stochastic rounding takes each slice's random bits, drawn by the caller (``bits``: grid.random_bits
+    of quantize.padded_numel per slice, in the order it would have drawn them), and the fused quantizers."""
+    if (rounding is Rounding.STOCHASTIC) != (bits is not None):
+        raise ValueError("bits: each slice's random bits are needed for (and only for) stochastic rounding, got "
+                         f"rounding={rounding.value} and {'no ' if bits is None else ''}bits")
+    if bits is not None and len(bits) != len(t):
+        raise ValueError(f"bits: expected the random bits of {len(t)} slices, got {len(bits)}")
+    if row_scaled(fmt, recipe):
+        length, rows, cols = t.shape
+        return fake_quantize(t.reshape(length * rows, cols), fmt, axis=1, recipe=recipe, is_grad=is_grad,
+                             rounding=rounding, bits=None if bits is None else stacked_bits(bits)
+                             ).reshape(length, rows, cols)
+    return stack([fake_quantize(part, fmt, axis=1, recipe=recipe, is_grad=is_grad, rounding=rounding,
+                                bits=None if bits is None else bits[i]) for i, part in enumerate(t)])
+
+
+def stacked_bits(bits: list[torch.Tensor]) -> torch.Tensor:
+    """The random bits (grid.random_bits) of a stack of equal slices, from each slice's own, so that the
+    stack's stochastic rounding draws for every element the uniform its slice's bits give it.
+
+    grid.uniforms_from_bits takes the low 24 bits of every value, then the high 24 bits, so a plain
+    concatenation would not do: the slices' uniforms are laid out in order and packed again. Each slice's
+    element count must be even (whole blocks of 16 or 32 are)."""
+    mask = (1 << 24) - 1
+    per_slice = torch.stack(bits)  # (slices, numel / 2)
+    if len(bits) == 1:
+        return per_slice[0]
+    uniforms = torch.stack([per_slice & mask, (per_slice >> 24) & mask], dim=1).reshape(-1)  # slice by slice
+    half = uniforms.shape[0] // 2
+    return uniforms[:half] | (uniforms[half:] << 24)

@@ -1,0 +1,194 @@
+"""Layers of one shape stacked in the statistics round (lightning_snip.groups): the stacked quantizers
+and GEMMs give every layer's numbers bit for bit, stochastic rounding included, and a whole round with
+groups gives the round of one layer at a time, on the demo model and on a Hugging Face Llama."""
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import Mapping
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_snip.convert import convert_linears
+from lightning_snip.divergence import estimate_divergence
+from lightning_snip.formats import Format, Fp8Scaling, QuantRecipe, Rounding
+from lightning_snip.gemm import bmm_fp32, mm_fp32
+from lightning_snip.grid import random_bits
+from lightning_snip.groups import layer_groups, quantize_stack, row_scaled, stacked_bits
+from lightning_snip.quantize import fake_quantize, padded_numel
+from lightning_snip.stats import Propagation, collect_stats
+
+ALL = [Format.FP8, Format.MXFP8, Format.MXFP4, Format.NVFP4]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ALL)
+@pytest.mark.parametrize("scaling", [Fp8Scaling.ROWWISE, Fp8Scaling.TENSORWISE])
+def test_a_stack_quantizes_as_its_slices(fmt, dtype, scaling):
+    torch.manual_seed(0)
+    recipe = QuantRecipe(fp8_scaling=scaling)
+    # slices of very different magnitudes: a scale shared across slices (NVFP4's per-tensor one) would show
+    t = (torch.randn(3, 40, 80) * torch.tensor([1e-3, 1.0, 300.0]).view(3, 1, 1)).to(dtype)
+    for is_grad in (False, True):
+        stacked = quantize_stack(t, fmt, recipe=recipe, is_grad=is_grad)
+        for i in range(3):
+            assert torch.equal(stacked[i], fake_quantize(t[i], fmt, axis=1, recipe=recipe, is_grad=is_grad))
+
+
+def test_which_formats_scale_row_by_row():
+    assert row_scaled(Format.FP8, QuantRecipe()) and row_scaled(Format.MXFP8, QuantRecipe())
+    assert row_scaled(Format.MXFP4, QuantRecipe())
+    assert not row_scaled(Format.NVFP4, QuantRecipe())
+    assert not row_scaled(Format.FP8, QuantRecipe(fp8_scaling=Fp8Scaling.TENSORWISE))
+
+
+@pytest.mark.parametrize("fmt", [Format.MXFP4, Format.NVFP4])
+def test_stochastic_rounding_of_a_stack_draws_each_slices_uniforms(fmt):
+    torch.manual_seed(0)
+    t = torch.randn(4, 24, 70)  # 70 columns: padded to whole blocks
+    generator = torch.Generator().manual_seed(7)
+    bits = [random_bits(padded_numel((24, 70), fmt, 1), generator, t.device) for _ in range(4)]
+    stacked = quantize_stack(t, fmt, recipe=QuantRecipe(), is_grad=True, rounding=Rounding.STOCHASTIC, bits=bits)
+    again = torch.Generator().manual_seed(7)
+    for i in range(4):  # layer by layer, each drawing from the generator in turn
+        one = fake_quantize(t[i], fmt, axis=1, rounding=Rounding.STOCHASTIC, is_grad=True, generator=again)
+        assert torch.equal(stacked[i], one)
+    assert not torch.equal(stacked[0], stacked[1])
+
+
+def test_stacked_bits_are_not_a_concatenation():
+    bits = [torch.tensor([1 | (2 << 24), 3 | (4 << 24)]), torch.tensor([5 | (6 << 24), 7 | (8 << 24)])]
+    # uniforms (in units of 2^-24): slice 0 gives 1, 3, 2, 4; slice 1 gives 5, 7, 6, 8
+    packed = stacked_bits(bits)
+    mask = (1 << 24) - 1
+    assert torch.cat([packed & mask, (packed >> 24) & mask]).tolist() == [1, 3, 2, 4, 5, 7, 6, 8]
+
+
+def test_bad_bits_are_refused():
+    t = torch.randn(2, 8, 32)
+    with pytest.raises(ValueError, match="bits"):
+        quantize_stack(t, Format.MXFP4, recipe=QuantRecipe(), rounding=Rounding.STOCHASTIC)
+    with pytest.raises(ValueError, match="bits"):
+        quantize_stack(t, Format.MXFP4, recipe=QuantRecipe(), bits=[torch.zeros(128, dtype=torch.int64)] * 2)
+    with pytest.raises(ValueError, match="bits: expected 128"):
+        fake_quantize(t[0], Format.MXFP4, axis=1, rounding=Rounding.STOCHASTIC, bits=torch.zeros(3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bmm_fp32_is_mm_fp32_slice_by_slice(dtype):
+    torch.manual_seed(0)
+    a, b = torch.randn(5, 64, 96).to(dtype), torch.randn(5, 48, 96).to(dtype)
+    out = bmm_fp32(a, b)
+    assert out.dtype == torch.float32
+    for i in range(5):
+        assert torch.equal(out[i], mm_fp32(a[i], b[i]))
+
+
+class _Stats:
+    """What layer_groups reads of a Statistics."""
+
+    def __init__(self, shapes, sharded=False):
+        from lightning_snip.stats import LayerStats
+
+        self.sharded = sharded
+        self.layers = {f"l{i}": LayerStats(f"l{i}", torch.zeros(8, k), torch.zeros(8, n), torch.zeros(n, k), None, 2)
+                       for i, (k, n) in enumerate(shapes)}
+
+
+def test_layer_groups_by_shape_in_order_and_chunked():
+    stats = _Stats([(4, 4), (4, 8), (4, 4), (8, 4), (4, 4), (4, 8), (4, 4)])
+    assert layer_groups(stats, stats.layers, "training") == [["l0", "l2", "l4", "l6"], ["l1", "l5"], ["l3"]]
+    assert layer_groups(stats, stats.layers, "training", max_layers=3) == [["l0", "l2", "l4"], ["l6"], ["l1", "l5"], ["l3"]]
+    assert layer_groups(stats, stats.layers, "training", max_layers=1) == [[fqn] for fqn in stats.layers]
+    by_formats = layer_groups(stats, stats.layers, "training", extra_key=lambda fqn: fqn in ("l0", "l2"))
+    assert by_formats == [["l0", "l2"], ["l1", "l5"], ["l3"], ["l4", "l6"]]
+    sharded = _Stats([(4, 4), (4, 4)], sharded=True)
+    assert layer_groups(sharded, sharded.layers, "training") == [["l0"], ["l1"]]
+    with pytest.raises(ValueError, match="max_layers: invalid value 0"):
+        layer_groups(stats, stats.layers, "training", max_layers=0)
+
+
+def _demo():
+    from lightning_snip.demo.model import LlamaConfig, TinyLlama
+
+    model = TinyLlama(LlamaConfig(dim=64, num_layers=3, num_heads=2, num_kv_heads=1, hidden_dim=96))
+    tokens = torch.randint(0, 256, (4, 33))
+    return model, lambda: model.loss((tokens[:, :-1], tokens[:, 1:]))
+
+
+def _hf_llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config)
+    tokens = torch.randint(0, 256, (4, 17))
+
+    def loss_fn():
+        logits = model(input_ids=tokens[:, :-1]).logits
+        return F.cross_entropy(logits.reshape(-1, 256).float(), tokens[:, 1:].reshape(-1))
+
+    return model, loss_fn
+
+
+def dump(result) -> str:
+    """Every field of every layer's LayerDivergence (DivergenceResult.as_dict holds LD, WD and one more)."""
+    out = {}
+    for fqn, layer in result.layers.items():
+        row = {}
+        for f in dataclasses.fields(layer):
+            value = getattr(layer, f.name)
+            row[f.name] = ({k.value: dataclasses.astuple(v) if dataclasses.is_dataclass(v) else v for k, v in value.items()}
+                           if isinstance(value, Mapping) else value)
+        out[fqn] = row
+    return json.dumps(out, sort_keys=True, default=repr)
+
+
+def _rounds(make, formats, *, bf16=False, propagation=Propagation.PROBE, **kw):
+    torch.manual_seed(0)
+    model, loss = make()
+    autocast = (lambda: torch.autocast("cpu", torch.bfloat16)) if bf16 else contextlib.nullcontext
+
+    def loss_fn():
+        with autocast():
+            return loss()
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        opt.zero_grad()
+        loss_fn().backward()
+        opt.step()
+    layers = convert_linears(model)
+    out = {}
+    for group_layers in (16, 2, 1):
+        stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt, propagation=propagation)
+        try:
+            result = estimate_divergence(stats, formats, noise_draws=2, probes=3, group_layers=group_layers,
+                                         generator=torch.Generator().manual_seed(5), **kw)
+        finally:
+            stats.release()
+        out[group_layers] = dump(result)
+    return out
+
+
+@pytest.mark.parametrize("make", [_demo, _hf_llama], ids=["demo", "hf_llama"])
+def test_a_round_with_groups_is_the_round_layer_by_layer_bit_for_bit(make):
+    rounds = _rounds(make, ALL)
+    assert rounds[16] == rounds[1] and rounds[2] == rounds[1]
+
+
+def test_groups_keep_the_round_under_bf16_autocast_exact_propagation_and_tensorwise_fp8():
+    rounds = _rounds(_hf_llama, [Format.FP8, Format.MXFP4], bf16=True, propagation=Propagation.EXACT,
+                     recipe=QuantRecipe(fp8_scaling=Fp8Scaling.TENSORWISE), drift_probes=2)
+    assert rounds[16] == rounds[1]
+
+
+def test_group_layers_is_checked():
+    model, loss_fn = _demo()
+    stats = collect_stats(model, loss_fn, layers=convert_linears(model))
+    try:
+        with pytest.raises(ValueError, match="group_layers: invalid value 0; allowed: an integer >= 1"):
+            estimate_divergence(stats, [Format.MXFP4], group_layers=0)
+    finally:
+        stats.release()
