@@ -181,7 +181,8 @@ def round_cost(device, shapes, lines):
     for width, blocks in shapes:
         # beside it, interleaved: the round of 2026-12-02 afternoon (one forward-mode pass per WD probe, the
         # 8-bit formats' own curvature passes, each layer's metrics alone), the one the earlier GPU runs
-        # timed, and today's round with each layer's quantizers and GEMMs alone (no groups of one shape)
+        # timed, and today's round with each layer's quantizers and GEMMs alone (a GPU's default stacks the
+        # layers of one shape, 16 at a time: lightning_snip.groups)
         before_v, ungrouped_v = RoundVariant(4, True, "probe", 1), RoundVariant(group_layers=1)
         r = measure_one(width, blocks, repeats=3, exact=False, seed=0, mode="time", device=device.type, fp32_round=True,
                         variants=[before_v, ungrouped_v])

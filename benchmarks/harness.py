@@ -397,13 +397,16 @@ class RoundVariant(NamedTuple):
     probes: int = SNIPConfig().wd_probes
     unbatched: bool = False  # one forward-mode pass per WD probe (the round before 2026-12-02, night)
     curvature_8bit: str = SNIPConfig().curvature_8bit.value  # "probe": the 8-bit formats' own curvature passes
-    group_layers: int = MAX_GROUP_LAYERS  # 1: each layer's quantizers and GEMMs alone (before 2026-12-03)
+    # None: the device's default (1 on a CPU, MAX_GROUP_LAYERS on a GPU); 1: each layer's quantizers and GEMMs
+    # alone (everywhere before 2026-12-03); MAX_GROUP_LAYERS: stacked with the layers of its shape
+    group_layers: int | None = None
 
     @property
     def name(self) -> str:
         """e.g. "4+unbatched+probe8+ungrouped" (benchmarks/stats_cost.py's --variants)."""
-        return (f"{self.probes}{'+unbatched' if self.unbatched else ''}{'+probe8' if self.curvature_8bit == 'probe' else ''}"
-                f"{'+ungrouped' if self.group_layers == 1 else ''}")
+        grouping = {None: "", 1: "+ungrouped", MAX_GROUP_LAYERS: "+grouped"}.get(self.group_layers,
+                                                                                f"+group{self.group_layers}")
+        return f"{self.probes}{'+unbatched' if self.unbatched else ''}{'+probe8' if self.curvature_8bit == 'probe' else ''}{grouping}"
 
 
 # aten operations that launch no kernel on a GPU: views, metadata, allocations (count_kernel_ops)
@@ -480,7 +483,7 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
 
     def round_on(b, propagation: Propagation, probes: int = cfg.wd_probes,
                  precision: RoundPrecision = RoundPrecision.TRAINING, unbatched: bool = False,
-                 curvature_8bit: str = cfg.curvature_8bit.value, group_layers: int = MAX_GROUP_LAYERS):
+                 curvature_8bit: str = cfg.curvature_8bit.value, group_layers: int | None = None):
         sliced = slice_batch(b, cfg.max_rows)
         if unbatched:  # the probes one forward-mode pass each (the round before 2026-12-02, night)
             unbatch_probes(model)

@@ -21,8 +21,9 @@ round before issue 11, at depths up to that.
 ``--variants 8,2,4+unbatched+probe8+ungrouped``: also time, interleaved with the default round in the same
 process, rounds with that many WD probes (``+unbatched``: one forward-mode pass per probe, as before 2026-12-02
 night, batched in one pass since; ``+probe8``: curvature_8bit=probe, the 8-bit formats' own curvature passes,
-the default until the same night; ``+ungrouped``: group_layers=1, each layer's quantizers and GEMMs alone, as
-before 2026-12-03). ``4+unbatched+probe8+ungrouped`` is the round of 2026-12-02 afternoon.
+the default until the same night; ``+ungrouped``: group_layers=1, each layer's quantizers and GEMMs alone, the
+CPU's default; ``+grouped``: stacked with the layers of their shape, 16 at a time, a GPU's default).
+``4+unbatched+probe8+ungrouped`` is the round of 2026-12-02 afternoon.
 
     python benchmarks/stats_cost.py [--blocks 2,4,8,16,32] [--widths 128,256] [--repeats 2] [--quick]
 
@@ -57,15 +58,18 @@ def parse_variants(text: str) -> list[RoundVariant]:
     """"8,4+unbatched+probe8+ungrouped" -> the extra rounds to time: their WD probes, whether they run one
     forward-mode pass each (``unbatched``) instead of batched in one, the 8-bit formats' curvature
     (``probe8``: curvature_8bit=probe, their own error-probe passes) and whether each layer's quantizers and
-    GEMMs run alone (``ungrouped``: group_layers=1) instead of stacked with the layers of its shape."""
+    GEMMs run alone (``ungrouped``: group_layers=1) or stacked with the layers of its shape (``grouped``:
+    MAX_GROUP_LAYERS); neither: the device's default."""
     out = []
     for item in filter(None, text.split(",")):
         count, *flags = item.split("+")
-        if not count.isdigit() or int(count) < 1 or not set(flags) <= {"unbatched", "probe8", "ungrouped"}:
+        if (not count.isdigit() or int(count) < 1 or not set(flags) <= {"unbatched", "probe8", "ungrouped", "grouped"}
+                or {"ungrouped", "grouped"} <= set(flags)):
             raise SystemExit(f"--variants: invalid item {item!r}; allowed: a number of probes >= 1, optionally "
-                             "followed by +unbatched, +probe8 and/or +ungrouped, e.g. 8,4+unbatched+probe8+ungrouped")
-        out.append(RoundVariant(int(count), "unbatched" in flags, "probe" if "probe8" in flags else "transfer",
-                                1 if "ungrouped" in flags else MAX_GROUP_LAYERS))
+                             "followed by +unbatched, +probe8 and/or one of +ungrouped, +grouped, e.g. "
+                             "8,4+grouped,4+unbatched+probe8+ungrouped")
+        grouping = 1 if "ungrouped" in flags else MAX_GROUP_LAYERS if "grouped" in flags else None
+        out.append(RoundVariant(int(count), "unbatched" in flags, "probe" if "probe8" in flags else "transfer", grouping))
     return out
 
 

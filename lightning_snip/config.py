@@ -72,6 +72,9 @@ def _check_counts_and_targets(cfg: "SNIPConfig") -> None:
     check_field(cfg.max_consecutive_failures is None or (isinstance(cfg.max_consecutive_failures, int) and not isinstance(
         cfg.max_consecutive_failures, bool) and cfg.max_consecutive_failures > 0),
         "max_consecutive_failures", cfg.max_consecutive_failures, "an integer > 0, or null (never raise)")
+    check_field(cfg.round_group_layers is None or (isinstance(cfg.round_group_layers, int) and not isinstance(
+        cfg.round_group_layers, bool) and cfg.round_group_layers > 0),
+        "round_group_layers", cfg.round_group_layers, "an integer > 0, or null (the device's default)")
     check_field(cfg.apply_delay < cfg.interval, "apply_delay", cfg.apply_delay, f"an integer < interval ({cfg.interval})")
     if (cfg.fp4_fraction is None) == (cfg.cost_budget is None):
         raise ValueError(
@@ -121,6 +124,9 @@ class SNIPConfig:
             half the curvature passes at the default candidates) or probe (noise_draws passes per
             8-bit format too, the round until 2026-12-02). See lightning_snip.divergence.Curvature8Bit.
         noise_draws / noise_scale: curvature passes of the loss divergence (error, gaussian).
+        round_group_layers: the most layers of one shape whose round quantizers and GEMMs run stacked as
+            one batched call (the same numbers, fewer launches; lightning_snip.groups); 1: one layer at a
+            time; null (the default): 16 on a GPU, 1 on a CPU (groups.default_group_layers).
         loss_estimator: how LD combines its first- and second-order terms (accumulated | batch |
             second_order | shrunk | momentum; lightning_snip.divergence.LossEstimator).
         first_order_steps: training steps before each statistics round whose batches also sample LD's
@@ -191,6 +197,7 @@ class SNIPConfig:
     curvature_8bit: Curvature8Bit = Curvature8Bit.TRANSFER
     noise_draws: int = 2
     noise_scale: float = 0.1
+    round_group_layers: int | None = None
     loss_estimator: LossEstimator = LossEstimator.ACCUMULATED
     first_order_steps: int = 32
     first_order_rows: int = 1024

@@ -518,6 +518,7 @@ def run_statistics_round(model: torch.nn.Module, loss_fn: Callable[[], torch.Ten
                     allowed={fqn: layer.allowed_formats for fqn, layer in layers.items()},
                     generator=generator() if callable(generator) else generator, probes=cfg.wd_probes,
                     drift_probes=cfg.drift_probes if cfg.pricing is Pricing.HORIZON else 0,
+                    group_layers=cfg.round_group_layers,
                 )
             except ForwardModeUnsupportedError as err:
                 if stats.sharded or propagation is Propagation.EXACT:

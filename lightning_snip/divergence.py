@@ -62,7 +62,7 @@ from lightning_snip import kernels
 from lightning_snip.gemm import Kernel, bmm_fp32, kernel_for, mm_fp32, operand_rounding, quantized_matmul
 from lightning_snip.grid import random_bits
 from lightning_snip.quantize import padded_numel
-from lightning_snip.groups import MAX_GROUP_LAYERS, layer_groups, quantize_stack, stack
+from lightning_snip.groups import MAX_GROUP_LAYERS, default_group_layers, layer_groups, quantize_stack, stack
 from lightning_snip.sharding import all_reduce_sum, dense, is_sharded, local_part
 from lightning_snip.stats import LayerStats, Propagation, RoundPrecision, Statistics
 
@@ -286,7 +286,7 @@ def estimate_divergence(
     precision: RoundPrecision = RoundPrecision.TRAINING,
     drift_probes: int = 0,
     curvature_8bit: Curvature8Bit = Curvature8Bit.TRANSFER,
-    group_layers: int = MAX_GROUP_LAYERS,
+    group_layers: int | None = None,
 ) -> DivergenceResult:
     """LD and WD for every recorded layer and each of ``formats``.
 
@@ -312,14 +312,14 @@ def estimate_divergence(
             updates (lightning_snip.drift; LayerDivergence.drift); 0 measures none.
         curvature_8bit: the 8-bit formats' second-order term under the error probes (Curvature8Bit).
         group_layers: the most layers of one shape whose quantizers and GEMMs run as one batched call
-            (lightning_snip.groups: the same numbers, fewer launches); 1: one layer at a time (before 2026-12-03).
+            (lightning_snip.groups: the same numbers, fewer launches); 1: one layer at a time (before
+            2026-12-03); None: groups.default_group_layers of the statistics' device (1 on a CPU).
 
     A layer whose sample holds NaN/Inf, or whose metric comes out non-finite, gets +inf for its
     low-precision formats (the planner then keeps it high) and a warning naming it.
     """
     global _warned_no_adam
-    if not isinstance(group_layers, int) or group_layers < 1:
-        raise ValueError(f"group_layers: invalid value {group_layers!r}; allowed: an integer >= 1")
+    group_layers = _resolved_group_layers(stats, group_layers)
     formats = [f for f in dict.fromkeys(formats) if f is not Format.BF16]
     curvature_probe = CurvatureProbe(curvature_probe)
     precision = RoundPrecision(precision)
@@ -349,6 +349,15 @@ def estimate_divergence(
     direct = _backward_divergence(r, valid, metrics, probes)
     out = _layer_divergences(r, valid, metrics, moments, direct, curvature)
     return DivergenceResult(layers=out, loss=stats.loss, used_adam=used_adam)
+
+
+def _resolved_group_layers(stats: Statistics, group_layers: int | None) -> int:
+    """estimate_divergence's ``group_layers``, checked; None: the default of the statistics' device."""
+    if group_layers is None:
+        return default_group_layers(next((s.x.device for s in stats.layers.values()), "cpu"))
+    if not isinstance(group_layers, int) or group_layers < 1:
+        raise ValueError(f"group_layers: invalid value {group_layers!r}; allowed: an integer >= 1, or None")
+    return group_layers
 
 
 def _initial_metrics(stats: Statistics, formats: list[Format], valid: dict) -> dict:

@@ -75,12 +75,17 @@ def random_bits(n: int, generator: torch.Generator | torch.Tensor | None, device
 
 
 def uniforms_from_bits(bits: torch.Tensor, shape) -> torch.Tensor:
-    """Float32 uniforms in [0, 1) of ``shape`` from random_bits (traceable: fused kernels call it)."""
+    """Float32 uniforms in [0, 1) of ``shape`` from random_bits (traceable: fused kernels call it). 2-D
+    ``bits`` (slices x draws) hold one random_bits draw per equal, consecutive slice of the elements (a
+    stack of layers quantized as one matrix, groups.quantize_stack): each slice's uniforms from its row."""
     mask = (1 << 24) - 1
-    u = torch.cat([bits & mask, (bits >> 24) & mask])[: bits.shape[0] * 2].to(torch.float32) * 2.0**-24
     n = 1
     for d in shape:
         n = n * d
+    if bits.dim() == 2:
+        u = torch.cat([bits & mask, (bits >> 24) & mask], dim=1)[:, : n // bits.shape[0]].reshape(-1)
+        return (u.to(torch.float32) * 2.0**-24).reshape(shape)
+    u = torch.cat([bits & mask, (bits >> 24) & mask])[: bits.shape[0] * 2].to(torch.float32) * 2.0**-24
     return u[:n].reshape(shape)
 
 

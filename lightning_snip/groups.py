@@ -22,6 +22,15 @@ from lightning_snip.quantize import fake_quantize
 MAX_GROUP_LAYERS = 16
 
 
+def default_group_layers(device: torch.device | str) -> int:
+    """The round's layers per group on ``device`` (estimate_divergence's ``group_layers=None``):
+    MAX_GROUP_LAYERS on an accelerator, where a round is bound by launches; 1 on a CPU, which launches
+    nothing and is bound by arithmetic and its caches: stacked, each layer's operands are copied once more
+    and the round's element-wise passes run over tensors 16x larger than its cache (measured on 2 cores:
+    the grouped round 1.0-1.1x the layer-by-layer one, benchmarks/results/stats_cost_2026-12-03.md)."""
+    return 1 if torch.device(device).type == "cpu" else MAX_GROUP_LAYERS
+
+
 def layer_groups(stats, fqns: Iterable[str], precision, *, max_layers: int = MAX_GROUP_LAYERS,
                  extra_key: Callable[[str], Hashable] | None = None) -> list[list[str]]:
     """``fqns`` in groups of at most ``max_layers`` layers whose round operands (X, G, W: shapes, dtypes,
@@ -74,23 +83,7 @@ def quantize_stack(t: torch.Tensor, fmt: Format, *, recipe: QuantRecipe, is_grad
     if row_scaled(fmt, recipe):
         length, rows, cols = t.shape
         return fake_quantize(t.reshape(length * rows, cols), fmt, axis=1, recipe=recipe, is_grad=is_grad,
-                             rounding=rounding, bits=None if bits is None else stacked_bits(bits)
+                             rounding=rounding, bits=None if bits is None else stack(bits)
                              ).reshape(length, rows, cols)
     return stack([fake_quantize(part, fmt, axis=1, recipe=recipe, is_grad=is_grad, rounding=rounding,
                                 bits=None if bits is None else bits[i]) for i, part in enumerate(t)])
-
-
-def stacked_bits(bits: list[torch.Tensor]) -> torch.Tensor:
-    """The random bits (grid.random_bits) of a stack of equal slices, from each slice's own, so that the
-    stack's stochastic rounding draws for every element the uniform its slice's bits give it.
-
-    grid.uniforms_from_bits takes the low 24 bits of every value, then the high 24 bits, so a plain
-    concatenation would not do: the slices' uniforms are laid out in order and packed again. Each slice's
-    element count must be even (whole blocks of 16 or 32 are)."""
-    mask = (1 << 24) - 1
-    per_slice = torch.stack(bits)  # (slices, numel / 2)
-    if len(bits) == 1:
-        return per_slice[0]
-    uniforms = torch.stack([per_slice & mask, (per_slice >> 24) & mask], dim=1).reshape(-1)  # slice by slice
-    half = uniforms.shape[0] // 2
-    return uniforms[:half] | (uniforms[half:] << 24)

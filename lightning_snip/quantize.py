@@ -45,8 +45,9 @@ def fake_quantize(
         is_grad: the operand is a gradient (selects recipe.fp8_grad_dtype for FP8/MXFP8).
         generator: random source for stochastic rounding.
         bits: stochastic rounding's random bits, drawn already (grid.random_bits for the numel of x
-            padded to whole blocks along ``axis``, padded_numel; groups.stacked_bits for a stack of
-            layers) instead of from ``generator``; the fused quantizers only (not the reference's).
+            padded to whole blocks along ``axis``, padded_numel) instead of from ``generator``; the fused
+            quantizers only (not the reference's). 2-D (slices x draws, axis 1 only): one draw per equal
+            slice of x's rows, each as for that slice alone (a stack of layers, groups.quantize_stack).
     """
     _check_quantize_args(x, fmt, axis, rounding)
     if fmt is Format.BF16:
@@ -75,11 +76,23 @@ def fake_quantize(
         # Stochastic rounding: the random bits are drawn here, eagerly, as the reference draws them.
         if bits is None:
             bits = random_bits(rows.numel(), generator, x.device)  # turned into uniforms inside the kernel
-        elif bits.shape != ((rows.numel() + 1) // 2,):
-            raise ValueError(f"bits: expected {(rows.numel() + 1) // 2} random int64 values for {rows.numel()} "
-                             f"elements (grid.random_bits), got shape {tuple(bits.shape)}")
+        else:
+            _check_bits(bits, rows.numel(), x.shape[0], axis)
         out = kernels.nvfp4_stochastic(rows, bits) if fmt is Format.NVFP4 else kernels.mx_stochastic(rows, bits)
     return from_rows(out, x, axis)
+
+
+def _check_bits(bits: torch.Tensor, numel: int, num_rows: int, axis: int) -> None:
+    """fake_quantize's pre-drawn ``bits`` against the ``numel`` elements it rounds (x's ``num_rows``)."""
+    if bits.dim() == 2 and axis == 1 and bits.shape[0] >= 1 and num_rows % bits.shape[0] == 0:
+        slices = bits.shape[0]
+        expected = (slices, (numel // slices + 1) // 2)
+        what = f"{slices} slices of {numel // slices} elements"
+    else:
+        expected, what = ((numel + 1) // 2,), f"{numel} elements"
+    if tuple(bits.shape) != expected:
+        raise ValueError(f"bits: expected shape {expected} of random int64 values for {what} (grid.random_bits; "
+                         f"2-D: one row per equal slice of x's rows, axis 1), got shape {tuple(bits.shape)}")
 
 
 def padded_numel(shape: tuple[int, int], fmt: Format, axis: int) -> int:

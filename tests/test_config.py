@@ -87,6 +87,7 @@ def test_pins_from_the_command_line(override, expected):
     ("model.dim=60", r"model.dim: 60 gives an odd head size 15"),
     ("data.seq_len=600", r"data.seq_len: 600 exceeds model.max_seq_len 512"),
     ("trainer.precision=bogus", r"trainer.precision: invalid value 'bogus'; allowed: 32-true"),
+    ("snip.round_group_layers=0", r"snip.round_group_layers: invalid value 0; allowed: an integer > 0, or null"),
 ])
 def test_composed_config_errors_name_the_field(override, message):
     with pytest.raises(ValueError, match=message):
@@ -96,3 +97,29 @@ def test_composed_config_errors_name_the_field(override, message):
 def test_python_api_takes_a_mapping_of_pins():
     assert SNIPConfig(pins={"*.q": "fp8"}).pin_formats == {"*.q": "fp8"}
 
+
+
+def test_round_group_layers_reaches_the_round(monkeypatch):
+    """snip.round_group_layers from the command line (null: the device's default) is the round's group_layers."""
+    import lightning_snip.controller as controller
+
+    assert to_config(_compose([])).snip.round_group_layers is None
+    assert to_config(_compose(["snip.round_group_layers=4"])).snip.round_group_layers == 4
+    seen = []
+
+    def estimate(*args, group_layers, **kwargs):
+        seen.append(group_layers)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(controller, "estimate_divergence", estimate)
+    import torch
+    from lightning_snip.convert import convert_linears
+    from lightning_snip.demo.model import LlamaConfig, TinyLlama
+
+    model = TinyLlama(LlamaConfig(dim=32, num_layers=1, num_heads=2, num_kv_heads=1, hidden_dim=64))
+    layers = convert_linears(model)
+    tokens = torch.randint(0, 256, (2, 9))
+    with pytest.raises(RuntimeError, match="stop here"):
+        controller.run_statistics_round(model, lambda: model.loss((tokens[:, :-1], tokens[:, 1:])), layers,
+                                        SNIPConfig(round_group_layers=3))
+    assert seen == [3]

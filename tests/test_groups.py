@@ -15,8 +15,8 @@ from lightning_snip.convert import convert_linears
 from lightning_snip.divergence import estimate_divergence
 from lightning_snip.formats import Format, Fp8Scaling, QuantRecipe, Rounding
 from lightning_snip.gemm import bmm_fp32, mm_fp32
-from lightning_snip.grid import random_bits
-from lightning_snip.groups import layer_groups, quantize_stack, row_scaled, stacked_bits
+from lightning_snip.grid import random_bits, uniforms_from_bits
+from lightning_snip.groups import layer_groups, quantize_stack, row_scaled
 from lightning_snip.quantize import fake_quantize, padded_numel
 from lightning_snip.stats import Propagation, collect_stats
 
@@ -58,12 +58,12 @@ def test_stochastic_rounding_of_a_stack_draws_each_slices_uniforms(fmt):
     assert not torch.equal(stacked[0], stacked[1])
 
 
-def test_stacked_bits_are_not_a_concatenation():
-    bits = [torch.tensor([1 | (2 << 24), 3 | (4 << 24)]), torch.tensor([5 | (6 << 24), 7 | (8 << 24)])]
-    # uniforms (in units of 2^-24): slice 0 gives 1, 3, 2, 4; slice 1 gives 5, 7, 6, 8
-    packed = stacked_bits(bits)
-    mask = (1 << 24) - 1
-    assert torch.cat([packed & mask, (packed >> 24) & mask]).tolist() == [1, 3, 2, 4, 5, 7, 6, 8]
+def test_two_dimensional_bits_give_each_slice_its_own_uniforms():
+    bits = torch.tensor([[1 | (2 << 24), 3 | (4 << 24)], [5 | (6 << 24), 7 | (8 << 24)]])
+    # in units of 2^-24: slice 0's draw gives 1, 3, 2, 4 (as alone), slice 1's 5, 7, 6, 8
+    assert (uniforms_from_bits(bits, (2, 4)) * 2**24).tolist() == [[1, 3, 2, 4], [5, 7, 6, 8]]
+    assert (uniforms_from_bits(bits, (6,)) * 2**24).tolist() == [1, 3, 2, 5, 7, 6]  # 3 elements a slice
+    assert (uniforms_from_bits(bits[0], (3,)) * 2**24).tolist() == [1, 3, 2]
 
 
 def test_bad_bits_are_refused():
@@ -72,8 +72,11 @@ def test_bad_bits_are_refused():
         quantize_stack(t, Format.MXFP4, recipe=QuantRecipe(), rounding=Rounding.STOCHASTIC)
     with pytest.raises(ValueError, match="bits"):
         quantize_stack(t, Format.MXFP4, recipe=QuantRecipe(), bits=[torch.zeros(128, dtype=torch.int64)] * 2)
-    with pytest.raises(ValueError, match="bits: expected 128"):
+    with pytest.raises(ValueError, match=r"bits: expected shape \(128,\)"):
         fake_quantize(t[0], Format.MXFP4, axis=1, rounding=Rounding.STOCHASTIC, bits=torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"bits: expected shape \(2, 128\) .* 2 slices of 256 elements"):
+        fake_quantize(t.reshape(16, 32), Format.MXFP4, axis=1, rounding=Rounding.STOCHASTIC,
+                      bits=torch.zeros(2, 127, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -192,3 +195,24 @@ def test_group_layers_is_checked():
             estimate_divergence(stats, [Format.MXFP4], group_layers=0)
     finally:
         stats.release()
+
+
+def test_the_default_groups_on_an_accelerator_only(monkeypatch):
+    """group_layers=None: one layer at a time on a CPU (bound by arithmetic and caches), MAX_GROUP_LAYERS on
+    an accelerator (bound by launches), read from the statistics' device."""
+    import lightning_snip.divergence as div
+    from lightning_snip.groups import MAX_GROUP_LAYERS, default_group_layers
+
+    assert default_group_layers("cpu") == 1 and default_group_layers(torch.device("cuda", 1)) == MAX_GROUP_LAYERS
+    assert default_group_layers("meta") == MAX_GROUP_LAYERS
+    seen, real = [], div.layer_groups
+    monkeypatch.setattr(div, "layer_groups",
+                        lambda *a, max_layers, **k: seen.append(max_layers) or real(*a, max_layers=max_layers, **k))
+    monkeypatch.setattr(div, "default_group_layers", lambda device: seen.append(torch.device(device).type) or 3)
+    model, loss_fn = _demo()
+    stats = collect_stats(model, loss_fn, layers=convert_linears(model))
+    try:
+        estimate_divergence(stats, [Format.MXFP4], noise_draws=1, probes=1)
+    finally:
+        stats.release()
+    assert seen[0] == "cpu" and set(seen[1:]) == {3}
