@@ -355,7 +355,7 @@ def _resolved_group_layers(stats: Statistics, group_layers: int | None) -> int:
     """estimate_divergence's ``group_layers``, checked; None: the default of the statistics' device."""
     if group_layers is None:
         return default_group_layers(next((s.x.device for s in stats.layers.values()), "cpu"))
-    if not isinstance(group_layers, int) or group_layers < 1:
+    if not isinstance(group_layers, int) or isinstance(group_layers, bool) or group_layers < 1:
         raise ValueError(f"group_layers: invalid value {group_layers!r}; allowed: an integer >= 1, or None")
     return group_layers
 

@@ -27,7 +27,7 @@ def default_group_layers(device: torch.device | str) -> int:
     MAX_GROUP_LAYERS on an accelerator, where a round is bound by launches; 1 on a CPU, which launches
     nothing and is bound by arithmetic and its caches: stacked, each layer's operands are copied once more
     and the round's element-wise passes run over tensors 16x larger than its cache (measured on 2 cores:
-    the grouped round 1.0-1.1x the layer-by-layer one, benchmarks/results/stats_cost_2026-12-03.md)."""
+    the grouped round 0.95-1.11x the layer-by-layer one, benchmarks/results/stats_cost_2026-12-03.md)."""
     return 1 if torch.device(device).type == "cpu" else MAX_GROUP_LAYERS
 
 
