@@ -520,6 +520,9 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
         out["round_extra_mib"] = peak_rise(lambda: round_on(batch, Propagation.PROBE))
         if exact:
             out["round_extra_mib_exact"] = peak_rise(lambda: round_on(batch, Propagation.EXACT))
+        out["round_extra_mib_variants"] = [[v.name, peak_rise(lambda: round_on(
+            batch, Propagation.PROBE, v.probes, unbatched=v.unbatched, curvature_8bit=v.curvature_8bit,
+            group_layers=v.group_layers))] for v in variants]
         return out
     if mode == "ops":
         def warm_count(fn) -> int:  # the second call: the first one's compilations (new shapes) dispatch ops too
@@ -563,4 +566,18 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
         out["round_seconds_exact"] = statistics.median(exact_times)
     if fp32_round:
         out["round_seconds_fp32"] = statistics.median(fp32_times)
+    if device != "cpu":  # peak GPU memory over what was allocated before: the round's (and its variants') extra
+        def peak_extra_mib(fn) -> float:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            fn()
+            torch.cuda.synchronize()
+            return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+        out["hp_step_peak_extra_mib"] = peak_extra_mib(lambda: step(batch, Format.BF16))
+        out["round_peak_extra_mib"] = peak_extra_mib(lambda: round_on(batch, Propagation.PROBE))
+        out["variants_peak_extra_mib"] = [[v.name, peak_extra_mib(lambda: round_on(
+            batch, Propagation.PROBE, v.probes, unbatched=v.unbatched, curvature_8bit=v.curvature_8bit,
+            group_layers=v.group_layers))] for v in variants]
     return out

@@ -31,6 +31,7 @@ CPU's default; ``+grouped``: stacked with the layers of their shape, 16 at a tim
 (harness.count_kernel_ops), beside those of the high-precision step.
 
 Prints ``round_cost <blocks> <hp_steps> <emulated_steps> <extra_mib> width=<w>``, ``memory_bound ...``,
+``memory_bound_variant <blocks> <variant> <extra_mib> <bound_mib> width=<w>``,
 ``round_ops <blocks> <ops> <hp_step_ops> <ops_per_layer> width=<w>``, ``round_ops_variant <blocks> <variant> <ops>
 <ops / the default round's> width=<w>``,
 ``round_cost_exact ...``, ``round_variant <blocks> <variant> <hp_steps> <emulated_steps> width=<w>`` and
@@ -130,6 +131,8 @@ def main() -> None:
         print(f"round_cost {b} {hp:.2f} {emulated:.2f} {r['round_extra_mib']:.1f} width={w}")
         bound = r["block_param_mib"] + 4 * r["slice_activation_mib"]
         print(f"memory_bound {b} {r['round_extra_mib']:.1f} {bound:.1f} width={w}")
+        for name, mib in r.get("round_extra_mib_variants", []):
+            print(f"memory_bound_variant {b} {name} {mib:.1f} {bound:.1f} width={w}")
         for probes, seconds in r.get("variants", []):
             print(f"round_variant {b} {probes} {seconds / r['hp_step_seconds']:.2f} "
                   f"{seconds / r['emulated_step_seconds']:.2f} width={w}")

@@ -62,7 +62,8 @@ from lightning_snip import kernels
 from lightning_snip.gemm import Kernel, bmm_fp32, kernel_for, mm_fp32, operand_rounding, quantized_matmul
 from lightning_snip.grid import random_bits
 from lightning_snip.quantize import padded_numel
-from lightning_snip.groups import MAX_GROUP_LAYERS, default_group_layers, layer_groups, quantize_stack, stack
+from lightning_snip.groups import (MAX_GROUP_LAYERS, default_group_layers, layer_groups, quantize_stack, stack,
+                                   working_bytes)
 from lightning_snip.sharding import all_reduce_sum, dense, is_sharded, local_part
 from lightning_snip.stats import LayerStats, Propagation, RoundPrecision, Statistics
 
@@ -438,8 +439,7 @@ def _forward_divergence(r: _RoundInputs, valid: dict, metrics: dict, curvature_p
     stats, precision, generator = r.stats, r.precision, r.generator
     # Layers of one shape (and the same formats) stacked: each quantizer and GEMM below runs once per
     # group, not once per layer (lightning_snip.groups; the same numbers).
-    groups = layer_groups(stats, stats.layers, precision, max_layers=r.group_layers,
-                          extra_key=lambda fqn: tuple(valid.get(fqn, ())))
+    groups = _groups(r, stats.layers, valid)
     # Y = X W^T of every layer, computed once: the reference of every format's dY. One format at a time
     # below, so the round holds one format's dY of every layer (the error probe injects them all at once).
     references, rms = {}, {}
@@ -447,8 +447,10 @@ def _forward_divergence(r: _RoundInputs, valid: dict, metrics: dict, curvature_p
         xs, ws = _stacked_operands(r, group, "x"), _stacked_operands(r, group, "w")
         ys = bmm_fp32(xs, ws)
         del xs, ws
-        references[tuple(group)] = ys
+        if valid.get(group[0]):  # (every layer's output RMS; the references of measured layers only)
+            references[tuple(group)] = ys
         rms.update(zip(group, ys.pow(2).mean(dim=(1, 2)).sqrt()))
+        del ys
     output_rms = dict(zip(stats.layers, _read_scalars([rms[fqn] for fqn in stats.layers])))
     del rms
     curvature = {}
@@ -498,6 +500,14 @@ def _forward_divergence(r: _RoundInputs, valid: dict, metrics: dict, curvature_p
                              output_rms[fqn], moments[fqn], metrics[fqn])
         del output_errors, scalars
     return curvature, moments
+
+
+def _groups(r: _RoundInputs, fqns, valid: dict) -> list[list[str]]:
+    """The round's groups of ``fqns`` (layer_groups): layers of one shape measured in the same formats, at
+    most r.group_layers of them and MAX_GROUP_BYTES of their working_bytes."""
+    return layer_groups(r.stats, fqns, r.precision, max_layers=r.group_layers,
+                        extra_key=lambda fqn: tuple(valid.get(fqn, ())),
+                        layer_bytes=lambda fqn: working_bytes(r.stats.layers[fqn], len(valid.get(fqn, ()))))
 
 
 def _stacked_operands(r: _RoundInputs, group: list[str], which: str) -> torch.Tensor:
@@ -596,31 +606,36 @@ def _backward_divergence(r: _RoundInputs, valid: dict, metrics: dict, probes: in
     term's sum of squares (summed over ranks under FSDP2), before the division by the update energy."""
     stats, precision, generator = r.stats, r.precision, r.generator
     measured = [fqn for fqn, fmts in valid.items() if fmts]
-    bits = _drawn_bits(r, [(fqn, f) for fqn in measured for f in valid[fqn]], "g")
+    keys = [(fqn, f) for fqn in measured for f in valid[fqn]]
+    bits = _GradientBits(r, keys, "g")
     input_errors = {}
-    for group in layer_groups(stats, measured, precision, max_layers=r.group_layers,
-                              extra_key=lambda fqn: tuple(valid[fqn])):
+    for group in _groups(r, measured, valid):
+        fmts = valid[group[0]]
         gs, ws = _stacked_operands(r, group, "g"), _stacked_operands(r, group, "w")
         w_ts = ws.transpose(1, 2).contiguous()  # dgrad's W, quantized along its dim 0: one copy for every format
         del ws
         gx_ref = bmm_fp32(gs, w_ts)
-        errors = torch.stack([_quantized_bmm(r, gs, w_ts, fmt, group, bits) - gx_ref for fmt in valid[group[0]]], dim=1)
-        input_errors.update(zip(group, errors))  # per layer: formats x rows x k
+        errors = gx_ref.new_empty(len(group), len(fmts), *gx_ref.shape[1:])  # per layer: formats x rows x k
+        for j, fmt in enumerate(fmts):
+            torch.sub(_quantized_bmm(r, gs, w_ts, fmt, group, bits), gx_ref, out=errors[:, j])
+        input_errors.update(zip(group, errors))
         del gs, w_ts, gx_ref, errors
     propagated = None
     if stats.propagation is Propagation.PROBE:
         propagated = _probe_propagated(stats, r.adam, input_errors, probes, generator, precision)
     # wgrad: the reference G^T X and each format's error E_W, a group of layers at a time; its stochastic
     # rounding draws in layer order, after the dgrad errors' (as one layer at a time drew them).
-    bits = _drawn_bits(r, [(fqn, f) for fqn in measured for f in valid[fqn]], "g_t")
+    bits = _GradientBits(r, keys, "g_t")
     direct = {}  # (fqn, format) -> the direct term's sum of squares over this rank's shard
-    for group in layer_groups(stats, measured, precision, max_layers=r.group_layers,
-                              extra_key=lambda fqn: tuple(valid[fqn])):
+    for group in _groups(r, measured, valid):
+        fmts = valid[group[0]]
         # wgrad's operands, quantized along the token axis: one contiguous copy each for every format
         g_ts = _stacked_operands(r, group, "g").transpose(1, 2).contiguous()
         x_ts = _stacked_operands(r, group, "x").transpose(1, 2).contiguous()
         gw_refs = bmm_fp32(g_ts, x_ts)
-        e_ws = torch.stack([_quantized_bmm(r, g_ts, x_ts, fmt, group, bits) - gw_refs for fmt in valid[group[0]]], dim=1)
+        e_ws = gw_refs.new_empty(len(group), len(fmts), *gw_refs.shape[1:])  # layers x formats x out x in
+        for j, fmt in enumerate(fmts):
+            torch.sub(_quantized_bmm(r, g_ts, x_ts, fmt, group, bits), gw_refs, out=e_ws[:, j])
         del g_ts, x_ts
         norms = torch.linalg.vector_norm(e_ws.flatten(2), dim=2).double()  # layers x formats
         energies = e_ws.pow(2).sum(dim=(2, 3)).double()
@@ -637,37 +652,58 @@ def _backward_divergence(r: _RoundInputs, valid: dict, metrics: dict, probes: in
     return direct
 
 
-def _drawn_bits(r: _RoundInputs, keys: list[tuple[str, Format]], operand: str) -> dict:
-    """(fqn, format) -> the random bits of the stochastic rounding of a gradient GEMM's gradient operand
-    (``operand`` "g": dgrad's G; "g_t": wgrad's G^T), drawn from the round's generator in ``keys``' order,
-    as quantized_matmul layer by layer draws them, for _quantized_bmm's stacked quantizers: the same
-    draws in the same order. Only formats that round stochastically in emulation draw; none under the
-    reference quantizers (they draw for themselves, one layer at a time)."""
-    if kernels.quantizer_mode() == "reference":
-        return {}
-    out = {}
-    for fqn, fmt in keys:
-        s = r.stats.layers[fqn]
-        if (operand_rounding(fmt, r.recipe, True) is Rounding.STOCHASTIC
-                and kernel_for(fmt, s.g.device) is Kernel.EMULATED):
-            shape = tuple(s.g.shape) if operand == "g" else (s.g.shape[1], s.g.shape[0])
-            out[fqn, fmt] = random_bits(padded_numel(shape, fmt, 1), r.generator, s.g.device)
-    return out
+class _GradientBits:
+    """The random bits of the stochastic rounding of a gradient GEMM's gradient operand (``operand`` "g":
+    dgrad's G; "g_t": wgrad's G^T) for _quantized_bmm's stacked quantizers: the draws quantized_matmul makes
+    layer by layer, from the round's generator in ``keys``' order ((fqn, format) pairs, layer order), drawn
+    only when a group needs them: a group takes its layers' bits and those of the layers before them are
+    drawn and kept for their own groups (a group of one layer, as on a CPU, holds its own bits only). Only
+    formats that round stochastically in emulation draw; none under the reference quantizers (they draw for
+    themselves, one layer at a time)."""
+
+    def __init__(self, r: _RoundInputs, keys: list[tuple[str, Format]], operand: str) -> None:
+        self._r, self._operand = r, operand
+        reference = kernels.quantizer_mode() == "reference"
+        self.keys = [] if reference else [
+            (fqn, fmt) for fqn, fmt in keys if operand_rounding(fmt, r.recipe, True) is Rounding.STOCHASTIC
+            and kernel_for(fmt, r.stats.layers[fqn].g.device) is Kernel.EMULATED]
+        self._drawing = set(self.keys)
+        self._next = 0  # self.keys[: self._next] are drawn
+        self._drawn: dict[tuple[str, Format], torch.Tensor] = {}
+
+    def draws(self, key: tuple[str, Format]) -> bool:
+        """Whether ``key``'s gradient operand is rounded from these bits."""
+        return key in self._drawing
+
+    def take(self, keys: list[tuple[str, Format]]) -> list[torch.Tensor]:
+        """The bits of ``keys`` (each taken once), drawing in order up to the last of them."""
+        for key in keys:
+            if key not in self._drawing:
+                raise KeyError(f"{key!r} rounds without these bits")
+            while key not in self._drawn:
+                if self._next == len(self.keys):
+                    raise KeyError(f"{key!r}'s bits were already taken")
+                fqn, fmt = self.keys[self._next]
+                self._next += 1
+                s = self._r.stats.layers[fqn]
+                shape = tuple(s.g.shape) if self._operand == "g" else (s.g.shape[1], s.g.shape[0])
+                self._drawn[fqn, fmt] = random_bits(padded_numel(shape, fmt, 1), self._r.generator, s.g.device)
+        return [self._drawn.pop(key) for key in keys]
 
 
 def _quantized_bmm(r: _RoundInputs, grads: torch.Tensor, others: torch.Tensor, fmt: Format, group: list[str],
-                   bits: dict) -> torch.Tensor:
+                   bits: _GradientBits) -> torch.Tensor:
     """Q(grads[i]) @ Q(others[i])^T in fp32 for a group's stacked gradient GEMM operands (dgrad: G and
     W^T; wgrad: G^T and X^T), as quantized_matmul(a_is_grad=True) gives them layer by layer: the stochastic
-    rounding of the gradients from ``bits`` (_drawn_bits), in one stacked quantizer call and one bmm. A
-    native kernel, or the reference quantizers, run layer by layer and draw for themselves."""
+    rounding of the gradients from ``bits``, in one stacked quantizer call and one bmm. A native kernel, or
+    the reference quantizers, run layer by layer and draw for themselves."""
+    rounding = operand_rounding(fmt, r.recipe, True)
     if kernel_for(fmt, grads.device) is not Kernel.EMULATED or (
-            operand_rounding(fmt, r.recipe, True) is Rounding.STOCHASTIC and (group[0], fmt) not in bits):
+            rounding is Rounding.STOCHASTIC and not bits.draws((group[0], fmt))):
         return stack([quantized_matmul(a, b, fmt, recipe=r.recipe, a_is_grad=True, generator=r.generator,
                                        out_dtype=torch.float32) for a, b in zip(grads, others)])
-    rounding = operand_rounding(fmt, r.recipe, True)
     q_grads = quantize_stack(grads, fmt, recipe=r.recipe, is_grad=True, rounding=rounding,
-                             bits=[bits.pop((fqn, fmt)) for fqn in group] if rounding is Rounding.STOCHASTIC else None)
+                             bits=bits.take([(fqn, fmt) for fqn in group]) if rounding is Rounding.STOCHASTIC else None)
     return bmm_fp32(q_grads, quantize_stack(others, fmt, recipe=r.recipe))
 
 

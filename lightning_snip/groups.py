@@ -17,9 +17,20 @@ import torch
 from lightning_snip.formats import Format, Fp8Scaling, QuantRecipe, Rounding
 from lightning_snip.quantize import fake_quantize
 
-# The most layers stacked into one batched call: launches fall by up to this factor, and the round holds
-# at most this many layers' stacked copies of an operand at a time (16 x 1024 rows x 4096 x bf16 = 128 MiB).
+# The most layers stacked into one batched call: launches fall by up to this factor.
 MAX_GROUP_LAYERS = 16
+# The most bytes a group's stacked round tensors hold at once (working_bytes, summed over its layers); a layer
+# over it is a group of its own. The layer-by-layer round holds one layer's; stacked, a group holds up to
+# this much more: a bound that does not grow with the model (16 layers of width 4096 would be ~10 GiB).
+MAX_GROUP_BYTES = 1 << 30
+
+
+def working_bytes(s, formats: int) -> int:
+    """An upper estimate of the bytes of one layer's part of its group's stacked round tensors at their
+    peak (the wgrad errors): fp32 copies of X and G, three each (stacked, transposed for wgrad, quantized),
+    and of W, ``formats`` + 3 (stacked, quantized, wgrad's reference, one error per format). ``s``: a
+    LayerStats."""
+    return 4 * (3 * (s.x.numel() + s.g.numel()) + (formats + 3) * s.weight.numel())
 
 
 def default_group_layers(device: torch.device | str) -> int:
@@ -32,26 +43,34 @@ def default_group_layers(device: torch.device | str) -> int:
 
 
 def layer_groups(stats, fqns: Iterable[str], precision, *, max_layers: int = MAX_GROUP_LAYERS,
-                 extra_key: Callable[[str], Hashable] | None = None) -> list[list[str]]:
+                 extra_key: Callable[[str], Hashable] | None = None, layer_bytes: Callable[[str], int] | None = None,
+                 max_bytes: int = MAX_GROUP_BYTES) -> list[list[str]]:
     """``fqns`` in groups of at most ``max_layers`` layers whose round operands (X, G, W: shapes, dtypes,
     device) agree and whose rows split into the same samples, so that they stack; ``extra_key``: fqn ->
-    a further key to agree on (the formats a layer is measured in). Groups come in the order of their first
-    member, members in ``fqns``'s order. With ``max_layers`` 1, and under FSDP2 (each weight is all-gathered
-    alone, in the same order on every rank), each layer is a group of its own, in ``fqns``'s order."""
+    a further key to agree on (the formats a layer is measured in); ``layer_bytes``: fqn -> its part of a
+    group's memory (working_bytes), the group's sum at most ``max_bytes`` (a layer over it alone). Groups
+    come in the order of their first member, members in ``fqns``'s order. With ``max_layers`` 1, and under
+    FSDP2 (each weight is all-gathered alone, in the same order on every rank), each layer is a group of its
+    own, in ``fqns``'s order."""
     if max_layers < 1:
         raise ValueError(f"max_layers: invalid value {max_layers!r}; allowed: an integer >= 1")
     if max_layers == 1 or stats.sharded:
         return [[fqn] for fqn in fqns]
     groups: dict[Hashable, list[list[str]]] = {}
+    held: dict[Hashable, int] = {}  # the bytes of each key's last chunk
     for fqn in fqns:
         s = stats.layers[fqn]
         dtype = s.operand_dtype(precision)
         key = (tuple(s.x.shape), tuple(s.g.shape), tuple(s.weight.shape), dtype, s.x.device, s.num_samples,
                s.leading_sample_dim, None if extra_key is None else extra_key(fqn))
+        size = 0 if layer_bytes is None else layer_bytes(fqn)
         chunks = groups.setdefault(key, [[]])
-        if len(chunks[-1]) == max_layers:
+        if len(chunks[-1]) == max_layers or (chunks[-1] and held[key] + size > max_bytes):
             chunks.append([])
+        if not chunks[-1]:
+            held[key] = 0
         chunks[-1].append(fqn)
+        held[key] += size
     return [chunk for chunks in groups.values() for chunk in chunks]
 
 

@@ -53,24 +53,13 @@ def _nan_on_rank_one() -> None:
     fault on one rank only); the ranks must agree to leave exactly those pairs out, or their
     collectives diverge."""
     import lightning_snip.divergence as div
+    from faults import nan_forward_weights
 
-    real, real_forward, in_forward = div.quantize_stack, div._output_errors, []
+    def on_rank_one() -> bool:
+        return torch.distributed.is_initialized() and torch.distributed.get_rank() == 1
 
-    def forward(*args, **kw):  # the forward GEMM's errors of one group of layers
-        in_forward.append(True)
-        try:
-            return real_forward(*args, **kw)
-        finally:
-            in_forward.pop()
-
-    def nan_for_down(t, fmt, **kw):  # the forward quantizes the weights (out, in), stacked by shape
-        out = real(t, fmt, **kw)
-        faulty = torch.distributed.is_initialized() and torch.distributed.get_rank() == 1
-        weight = in_forward and not kw.get("is_grad") and tuple(t.shape[-2:]) == (64, 160)
-        return out * float("nan") if faulty and weight and fmt is Format.MXFP4 else out
-
-    div.quantize_stack = nan_for_down
-    div._output_errors = forward
+    for name, fault in nan_forward_weights(Format.MXFP4, (64, 160), on_rank_one).items():
+        setattr(div, name, fault)
 
 
 def _count_gathers_in_rounds() -> dict:

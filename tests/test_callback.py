@@ -734,23 +734,10 @@ def test_non_finite_candidates_are_counted_logged_and_kept_out_of_plans(tmp_path
     GPU): every round logs snip/invalid_formats, warns once (not once per layer), and no plan gives
     those layers MXFP4."""
     import lightning_snip.divergence as div
+    from faults import nan_forward_weights
 
-    real, real_forward, in_forward = div.quantize_stack, div._output_errors, []
-
-    def forward(*args, **kw):  # the forward GEMM's errors of one group of layers
-        in_forward.append(True)
-        try:
-            return real_forward(*args, **kw)
-        finally:
-            in_forward.pop()
-
-    def nan_for_down(t, fmt, **kw):  # the forward quantizes the weights (out, in), stacked by shape
-        out = real(t, fmt, **kw)
-        weight = in_forward and not kw.get("is_grad") and tuple(t.shape[-2:]) == (64, 160)
-        return out * float("nan") if weight and fmt is Format.MXFP4 else out
-
-    monkeypatch.setattr(div, "quantize_stack", nan_for_down)
-    monkeypatch.setattr(div, "_output_errors", forward)
+    for name, fault in nan_forward_weights(Format.MXFP4, (64, 160)).items():
+        monkeypatch.setattr(div, name, fault)
     snip = SNIPCallback(_snip(fp4_fraction=0.5))
     with caplog.at_level(logging.WARNING, logger="lightning_snip"):
         _fit(tmp_path, snip)

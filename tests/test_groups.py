@@ -16,7 +16,7 @@ from lightning_snip.divergence import estimate_divergence
 from lightning_snip.formats import Format, Fp8Scaling, QuantRecipe, Rounding
 from lightning_snip.gemm import bmm_fp32, mm_fp32
 from lightning_snip.grid import random_bits, uniforms_from_bits
-from lightning_snip.groups import layer_groups, quantize_stack, row_scaled
+from lightning_snip.groups import MAX_GROUP_BYTES, layer_groups, quantize_stack, row_scaled, working_bytes
 from lightning_snip.quantize import fake_quantize, padded_numel
 from lightning_snip.stats import Propagation, collect_stats
 
@@ -111,6 +111,113 @@ def test_layer_groups_by_shape_in_order_and_chunked():
     assert layer_groups(sharded, sharded.layers, "training") == [["l0"], ["l1"]]
     with pytest.raises(ValueError, match="max_layers: invalid value 0"):
         layer_groups(stats, stats.layers, "training", max_layers=0)
+
+
+def test_layer_groups_hold_at_most_max_bytes():
+    stats = _Stats([(4, 4)] * 6 + [(4, 8)])
+    size = {"l0": 5, "l1": 5, "l2": 5, "l3": 20, "l4": 1, "l5": 1, "l6": 30}
+    groups = layer_groups(stats, stats.layers, "training", layer_bytes=size.get, max_bytes=10)
+    # a group closes when the next layer would take it over 10; a layer over it (l3, l6) is a group alone
+    assert groups == [["l0", "l1"], ["l2"], ["l3"], ["l4", "l5"], ["l6"]]
+    assert layer_groups(stats, stats.layers, "training", layer_bytes=size.get, max_bytes=10, max_layers=1) == [
+        [fqn] for fqn in stats.layers]
+    assert layer_groups(stats, stats.layers, "training", layer_bytes=size.get) == [[f"l{i}" for i in range(6)], ["l6"]]
+
+
+def test_working_bytes_prices_operands_and_weight_copies():
+    s = _Stats([(4, 8)]).layers["l0"]  # X 8 x 4, G 8 x 8, W 8 x 4
+    assert working_bytes(s, 2) == 4 * (3 * (32 + 64) + 5 * 32)
+    assert MAX_GROUP_BYTES == 1 << 30
+
+
+def test_a_rounds_groups_are_capped_by_their_working_bytes(monkeypatch):
+    """The round passes each layer's working_bytes to layer_groups (the default cap MAX_GROUP_BYTES): with a
+    cap of one layer's bytes, every group holds one layer."""
+    import lightning_snip.divergence as div
+
+    seen, real = [], div.layer_groups
+
+    def spy(*args, layer_bytes, **kw):
+        groups = real(*args, layer_bytes=layer_bytes, max_bytes=min(layer_bytes(f) for f in args[1]), **kw)
+        seen.append(groups)
+        return groups
+
+    monkeypatch.setattr(div, "layer_groups", spy)
+    model, loss_fn = _demo()
+    stats = collect_stats(model, loss_fn, layers=convert_linears(model))
+    try:
+        estimate_divergence(stats, [Format.MXFP4, Format.FP8], noise_draws=1, probes=1, group_layers=16)
+    finally:
+        stats.release()
+    assert len(seen) == 3 and all(len(g) == 1 for groups in seen for g in groups)
+    assert sorted(g[0] for g in seen[0]) == sorted(stats.layers)
+
+
+class _Round:
+    """What _GradientBits and _quantized_bmm read of a round's inputs."""
+
+    def __init__(self, shapes, generator):
+        self.stats = _Stats(shapes)
+        self.recipe, self.generator = QuantRecipe(), generator
+
+
+def test_gradient_bits_are_drawn_in_layer_order_only_when_a_group_needs_them():
+    from lightning_snip.divergence import _GradientBits
+
+    shapes = [(32, 64), (32, 96), (32, 64)]
+    keys = [(f"l{i}", f) for i in range(3) for f in (Format.FP8, Format.MXFP4, Format.NVFP4)]
+    bits = _GradientBits(_Round(shapes, torch.Generator().manual_seed(3)), keys, "g_t")
+    assert bits.keys == [k for k in keys if k[1] is not Format.FP8]  # FP8 rounds to nearest: no bits
+    assert not bits.draws(("l0", Format.FP8)) and bits.draws(("l2", Format.MXFP4))
+    again = torch.Generator().manual_seed(3)
+    expected = {(fqn, f): random_bits(padded_numel((shapes[int(fqn[1])][1], 8), f, 1), again, "cpu")
+                for fqn, f in bits.keys}
+    # a group of l0 and l2 draws l1's bits in between and keeps them for l1's group
+    taken = bits.take([("l0", Format.MXFP4), ("l2", Format.MXFP4)])
+    assert bits._next == 5 and set(bits._drawn) == {("l0", Format.NVFP4), ("l1", Format.MXFP4), ("l1", Format.NVFP4)}
+    assert torch.equal(taken[0], expected["l0", Format.MXFP4]) and torch.equal(taken[1], expected["l2", Format.MXFP4])
+    assert torch.equal(bits.take([("l1", Format.NVFP4)])[0], expected["l1", Format.NVFP4])
+    with pytest.raises(KeyError, match="already taken"):
+        bits.take([("l0", Format.MXFP4)])
+    with pytest.raises(KeyError, match="rounds without these bits"):
+        bits.take([("l0", Format.FP8)])
+
+
+def test_groups_of_one_hold_one_layers_bits():
+    from lightning_snip.divergence import _GradientBits
+
+    keys = [(f"l{i}", Format.MXFP4) for i in range(4)]
+    bits = _GradientBits(_Round([(32, 64)] * 4, torch.Generator().manual_seed(0)), keys, "g")
+    for key in keys:
+        bits.take([key])
+        assert not bits._drawn and bits._next == keys.index(key) + 1
+
+
+@pytest.mark.parametrize("fmt", ALL)
+@pytest.mark.parametrize("operand", ["g", "g_t"])
+def test_a_groups_gradient_gemm_is_quantized_matmul_layer_by_layer(fmt, operand):
+    """_quantized_bmm of a stack against quantized_matmul (the training GEMMs' path, not the stacked
+    quantizers), one layer after another from the same generator: stochastic rounding included."""
+    from lightning_snip.divergence import _GradientBits, _quantized_bmm
+    from lightning_snip.gemm import quantized_matmul
+
+    torch.manual_seed(0)
+    rows, out, k = 40, 48, 70  # G: rows x out; dgrad contracts over out (G, W^T), wgrad over rows (G^T, X^T)
+    shapes = [(k, out)] * 3
+    grads = torch.randn(3, rows, out) * torch.tensor([1e-2, 1.0, 50.0]).view(3, 1, 1)
+    others = torch.randn(3, k, out) if operand == "g" else torch.randn(3, k, rows)
+    if operand == "g_t":
+        grads = grads.transpose(1, 2).contiguous()
+    group = ["l0", "l1", "l2"]
+    r = _Round(shapes, torch.Generator().manual_seed(11))
+    r.stats.layers = {fqn: dataclasses.replace(s, x=torch.zeros(rows, k), g=torch.zeros(rows, out))
+                      for fqn, s in r.stats.layers.items()}
+    got = _quantized_bmm(r, grads, others, fmt, group, _GradientBits(r, [(f, fmt) for f in group], operand))
+    generator = torch.Generator().manual_seed(11)
+    for i in range(3):
+        one = quantized_matmul(grads[i], others[i], fmt, recipe=QuantRecipe(), a_is_grad=True, generator=generator,
+                               out_dtype=torch.float32)
+        assert torch.equal(got[i], one), i
 
 
 def _demo():

@@ -24,6 +24,60 @@ def _run(tmp_path, *overrides, timeout=600):
     return subprocess.run(_cmd(tmp_path, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+# Runs of the app that fail their configuration, many to a test: forked from one process that imported the
+# app once (each fresh `python -m lightning_snip.train` spent ~7.5 of its 8 s importing torch and Lightning).
+# A child is a fresh run of the same entry point (cli(), the argv, its own stdout and stderr).
+_FORK_SERVER = r"""
+import json, os, sys, traceback
+import lightning.pytorch
+import lightning_snip.train as app
+for line in sys.stdin:
+    request = json.loads(line)
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            os.dup2(os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        sys.argv = ["snip-train", *request["argv"]]
+        code = 0
+        try:
+            app.cli()
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(code)
+    print(json.dumps(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def forked_app():
+    """forked_app(tmp_path, *overrides): the app's run as _run gives it (returncode, stdout, stderr), forked
+    from a process that imported it once."""
+    import json
+
+    server = subprocess.Popen([sys.executable, "-c", _FORK_SERVER], cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+
+    def run(tmp_path, *overrides):
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        out, err = tmp_path / "app.stdout", tmp_path / "app.stderr"
+        server.stdin.write(json.dumps({"argv": _cmd(tmp_path, *overrides)[3:], "stdout": str(out),
+                                       "stderr": str(err)}) + "\n")
+        server.stdin.flush()
+        reply = server.stdout.readline()
+        assert reply, "the fork server exited"
+        return subprocess.CompletedProcess(_cmd(tmp_path, *overrides), json.loads(reply), out.read_text(),
+                                           err.read_text())
+
+    yield run
+    server.stdin.close()
+    server.wait(timeout=60)
+
+
 def _plan_table(stdout: str) -> str:
     return stdout.split("=== SNIP summary ===", 1)[1].split("steps ", 1)[0]
 
@@ -83,7 +137,7 @@ def test_progress_plan_lines_clean_output_and_summary(tmp_path):
     (["trainer.ckpt_path={folder}"], "trainer.ckpt_path: '{folder}' is a folder but not an FSDP2 checkpoint"),
     (["trainer.precision=64-true"], "trainer.precision: invalid value '64-true'; allowed: 32-true"),
 ])
-def test_configuration_errors_are_one_line_before_training(tmp_path, overrides, message):
+def test_configuration_errors_are_one_line_before_training(tmp_path, overrides, message, forked_app):
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "short.txt").write_bytes(b"x" * 100)
     import torch
@@ -93,13 +147,21 @@ def test_configuration_errors_are_one_line_before_training(tmp_path, overrides, 
     paths = {"empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt", "truncated": tmp_path / "truncated.ckpt",
              "folder": tmp_path}
     overrides = [o.format(**paths) for o in overrides]
-    proc = _run(tmp_path, "trainer.max_steps=4", *overrides)
+    proc = forked_app(tmp_path / "app", "trainer.max_steps=4", *overrides)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message.format(**paths) in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "runs").exists()  # no empty output or version folder left behind
+    assert not (tmp_path / "app" / "runs").exists()  # no empty output or version folder left behind
     if "model.dim=48" in overrides:  # the shape, not a pin, is named as the reason
         assert "no FP4 candidate fits the shape (mxfp4 needs dimensions divisible by 32)" in proc.stderr
+
+
+def test_a_configuration_error_exits_2_from_the_command_line(tmp_path):
+    """The configuration errors above, forked; one of them as `python -m lightning_snip.train` runs it."""
+    proc = _run(tmp_path, "trainer.max_steps=4", "model.dim=0")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.startswith("error: model.dim: invalid value 0; allowed: an integer > 0\n")
+    assert not (tmp_path / "runs").exists()
 
 
 def test_killed_run_resumes_to_the_uninterrupted_runs_plan(tmp_path):
