@@ -196,9 +196,10 @@ def round_cost(device, shapes, lines):
                      f"fp32_operands_round_ms {r['round_seconds_fp32'] * 1e3:.1f} "
                      f"fp32_operands_hp_steps {r['round_seconds_fp32'] / r['hp_step_seconds']:.2f} "
                      f"unbatched_probe8_ungrouped_round_ms {before * 1e3:.1f} unbatched_probe8_ungrouped_hp_steps {before / r['hp_step_seconds']:.2f} "
-                     f"ungrouped_round_ms {ungrouped * 1e3:.1f} ungrouped_hp_steps {ungrouped / r['hp_step_seconds']:.2f} "
-                     f"peak_extra_mib hp_step {r['hp_step_peak_extra_mib']:.0f} round {r['round_peak_extra_mib']:.0f} "
-                     f"ungrouped_round {dict(r['variants_peak_extra_mib'])[ungrouped_v.name]:.0f}")
+                     f"ungrouped_round_ms {ungrouped * 1e3:.1f} ungrouped_hp_steps {ungrouped / r['hp_step_seconds']:.2f}"
+                     + (f" peak_extra_mib hp_step {r['hp_step_peak_extra_mib']:.0f} round {r['round_peak_extra_mib']:.0f} "
+                        f"ungrouped_round {dict(r['variants_peak_extra_mib'])[ungrouped_v.name]:.0f}"
+                        if "round_peak_extra_mib" in r else ""))  # (GPU memory: on a GPU only)
         print(lines[-1], flush=True)
 
 
