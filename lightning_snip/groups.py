@@ -21,7 +21,7 @@ from lightning_snip.quantize import fake_quantize
 MAX_GROUP_LAYERS = 16
 # The most bytes a group's stacked round tensors hold at once (working_bytes, summed over its layers); a layer
 # over it is a group of its own. The layer-by-layer round holds one layer's; stacked, a group holds up to
-# this much more: a bound that does not grow with the model (16 layers of width 4096 would be ~10 GiB).
+# this much more: a bound that does not grow with the model (16 layers of width 4096 would hold 3.6-17 GiB).
 MAX_GROUP_BYTES = 1 << 30
 
 
