@@ -698,6 +698,9 @@ def _quantized_bmm(r: _RoundInputs, grads: torch.Tensor, others: torch.Tensor, f
     rounding of the gradients from ``bits``, in one stacked quantizer call and one bmm. A native kernel, or
     the reference quantizers, run layer by layer and draw for themselves."""
     rounding = operand_rounding(fmt, r.recipe, True)
+    # (The layer-order draws of ``bits`` hold while nothing else draws from r.generator between its takes: a
+    # native kernel's own draws below come from formats that never take bits, all of one device's layers
+    # having the same kernel per format, and the reference quantizers take none.)
     if kernel_for(fmt, grads.device) is not Kernel.EMULATED or (
             rounding is Rounding.STOCHASTIC and not bits.draws((group[0], fmt))):
         return stack([quantized_matmul(a, b, fmt, recipe=r.recipe, a_is_grad=True, generator=r.generator,

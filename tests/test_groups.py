@@ -4,6 +4,7 @@ groups gives the round of one layer at a time, on the demo model and on a Huggin
 
 import contextlib
 import dataclasses
+import inspect
 import json
 from collections.abc import Mapping
 
@@ -103,7 +104,9 @@ class _Stats:
 def test_layer_groups_by_shape_in_order_and_chunked():
     stats = _Stats([(4, 4), (4, 8), (4, 4), (8, 4), (4, 4), (4, 8), (4, 4)])
     assert layer_groups(stats, stats.layers, "training") == [["l0", "l2", "l4", "l6"], ["l1", "l5"], ["l3"]]
-    assert layer_groups(stats, stats.layers, "training", max_layers=3) == [["l0", "l2", "l4"], ["l6"], ["l1", "l5"], ["l3"]]
+    # a shape's chunks in the order of their first member too (a group draws the bits of the layers before its
+    # last member: _GradientBits)
+    assert layer_groups(stats, stats.layers, "training", max_layers=3) == [["l0", "l2", "l4"], ["l1", "l5"], ["l3"], ["l6"]]
     assert layer_groups(stats, stats.layers, "training", max_layers=1) == [[fqn] for fqn in stats.layers]
     by_formats = layer_groups(stats, stats.layers, "training", extra_key=lambda fqn: fqn in ("l0", "l2"))
     assert by_formats == [["l0", "l2"], ["l1", "l5"], ["l3"], ["l4", "l6"]]
@@ -128,6 +131,7 @@ def test_working_bytes_prices_operands_and_weight_copies():
     s = _Stats([(4, 8)]).layers["l0"]  # X 8 x 4, G 8 x 8, W 8 x 4
     assert working_bytes(s, 2) == 4 * (3 * (32 + 64) + 5 * 32)
     assert MAX_GROUP_BYTES == 1 << 30
+    assert inspect.signature(layer_groups).parameters["max_bytes"].default == MAX_GROUP_BYTES
 
 
 def test_a_rounds_groups_are_capped_by_their_working_bytes(monkeypatch):
@@ -138,6 +142,7 @@ def test_a_rounds_groups_are_capped_by_their_working_bytes(monkeypatch):
     seen, real = [], div.layer_groups
 
     def spy(*args, layer_bytes, **kw):
+        assert "max_bytes" not in kw  # the default: MAX_GROUP_BYTES
         groups = real(*args, layer_bytes=layer_bytes, max_bytes=min(layer_bytes(f) for f in args[1]), **kw)
         seen.append(groups)
         return groups
@@ -191,6 +196,22 @@ def test_groups_of_one_hold_one_layers_bits():
     for key in keys:
         bits.take([key])
         assert not bits._drawn and bits._next == keys.index(key) + 1
+
+
+def test_interleaved_groups_hold_the_bits_of_few_other_layers():
+    """Blocks of q, k, o, down (q and o of one shape): groups of 4 in the order of their first member draw
+    ahead, and hold, at most 6 other layers' bits (shape by shape, the q/o groups first, it was 15: every
+    k and down layer's before the last q/o group)."""
+    from lightning_snip.divergence import _GradientBits
+
+    r = _Round([(32, 64), (32, 32), (32, 64), (64, 32)] * 8, torch.Generator().manual_seed(0))
+    fqns = list(r.stats.layers)
+    bits = _GradientBits(r, [(fqn, Format.MXFP4) for fqn in fqns], "g")
+    held = []
+    for group in layer_groups(r.stats, fqns, "training", max_layers=4):
+        bits.take([(fqn, Format.MXFP4) for fqn in group])
+        held.append(len(bits._drawn))
+    assert max(held) == 6 and held[-1] == 0
 
 
 @pytest.mark.parametrize("fmt", ALL)

@@ -1,5 +1,6 @@
 """The Hydra app as a user runs it: a subprocess per run (few steps, a small model)."""
 
+import os
 import re
 import shutil
 import signal
@@ -38,12 +39,15 @@ for line in sys.stdin:
     if pid == 0:
         for fd, name in ((1, "stdout"), (2, "stderr")):
             os.dup2(os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # (not the requests' pipe)
         sys.argv = ["snip-train", *request["argv"]]
         code = 0
         try:
             app.cli()
         except SystemExit as exit_:
             code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+            if not isinstance(exit_.code, int) and exit_.code is not None:
+                print(exit_.code, file=sys.stderr)  # as the interpreter prints it
         except BaseException:
             traceback.print_exc()
             code = 1
@@ -59,15 +63,26 @@ def forked_app():
     from a process that imported it once."""
     import json
 
+    # (its own process group: killed whole, with a hanging child, on a timeout)
     server = subprocess.Popen([sys.executable, "-c", _FORK_SERVER], cwd=ROOT, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
 
-    def run(tmp_path, *overrides):
+    def kill():
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+    def run(tmp_path, *overrides, timeout=300):
+        import select
+
         tmp_path.mkdir(parents=True, exist_ok=True)
         out, err = tmp_path / "app.stdout", tmp_path / "app.stderr"
         server.stdin.write(json.dumps({"argv": _cmd(tmp_path, *overrides)[3:], "stdout": str(out),
                                        "stderr": str(err)}) + "\n")
         server.stdin.flush()
+        if not select.select([server.stdout], [], [], timeout)[0]:  # a child that hangs: fail, do not wait on
+            kill()
+            pytest.fail(f"the app's run did not end within {timeout} s: {overrides}; its stderr: "
+                        f"{err.read_text()[-3000:] if err.exists() else ''}")
         reply = server.stdout.readline()
         assert reply, "the fork server exited"
         return subprocess.CompletedProcess(_cmd(tmp_path, *overrides), json.loads(reply), out.read_text(),
@@ -75,7 +90,10 @@ def forked_app():
 
     yield run
     server.stdin.close()
-    server.wait(timeout=60)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        kill()
 
 
 def _plan_table(stdout: str) -> str:
@@ -157,10 +175,12 @@ def test_configuration_errors_are_one_line_before_training(tmp_path, overrides, 
 
 
 def test_a_configuration_error_exits_2_from_the_command_line(tmp_path):
-    """The configuration errors above, forked; one of them as `python -m lightning_snip.train` runs it."""
-    proc = _run(tmp_path, "trainer.max_steps=4", "model.dim=0")
+    """The configuration errors above, forked; one of them as `python -m lightning_snip.train` runs it (one
+    that Hydra's main raises, after the command line's own checks)."""
+    proc = _run(tmp_path, "trainer.max_steps=4", "trainer.strategy=nonsense")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert proc.stderr.startswith("error: model.dim: invalid value 0; allowed: an integer > 0\n")
+    assert proc.stderr.startswith("error: trainer: Lightning rejects these trainer settings (strategy='nonsense'")
+    assert proc.stderr.endswith("(HYDRA_FULL_ERROR=1 shows the traceback)\n")
     assert not (tmp_path / "runs").exists()
 
 
