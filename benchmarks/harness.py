@@ -503,6 +503,11 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
             if unbatched:  # (a model that fell back on its own stays unbatched)
                 unbatch_probes(model, False)
 
+    def variant_round(v: RoundVariant):
+        """The round of variant ``v`` on the batch, as a callable (timed, counted, measured)."""
+        return lambda: round_on(batch, Propagation.PROBE, v.probes, unbatched=v.unbatched,
+                                curvature_8bit=v.curvature_8bit, group_layers=v.group_layers)
+
     # Adam state and every compiled quantizer kernel, on a tiny batch (no large temporaries yet).
     step(tiny, Format.BF16)
     step(tiny, Format.MXFP4)
@@ -520,9 +525,7 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
         out["round_extra_mib"] = peak_rise(lambda: round_on(batch, Propagation.PROBE))
         if exact:
             out["round_extra_mib_exact"] = peak_rise(lambda: round_on(batch, Propagation.EXACT))
-        out["round_extra_mib_variants"] = [[v.name, peak_rise(lambda: round_on(
-            batch, Propagation.PROBE, v.probes, unbatched=v.unbatched, curvature_8bit=v.curvature_8bit,
-            group_layers=v.group_layers))] for v in variants]
+        out["round_extra_mib_variants"] = [[v.name, peak_rise(variant_round(v))] for v in variants]
         return out
     if mode == "ops":
         def warm_count(fn) -> int:  # the second call: the first one's compilations (new shapes) dispatch ops too
@@ -531,9 +534,7 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
 
         out["ops_hp_step"] = warm_count(lambda: step(batch, Format.BF16))
         out["ops_round"] = warm_count(lambda: round_on(batch, Propagation.PROBE))
-        out["ops_variants"] = [[v.name, warm_count(lambda: round_on(
-            batch, Propagation.PROBE, v.probes, unbatched=v.unbatched, curvature_8bit=v.curvature_8bit,
-            group_layers=v.group_layers))] for v in variants]
+        out["ops_variants"] = [[v.name, warm_count(variant_round(v))] for v in variants]
         return out
 
     def timed(fn) -> float:
@@ -554,8 +555,7 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
         if fp32_round:
             fp32_times.append(timed(lambda: round_on(batch, Propagation.PROBE, precision=RoundPrecision.FP32)))
         for v, times in variant_times.items():
-            times.append(timed(lambda: round_on(batch, Propagation.PROBE, v.probes, unbatched=v.unbatched,
-                                                curvature_8bit=v.curvature_8bit, group_layers=v.group_layers)))
+            times.append(timed(variant_round(v)))
         if exact:
             exact_times.append(timed(lambda: round_on(batch, Propagation.EXACT)))
     out["hp_step_seconds"] = statistics.median(hp)
@@ -577,7 +577,5 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
 
         out["hp_step_peak_extra_mib"] = peak_extra_mib(lambda: step(batch, Format.BF16))
         out["round_peak_extra_mib"] = peak_extra_mib(lambda: round_on(batch, Propagation.PROBE))
-        out["variants_peak_extra_mib"] = [[v.name, peak_extra_mib(lambda: round_on(
-            batch, Propagation.PROBE, v.probes, unbatched=v.unbatched, curvature_8bit=v.curvature_8bit,
-            group_layers=v.group_layers))] for v in variants]
+        out["variants_peak_extra_mib"] = [[v.name, peak_extra_mib(variant_round(v))] for v in variants]
     return out

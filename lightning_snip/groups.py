@@ -49,33 +49,31 @@ def layer_groups(stats, fqns: Iterable[str], precision, *, max_layers: int = MAX
     device) agree and whose rows split into the same samples, so that they stack; ``extra_key``: fqn ->
     a further key to agree on (the formats a layer is measured in); ``layer_bytes``: fqn -> its part of a
     group's memory (working_bytes), the group's sum at most ``max_bytes`` (a layer over it alone). Groups
-    (a shape's chunks too) come in the order of their first member, members in ``fqns``'s order. With ``max_layers`` 1, and under
-    FSDP2 (each weight is all-gathered alone, in the same order on every rank), each layer is a group of its
-    own, in ``fqns``'s order."""
+    (a shape's later ones too) come in the order of their first member, members in ``fqns``'s order. With
+    ``max_layers`` 1, and under FSDP2 (each weight is all-gathered alone, in the same order on every rank),
+    each layer is a group of its own, in ``fqns``'s order."""
     if max_layers < 1:
         raise ValueError(f"max_layers: invalid value {max_layers!r}; allowed: an integer >= 1")
-    fqns_list = list(fqns)
     if max_layers == 1 or stats.sharded:
-        return [[fqn] for fqn in fqns_list]
-    groups: dict[Hashable, list[list[str]]] = {}
-    held: dict[Hashable, int] = {}  # the bytes of each key's last chunk
-    for fqn in fqns_list:
+        return [[fqn] for fqn in fqns]
+    # Each group enters the output when it opens, so groups (a shape's later ones too) come in the order of
+    # their first member: the layers between a group's first and last member are drawn for (stochastic
+    # rounding, in layer order) before it runs, so a group waits for few others.
+    out: list[list[str]] = []
+    open_groups: dict[Hashable, tuple[list[str], list[int]]] = {}  # key -> (its last group, [that group's bytes])
+    for fqn in fqns:
         s = stats.layers[fqn]
         dtype = s.operand_dtype(precision)
         key = (tuple(s.x.shape), tuple(s.g.shape), tuple(s.weight.shape), dtype, s.x.device, s.num_samples,
                s.leading_sample_dim, None if extra_key is None else extra_key(fqn))
         size = 0 if layer_bytes is None else layer_bytes(fqn)
-        chunks = groups.setdefault(key, [[]])
-        if len(chunks[-1]) == max_layers or (chunks[-1] and held[key] + size > max_bytes):
-            chunks.append([])
-        if not chunks[-1]:
-            held[key] = 0
-        chunks[-1].append(fqn)
-        held[key] += size
-    # In the order of their first member: the layers between a group's first and last member are drawn for
-    # (stochastic rounding, in layer order) before it runs, so a group waits for few others.
-    position = {fqn: i for i, fqn in enumerate(fqns_list)}
-    return sorted((chunk for chunks in groups.values() for chunk in chunks), key=lambda chunk: position[chunk[0]])
+        group, held = open_groups.get(key, (None, [0]))
+        if group is None or len(group) == max_layers or held[0] + size > max_bytes:
+            group, held = open_groups[key] = ([], [0])
+            out.append(group)
+        group.append(fqn)
+        held[0] += size
+    return out
 
 
 def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
