@@ -843,7 +843,7 @@ def _probe_propagated(stats: Statistics, adam: Mapping[str, AdamState | None], i
             return None
         return (input_errors[fqn] * tangent).sum(dim=(1, 2)).double().pow(2)
 
-    per_probe, touched = stats.input_tangents(tangents_of, measure, probes)
+    per_probe, touched = stats.input_tangents(tangents_of, measure, probes, layers=input_errors)
     for values in per_probe:  # in probe order, as one pass per probe summed them
         for fqn, value in values.items():
             sums[fqn] += value

@@ -14,7 +14,7 @@ import contextlib
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -218,21 +218,27 @@ class Statistics:
                 for i, n in enumerate(names) if per_vector[0][i] is not None}
 
     def input_tangents(self, tangents_of: Callable[[str, nn.Parameter, range], torch.Tensor],
-                       measure: Callable[[str, torch.Tensor], torch.Tensor], probes: int
-                       ) -> tuple[list[dict[str, torch.Tensor]], set[str]]:
+                       measure: Callable[[str, torch.Tensor], torch.Tensor], probes: int,
+                       layers: Iterable[str] | None = None) -> tuple[list[dict[str, torch.Tensor]], set[str]]:
         """``probes`` forward-mode passes over the slice (Propagation.PROBE), batched into one pass
         where the model allows it (_probe_passes). Each trainable parameter's tangents come from
         ``tangents_of(name, param, which)``, stacked, one per probe of the range ``which`` (called when the
         module owning it runs; a parameter used by two modules must get the same tangents);
         ``measure(fqn, t)`` maps one probe's input tangent t = J_l(tangents) of each layer (rows x k,
         float32) to a tensor, and must be a pure function of t (it runs under torch.func.vmap).
-        Returns, per probe, each layer's measured value, and the names of the parameters that got a
-        tangent."""
+        ``layers``: the layers ``measure`` reads (None: every recorded layer); once the last of them
+        has been read, the rest of the pass (the LM head, the loss) runs without tangents: nothing it
+        computes reaches a measured input. Returns, per probe, each layer's measured value, and the
+        names of the parameters that got a tangent or ran only after the last measured layer."""
         if self._probe is None:
             raise RuntimeError("statistics: input_tangents needs collect_stats(..., propagation=Propagation.PROBE)")
         if probes < 1:
             raise ValueError(f"probes: invalid value {probes!r}; allowed: an integer >= 1")
-        return self._probe(tangents_of, measure, probes)
+        wanted = frozenset(self.layers if layers is None else layers)
+        unknown = sorted(wanted - set(self.layers))
+        if unknown:
+            raise ValueError(f"layers: {unknown[:5]} were not recorded; allowed: the recorded layers ({len(self.layers)})")
+        return self._probe(tangents_of, measure, probes, wanted)
 
     def output_grads_with_noise(self, noise: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Re-run the slice with ``noise[fqn]`` (rows x m) added to each layer's output; return the
@@ -292,10 +298,10 @@ def collect_stats(
     passes = _Passes(model, loss_fn, layers, p, weight_names, _RandomStreams.capture(model), propagation, loss_scale)
     loss, inputs, out_grads, param_grads, recomputed, recorded_calls = passes.run(None, record=True)
 
-    def probe(tangents_of, measure, probes):
+    def probe(tangents_of, measure, probes, wanted):
         try:
             run = functools.partial(_forward_mode_pass, model, loss_fn, layers, p.trainable_owners, passes.rng_states,
-                                    recorded_calls=recorded_calls, measure=measure)
+                                    recorded_calls=recorded_calls, measure=measure, wanted=wanted)
             return _probe_passes(model, run, tangents_of, probes, batched=not sharded)
         finally:
             _reshard(model)  # the probe pass has no backward: FSDP2 keeps its root unsharded after it
@@ -554,7 +560,7 @@ def _probe_passes(model, run, tangents_of, probes: int, *, batched: bool) -> tup
 
 
 def _forward_mode_pass(model, loss_fn, layers, owner_names, rng_states, tangent_of, *, measure, recorded_calls,
-                       dual_level: bool = True) -> tuple[dict[str, torch.Tensor], set[str]]:
+                       wanted: frozenset[str], dual_level: bool = True) -> tuple[dict[str, torch.Tensor], set[str]]:
     """One probe pass: ``loss_fn`` once under forward-mode AD (no backward, no graph); returns each
     layer's ``measure`` of its input tangent and the names of the parameters that got a tangent.
 
@@ -562,7 +568,13 @@ def _forward_mode_pass(model, loss_fn, layers, owner_names, rng_states, tangent_
     (primal: the parameter, tangent: ``tangent_of``) while the module runs, so tangents exist one
     module's parameters at a time. Attention runs in SDPA's math kernel: the fused CPU and CUDA
     kernels have no forward-mode derivative. ``dual_level`` False: inside a forward-AD level the
-    caller opened (_probe_passes' batched pass)."""
+    caller opened (_probe_passes' batched pass).
+
+    Once every layer of ``wanted`` has been measured, the modules that run after it get no tangents
+    and their inputs' tangents are dropped: the rest of the pass (on SmolLM2 the 49152-wide LM head
+    and its loss, 4 tangents each) runs as a plain forward, and the measured values are the same bit
+    for bit. torch has no way to end a forward early inside torch.func.vmap (its values leave only
+    as the function's return), so the pass still runs to the loss."""
     import torch.autograd.forward_ad as fwAD
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -570,11 +582,16 @@ def _forward_mode_pass(model, loss_fn, layers, owner_names, rng_states, tangent_
     touched: set[str] = set()
     values: dict[str, torch.Tensor] = {}
 
+    pending = set(wanted)  # wanted layers not measured yet
+
     def swap_in(module, args):
         saved = swapped.setdefault(id(module), [])
         for attr, p in list(module._parameters.items()):
             name = owner_names.get((id(module), attr)) if p is not None else None
             if name is None:
+                continue
+            if not pending:  # after the last measured layer: its tangent cannot reach a measured input
+                touched.add(name)
                 continue
             tangent = tangent_of(name, p)
             module._parameters[attr] = fwAD.make_dual(p.detach(), tangent.to(p.dtype))
@@ -588,7 +605,7 @@ def _forward_mode_pass(model, loss_fn, layers, owner_names, rng_states, tangent_
     calls: dict[str, int] = {}
 
     def make_layer_hook(fqn, in_features):
-        def hook(module, args, output):
+        def hook(module, args):  # before the layer runs: the last measured one's own output needs no tangent
             calls[fqn] = calls.get(fqn, 0) + 1
             if calls[fqn] != recorded_calls.get(fqn, 1):
                 return  # a layer called several times: the recording pass kept its last call's X
@@ -597,17 +614,31 @@ def _forward_mode_pass(model, loss_fn, layers, owner_names, rng_states, tangent_
                 value = measure(fqn, tangent.reshape(-1, in_features).float())
                 if value is not None:
                     values[fqn] = value
+            pending.discard(fqn)
 
         return hook
 
+    def primal(value):
+        return fwAD.unpack_dual(value).primal if isinstance(value, torch.Tensor) else value
+
+    def drop_tangents(module, args, kwargs):
+        if pending:
+            return None
+        return torch.utils._pytree.tree_map(primal, (args, kwargs))
+
     owners = list({id(m): m for m in model.modules() if any((id(m), a) in owner_names for a in m._parameters)}.values())
     with contextlib.ExitStack() as stack:
+        # A module's pre-hooks in this order, after any of its own (FSDP2's all-gather and input casts: a
+        # layer's input as the recording pass saw it): measure a layer's input, drop tangents, swap in duals.
+        for fqn, layer in layers.items():
+            stack.callback(layer.register_forward_pre_hook(make_layer_hook(fqn, layer.in_features)).remove)
+        if wanted:
+            for module in model.modules():
+                stack.callback(module.register_forward_pre_hook(drop_tangents, with_kwargs=True).remove)
         for module in owners:
             stack.callback(module.register_forward_pre_hook(swap_in).remove)
             # First among the module's post-forward hooks: FSDP2's reshards after it.
             stack.callback(module.register_forward_hook(restore, prepend=True, always_call=True).remove)
-        for fqn, layer in layers.items():
-            stack.callback(layer.register_forward_hook(make_layer_hook(fqn, layer.in_features)).remove)
         try:
             with (torch.no_grad(), fwAD.dual_level() if dual_level else contextlib.nullcontext(),
                   sdpa_kernel([SDPBackend.MATH]), high_precision(layers), rng_states.replayed()):

@@ -596,8 +596,8 @@ def test_probe_signs_are_independent_across_parameters_and_probes():
     stats = collect_stats(model, lambda: model(x).pow(2).mean(), layers=layers)
     tangent_fns = []
     real = stats.input_tangents
-    stats.input_tangents = lambda tangents_of, measure, probes: tangent_fns.append(tangents_of) or real(
-        tangents_of, measure, probes)
+    stats.input_tangents = lambda tangents_of, measure, probes, **kw: tangent_fns.append(tangents_of) or real(
+        tangents_of, measure, probes, **kw)
     estimate_divergence(stats, [Format.MXFP4], noise_draws=0, probes=2, generator=torch.Generator().manual_seed(0))
     params = dict(model.named_parameters())
     a, other_probe = tangent_fns[0]("mids.0.weight", params["mids.0.weight"], range(2))

@@ -159,3 +159,73 @@ def test_under_bf16_autocast_batched_probes_agree_to_bf16_rounding():
                 / max(abs(results[False][f].wd_propagated[m]), 1e-30) for f in layers for m in (Format.FP8, Format.MXFP4))
     assert worst < 0.05
     assert all(results[True][f].loss_divergence == results[False][f].loss_divergence for f in layers)
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "one_pass_per_probe"])
+def test_the_pass_runs_without_tangents_after_the_last_measured_layer(batched, caplog):
+    """The LM head pinned to bf16 is measured by no format: the probe pass drops its tangents after the
+    last block's down_proj, so the head's output (4 x the logits' tangents on SmolLM2) carries none, and
+    every measured value is the same bit for bit as a pass that carries them to the loss."""
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    model, loss_fn = _hf_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        opt.zero_grad()
+        loss_fn().backward()
+        opt.step()
+    layers = convert_linears(model, pins={"*lm_head": "bf16"})
+    head_tangents: list[bool] = []
+    probing = []
+
+    def head_hook(module, args, output):
+        if probing:
+            head_tangents.append(fwAD.unpack_dual(output).tangent is not None)
+
+    model.lm_head.register_forward_hook(head_hook)
+
+    def round_(to_the_loss: bool):
+        if not batched:
+            stats_module._unbatched_models.add(model)
+        stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
+        probe = stats._probe
+
+        def traced(tangents_of, measure, probes, wanted):
+            probing.append(1)
+            try:  # a layer never called: the pass carries tangents to the loss, as before 2026-12-03
+                return probe(tangents_of, measure, probes, wanted | {"<never called>"} if to_the_loss else wanted)
+            finally:
+                probing.clear()
+
+        stats._probe = traced
+        try:
+            return estimate_divergence(stats, [Format.MXFP4], noise_draws=0, probes=4,
+                                       generator=torch.Generator().manual_seed(3)).layers
+        finally:
+            stats.release()
+            stats_module._unbatched_models.discard(model)
+
+    with caplog.at_level(logging.WARNING, logger="lightning_snip"):
+        full = round_(to_the_loss=True)
+        assert head_tangents and all(head_tangents)  # the check sees tangents where there are some
+        head_tangents.clear()
+        cut = round_(to_the_loss=False)
+    assert head_tangents and not any(head_tangents), head_tangents
+    # the head's and the final norm's parameters count as reached: no "were not used" warning
+    assert not [r for r in caplog.records if "were not used" in r.getMessage()]
+    measured = [fqn for fqn in layers if fqn != "lm_head"]
+    assert any(cut[fqn].wd_propagated[Format.MXFP4] > 0 for fqn in measured)
+    for fqn in measured:
+        assert cut[fqn].wd_propagated[Format.MXFP4] == full[fqn].wd_propagated[Format.MXFP4], fqn
+        assert cut[fqn].wd_propagated_stderr[Format.MXFP4] == full[fqn].wd_propagated_stderr[Format.MXFP4], fqn
+
+
+def test_input_tangents_names_a_layer_it_did_not_record():
+    model, loss_fn, opt, layers = _trained(_demo)
+    stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
+    try:
+        with pytest.raises(ValueError, match=r"layers: \['nope'\] were not recorded"):
+            stats.input_tangents(lambda *a: None, lambda *a: None, 2, layers=["nope"])
+    finally:
+        stats.release()
