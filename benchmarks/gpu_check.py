@@ -249,7 +249,7 @@ def _round_profile(device, lines, width, blocks, precision):
         torch.manual_seed(0)
         cfg = SNIPConfig()
         model = TinyLlama(harness.model_config(width, blocks)).to(device)
-        layers = convert_linears(model)
+        layers = convert_linears(model, pins=cfg.pin_formats)  # the LM head in bf16, as SNIPCallback's default
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         tokens = torch.randint(0, 256, (harness.BATCH, harness.SEQ_LEN + 1), device=device)
         sliced = slice_batch((tokens[:, :-1], tokens[:, 1:]), cfg.max_rows)
@@ -267,7 +267,8 @@ def _round_profile(device, lines, width, blocks, precision):
                 harness.estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
                                                noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator,
                                                probes=cfg.wd_probes, curvature_probe=cfg.curvature_probe,
-                                               precision=precision, generator=torch.Generator(device=device).manual_seed(0))
+                                               precision=precision, generator=torch.Generator(device=device).manual_seed(0),
+                                               allowed=harness.measured_formats(layers))
             finally:
                 stats.release()
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from scipy.stats import spearmanr
 
 from lightning_snip.config import SNIPConfig
+from lightning_snip.controller import measured_formats
 from lightning_snip.convert import convert_linears
 from lightning_snip.demo.model import LlamaConfig, TinyLlama
 from lightning_snip.divergence import estimate_divergence
@@ -400,13 +401,16 @@ class RoundVariant(NamedTuple):
     # None: the device's default (1 on a CPU, MAX_GROUP_LAYERS on a GPU); 1: each layer's quantizers and GEMMs
     # alone (everywhere before 2026-12-03); MAX_GROUP_LAYERS: stacked with the layers of its shape
     group_layers: int | None = None
+    # the pinned LM head measured in every format too (before 2026-12-03 afternoon; measured_formats)
+    pinned_measured: bool = False
 
     @property
     def name(self) -> str:
-        """e.g. "4+unbatched+probe8+ungrouped" (benchmarks/stats_cost.py's --variants)."""
+        """e.g. "4+unbatched+probe8+ungrouped+pinned" (benchmarks/stats_cost.py's --variants)."""
         grouping = {None: "", 1: "+ungrouped", MAX_GROUP_LAYERS: "+grouped"}.get(self.group_layers,
                                                                                 f"+group{self.group_layers}")
-        return f"{self.probes}{'+unbatched' if self.unbatched else ''}{'+probe8' if self.curvature_8bit == 'probe' else ''}{grouping}"
+        return (f"{self.probes}{'+unbatched' if self.unbatched else ''}{'+probe8' if self.curvature_8bit == 'probe' else ''}"
+                f"{grouping}{'+pinned' if self.pinned_measured else ''}")
 
 
 # aten operations that launch no kernel on a GPU: views, metadata, allocations (count_kernel_ops)
@@ -457,7 +461,7 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
     torch.manual_seed(seed)
     cfg = SNIPConfig()
     model = TinyLlama(model_config(width, blocks)).to(device)
-    layers = convert_linears(model)
+    layers = convert_linears(model, pins=cfg.pin_formats)  # the LM head pinned to bf16, as SNIPCallback's default
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     vocab = model.config.vocab_size if hasattr(model, "config") else 256
     tokens = torch.randint(0, 256, (BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(seed)).to(device)
@@ -483,7 +487,8 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
 
     def round_on(b, propagation: Propagation, probes: int = cfg.wd_probes,
                  precision: RoundPrecision = RoundPrecision.TRAINING, unbatched: bool = False,
-                 curvature_8bit: str = cfg.curvature_8bit.value, group_layers: int | None = None):
+                 curvature_8bit: str = cfg.curvature_8bit.value, group_layers: int | None = None,
+                 pinned_measured: bool = False):
         sliced = slice_batch(b, cfg.max_rows)
         if unbatched:  # the probes one forward-mode pass each (the round before 2026-12-02, night)
             unbatch_probes(model)
@@ -497,7 +502,8 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
             estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
                                 noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator, probes=probes,
                                 curvature_probe=cfg.curvature_probe, precision=precision, curvature_8bit=curvature_8bit,
-                                group_layers=group_layers, generator=torch.Generator(device=device).manual_seed(seed))
+                                group_layers=group_layers, generator=torch.Generator(device=device).manual_seed(seed),
+                                allowed=None if pinned_measured else measured_formats(layers))
         finally:
             stats.release()
             if unbatched:  # (a model that fell back on its own stays unbatched)
@@ -506,7 +512,8 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
     def variant_round(v: RoundVariant):
         """The round of variant ``v`` on the batch, as a callable (timed, counted, measured)."""
         return lambda: round_on(batch, Propagation.PROBE, v.probes, unbatched=v.unbatched,
-                                curvature_8bit=v.curvature_8bit, group_layers=v.group_layers)
+                                curvature_8bit=v.curvature_8bit, group_layers=v.group_layers,
+                                pinned_measured=v.pinned_measured)
 
     # Adam state and every compiled quantizer kernel, on a tiny batch (no large temporaries yet).
     step(tiny, Format.BF16)

@@ -35,6 +35,7 @@ import torch
 from harness import reset_peak, rss_mib
 
 from lightning_snip.config import SNIPConfig
+from lightning_snip.controller import measured_formats
 from lightning_snip.convert import convert_linears
 from lightning_snip.demo.lightning import ByteTextDataModule, CausalLM
 from lightning_snip.divergence import estimate_divergence
@@ -45,8 +46,11 @@ from lightning_snip.stats import collect_stats, high_precision, slice_batch, unb
 FORMATS = (Format.BF16, Format.FP8, Format.MXFP4, Format.NVFP4)
 ROUND_SETTINGS = {"preset": SNIPConfig(max_rows=256), "default": SNIPConfig(),
                   # the preset's round of 2026-12-02 afternoon: fp8's own curvature passes, one pass per WD probe
-                  "preset_before": SNIPConfig(max_rows=256, curvature_8bit="probe")}
+                  "preset_before": SNIPConfig(max_rows=256, curvature_8bit="probe"),
+                  # the preset's round before 2026-12-03 afternoon: the pinned LM head measured in every format too
+                  "preset_pinned": SNIPConfig(max_rows=256)}
 UNBATCHED = {"preset_before"}
+PINNED_MEASURED = {"preset_before", "preset_pinned"}
 
 
 def main() -> None:
@@ -57,7 +61,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", default="preset,default",
                         help="round settings to time: preset, default, preset_before (the preset's round before "
-                             "2026-12-02 night: fp8 probed, one pass per WD probe)")
+                             "2026-12-02 night: fp8 probed, one pass per WD probe), preset_pinned (the preset's round "
+                             "before 2026-12-03 afternoon: the pinned LM head measured in every format)")
     parser.add_argument("--runs", type=int, default=51, help="quality runs per session (16 policies x 3 seeds + 3 bf16)")
     parser.add_argument("--session-minutes", type=float, default=150.0)
     parser.add_argument("--evals", type=int, default=2, help="held-out evaluations per quality run")
@@ -107,7 +112,8 @@ def main() -> None:
             estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
                                 noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator, probes=cfg.wd_probes,
                                 curvature_probe=cfg.curvature_probe, curvature_8bit=cfg.curvature_8bit,
-                                generator=torch.Generator().manual_seed(0))
+                                generator=torch.Generator().manual_seed(0),
+                                allowed=None if name in PINNED_MEASURED else measured_formats(layers))
         finally:
             stats.release()
             if name in UNBATCHED:  # (a model that fell back on its own stays unbatched)

@@ -60,17 +60,19 @@ def parse_variants(text: str) -> list[RoundVariant]:
     forward-mode pass each (``unbatched``) instead of batched in one, the 8-bit formats' curvature
     (``probe8``: curvature_8bit=probe, their own error-probe passes) and whether each layer's quantizers and
     GEMMs run alone (``ungrouped``: group_layers=1) or stacked with the layers of its shape (``grouped``:
-    MAX_GROUP_LAYERS); neither: the device's default."""
+    MAX_GROUP_LAYERS); neither: the device's default; ``pinned``: the LM head, pinned to bf16, measured in every
+    format too (the round before 2026-12-03 afternoon)."""
     out = []
     for item in filter(None, text.split(",")):
         count, *flags = item.split("+")
-        if (not count.isdigit() or int(count) < 1 or not set(flags) <= {"unbatched", "probe8", "ungrouped", "grouped"}
+        if (not count.isdigit() or int(count) < 1 or not set(flags) <= {"unbatched", "probe8", "ungrouped", "grouped", "pinned"}
                 or {"ungrouped", "grouped"} <= set(flags)):
             raise SystemExit(f"--variants: invalid item {item!r}; allowed: a number of probes >= 1, optionally "
-                             "followed by +unbatched, +probe8 and/or one of +ungrouped, +grouped, e.g. "
-                             "8,4+grouped,4+unbatched+probe8+ungrouped")
+                             "followed by +unbatched, +probe8, +pinned and/or one of +ungrouped, +grouped, e.g. "
+                             "8,4+grouped,4+unbatched+probe8+ungrouped+pinned")
         grouping = 1 if "ungrouped" in flags else MAX_GROUP_LAYERS if "grouped" in flags else None
-        out.append(RoundVariant(int(count), "unbatched" in flags, "probe" if "probe8" in flags else "transfer", grouping))
+        out.append(RoundVariant(int(count), "unbatched" in flags, "probe" if "probe8" in flags else "transfer", grouping,
+                                "pinned" in flags))
     return out
 
 

@@ -489,6 +489,16 @@ def log_setup(config: SNIPConfig, layers: Mapping[str, SNIPLinear], device, max_
 # ---------------------------------------------------------------------- the round's parts
 
 
+def measured_formats(layers: Mapping[str, SNIPLinear]) -> dict[str, frozenset[Format]]:
+    """fqn -> the formats a round measures the layer in: those its shape allows, and a pinned layer only
+    in its pin (bf16: none). A plan never moves a pinned layer, so its other formats' LD and WD were
+    never used (the planner, the evidence, the gradient-noise guard skip pinned layers): they read +inf.
+    On SmolLM2, measuring the pinned 49152-wide LM head in fp8 and mxfp4 made the round 1.09x longer
+    (benchmarks/results/smollm2_speed_2026-12-03.md)."""
+    return {fqn: frozenset({layer.pinned}) if layer.pinned is not None else layer.allowed_formats
+            for fqn, layer in layers.items()}
+
+
 def run_statistics_round(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], layers: Mapping[str, SNIPLinear],
                          config: SNIPConfig, *, optimizer=None, loss_scale: float = 1.0,
                          propagation: Propagation | None = None, first_order_history=None,
@@ -515,7 +525,7 @@ def run_statistics_round(model: torch.nn.Module, loss_fn: Callable[[], torch.Ten
                     stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws, noise_scale=cfg.noise_scale,
                     curvature_probe=cfg.curvature_probe, curvature_8bit=cfg.curvature_8bit,
                     loss_estimator=cfg.loss_estimator, first_order_history=first_order_history or {},
-                    allowed={fqn: layer.allowed_formats for fqn, layer in layers.items()},
+                    allowed=measured_formats(layers),
                     generator=generator() if callable(generator) else generator, probes=cfg.wd_probes,
                     drift_probes=cfg.drift_probes if cfg.pricing is Pricing.HORIZON else 0,
                     group_layers=cfg.round_group_layers,

@@ -48,3 +48,58 @@ def test_a_plain_pytorch_loop_samples_plans_and_switches():
     restored = SNIPController(controller.config)
     restored.load_state_dict(controller.state_dict())
     assert dict(restored.plan) == dict(plan) and restored.aggregate.state_dict() == controller.aggregate.state_dict()
+
+
+def test_a_round_measures_a_pinned_layer_in_its_pin_only():
+    """A plan never moves a pinned layer: the round measures it in its pin (bf16: in no format) and
+    every unpinned layer's deterministic parts (the forward errors, the first-order term of LD) are
+    those of a round that measured every layer in every format."""
+    import math
+
+    import pytest
+
+    from lightning_snip.controller import measured_formats, run_statistics_round
+    from lightning_snip.convert import convert_linears
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+    layers = convert_linears(model, pins={"lm_head": "bf16", "model.layers.0.self_attn.q_proj": "fp8"})
+    assert measured_formats(layers)["lm_head"] == frozenset({Format.BF16})
+    assert measured_formats(layers)["model.layers.0.self_attn.q_proj"] == frozenset({Format.FP8})
+    assert measured_formats(layers)["model.layers.1.mlp.down_proj"] == layers["model.layers.1.mlp.down_proj"].allowed_formats
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 256, (2, 17))
+
+    def loss_fn():
+        return F.cross_entropy(model(input_ids=tokens[:, :-1]).logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
+
+    loss_fn().backward()
+    opt.step()
+    cfg = SNIPConfig(noise_draws=1)  # candidates fp8, mxfp4
+    result = run_statistics_round(model, loss_fn, layers, cfg, optimizer=opt,
+                                  generator=torch.Generator().manual_seed(0)).layers
+    head, q0 = result["lm_head"], result["model.layers.0.self_attn.q_proj"]
+    assert head.loss_divergence == {Format.BF16: 0.0, Format.FP8: math.inf, Format.MXFP4: math.inf}
+    assert head.weight_divergence == {Format.BF16: 0.0, Format.FP8: math.inf, Format.MXFP4: math.inf}
+    assert math.isfinite(q0.weight_divergence[Format.FP8]) and q0.weight_divergence[Format.MXFP4] == math.inf
+    # the same round with every layer measured in every format (as before 2026-12-03)
+    from lightning_snip import controller as controller_module
+
+    every = {fqn: layer.allowed_formats for fqn, layer in layers.items()}
+    original = controller_module.measured_formats
+    controller_module.measured_formats = lambda _: every
+    try:
+        full = run_statistics_round(model, loss_fn, layers, cfg, optimizer=opt,
+                                    generator=torch.Generator().manual_seed(0)).layers
+    finally:
+        controller_module.measured_formats = original
+    assert all(math.isfinite(full["lm_head"].weight_divergence[f]) for f in (Format.FP8, Format.MXFP4))
+    for fqn in layers:
+        if layers[fqn].pinned is None:
+            for fmt in (Format.FP8, Format.MXFP4):
+                assert result[fqn].rel_error_forward[fmt] == full[fqn].rel_error_forward[fmt], (fqn, fmt)
+                assert result[fqn].first_order[fmt] == full[fqn].first_order[fmt], (fqn, fmt)
+                assert math.isfinite(result[fqn].weight_divergence[fmt]) and result[fqn].weight_divergence[fmt] > 0

@@ -99,11 +99,15 @@ def _user_snip(**kw):
 
 
 def _finite_round(snip):
-    """The last round produced finite, non-trivial divergences for every layer's FP4 format."""
+    """The last round produced finite, non-trivial divergences for every unpinned layer's FP4 format (a
+    pinned one is measured in its pin only: the LM head, in bf16 by default, in none)."""
     layers = snip.history[-1]["divergence"]["layers"]
-    wd = [d["weight_divergence"]["mxfp4"] for d in layers.values()]
-    ld = [d["loss_divergence"]["mxfp4"] for d in layers.values()]
-    return all(math.isfinite(v) and v > 0 for v in wd) and all(math.isfinite(v) for v in ld) and any(v != 0 for v in ld)
+    unpinned = [d for fqn, d in layers.items() if snip.layers[fqn].pinned is None]
+    pinned = [d for fqn, d in layers.items() if snip.layers[fqn].pinned is Format.BF16]
+    wd = [d["weight_divergence"]["mxfp4"] for d in unpinned]
+    ld = [d["loss_divergence"]["mxfp4"] for d in unpinned]
+    return (bool(unpinned) and all(math.isfinite(v) and v > 0 for v in wd) and all(math.isfinite(v) for v in ld)
+            and any(v != 0 for v in ld) and all(d["weight_divergence"]["mxfp4"] == math.inf for d in pinned))
 
 
 # ---------------------------------------------------------------- mixed precision
