@@ -503,7 +503,8 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
                                 noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator, probes=probes,
                                 curvature_probe=cfg.curvature_probe, precision=precision, curvature_8bit=curvature_8bit,
                                 group_layers=group_layers, generator=torch.Generator(device=device).manual_seed(seed),
-                                allowed=None if pinned_measured else measured_formats(layers))
+                                allowed={f: layer.allowed_formats for f, layer in layers.items()} if pinned_measured
+                                else measured_formats(layers))
         finally:
             stats.release()
             if unbatched:  # (a model that fell back on its own stays unbatched)

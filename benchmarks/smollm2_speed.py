@@ -113,7 +113,8 @@ def main() -> None:
                                 noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator, probes=cfg.wd_probes,
                                 curvature_probe=cfg.curvature_probe, curvature_8bit=cfg.curvature_8bit,
                                 generator=torch.Generator().manual_seed(0),
-                                allowed=None if name in PINNED_MEASURED else measured_formats(layers))
+                                allowed=({fqn: layer.allowed_formats for fqn, layer in layers.items()}
+                                         if name in PINNED_MEASURED else measured_formats(layers)))
         finally:
             stats.release()
             if name in UNBATCHED:  # (a model that fell back on its own stays unbatched)

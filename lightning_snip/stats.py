@@ -234,6 +234,8 @@ class Statistics:
             raise RuntimeError("statistics: input_tangents needs collect_stats(..., propagation=Propagation.PROBE)")
         if probes < 1:
             raise ValueError(f"probes: invalid value {probes!r}; allowed: an integer >= 1")
+        if isinstance(layers, str):
+            raise TypeError(f"layers: expected a collection of layer names, got the string {layers!r}")
         wanted = frozenset(self.layers if layers is None else layers)
         unknown = sorted(wanted - set(self.layers))
         if unknown:
@@ -386,6 +388,7 @@ class _Passes:
         outputs: dict[str, torch.Tensor] = {}
         calls: dict[str, int] = {}
         used: dict[str, torch.Tensor] = {}  # name -> the tensor the forward computed with
+        backward: list[bool] = []  # non-empty once the forward has returned
         # Every run (the recording one and each noise re-run) draws the same random numbers (dropout
         # masks), and the training run's streams are left where they were.
         with high_precision(layers), self.rng_states.replayed(), contextlib.ExitStack() as stack:
@@ -393,7 +396,7 @@ class _Passes:
                 stack.enter_context(_shifted_parameters(params, shift))
             for fqn, layer in layers.items():
                 stack.callback(layer.register_forward_hook(self._output_hook(fqn, noise, record, inputs, outputs,
-                                                                             calls)).remove)
+                                                                             calls, backward)).remove)
             if record:
                 owners = self.maps.trainable_owners
                 for module in {id(m): m for m in self.model.modules() if any(
@@ -401,6 +404,7 @@ class _Passes:
                     stack.callback(module.register_forward_pre_hook(self._capture_hook(used)).remove)
             with torch.enable_grad():
                 loss = self.loss_fn()
+            backward.append(True)  # from here on a layer's forward is activation checkpointing's recompute
             missing = [f for f in layers if f not in outputs]
             if missing:
                 raise RuntimeError(f"statistics: layers {missing[:5]} were not called by the loss function")
@@ -434,14 +438,19 @@ class _Passes:
 
         return capture
 
-    def _output_hook(self, fqn: str, noise, record: bool, inputs: dict, outputs: dict, calls: dict):
+    def _output_hook(self, fqn: str, noise, record: bool, inputs: dict, outputs: dict, calls: dict, backward: list):
         def hook(module, args, output):
+            if noise is not None and fqn in noise:
+                output = output + noise[fqn].reshape(output.shape).to(output.dtype)
+            if backward:
+                # Activation checkpointing's recompute during the backward: the same noise (its graph is
+                # the forward's), but no second call counted (the probe pass, which has no backward, would
+                # wait for it and never measure the layer: WD's propagated term was 0) and no X replaced.
+                return output
             inputs[fqn] = args[0]
             calls[fqn] = calls.get(fqn, 0) + 1
             if record:
                 self.compute_dtypes[fqn] = output.dtype
-            if noise is not None and fqn in noise:
-                output = output + noise[fqn].reshape(output.shape).to(output.dtype)
             outputs[fqn] = output
             return output
 
@@ -562,7 +571,8 @@ def _probe_passes(model, run, tangents_of, probes: int, *, batched: bool) -> tup
 def _forward_mode_pass(model, loss_fn, layers, owner_names, rng_states, tangent_of, *, measure, recorded_calls,
                        wanted: frozenset[str], dual_level: bool = True) -> tuple[dict[str, torch.Tensor], set[str]]:
     """One probe pass: ``loss_fn`` once under forward-mode AD (no backward, no graph); returns each
-    layer's ``measure`` of its input tangent and the names of the parameters that got a tangent.
+    layer's ``measure`` of its input tangent and the names of the parameters that got a tangent or
+    whose module ran only after the last measured layer.
 
     A forward pre-hook on every module that owns trainable parameters swaps them for dual tensors
     (primal: the parameter, tangent: ``tangent_of``) while the module runs, so tangents exist one
@@ -619,12 +629,22 @@ def _forward_mode_pass(model, loss_fn, layers, owner_names, rng_states, tangent_
         return hook
 
     def primal(value):
-        return fwAD.unpack_dual(value).primal if isinstance(value, torch.Tensor) else value
+        # Tensors and tuples of them (e.g. rotary embeddings' (cos, sin)) only: a list or dict argument is
+        # passed on as the very object, so a module that writes into it writes where its caller reads.
+        if isinstance(value, torch.Tensor):
+            return fwAD.unpack_dual(value).primal if fwAD.unpack_dual(value).tangent is not None else value
+        if type(value) is tuple:
+            items = tuple(primal(v) for v in value)
+            return value if all(a is b for a, b in zip(items, value)) else items
+        return value
 
     def drop_tangents(module, args, kwargs):
         if pending:
             return None
-        return torch.utils._pytree.tree_map(primal, (args, kwargs))
+        new_args, new_kwargs = tuple(primal(a) for a in args), {k: primal(v) for k, v in kwargs.items()}
+        if all(a is b for a, b in zip(new_args, args)) and all(new_kwargs[k] is v for k, v in kwargs.items()):
+            return None  # nothing carried a tangent: the module gets its arguments as they were
+        return new_args, new_kwargs
 
     owners = list({id(m): m for m in model.modules() if any((id(m), a) in owner_names for a in m._parameters)}.values())
     with contextlib.ExitStack() as stack:

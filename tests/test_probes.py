@@ -229,3 +229,58 @@ def test_input_tangents_names_a_layer_it_did_not_record():
             stats.input_tangents(lambda *a: None, lambda *a: None, 2, layers=["nope"])
     finally:
         stats.release()
+
+
+class _SinkModel(nn.Module):
+    """A module after the last measured layer that writes into a list argument its caller reads."""
+
+    class Sink(nn.Module):
+        def forward(self, x, sink):
+            sink.append(x.pow(2).mean())
+            return x
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 8)
+        self.sink = self.Sink()
+        self.x = torch.randn(12, 16)
+
+    def forward(self, x):
+        sink: list = []
+        y = self.sink(self.second(torch.tanh(self.first(x))), sink)
+        return y, torch.stack(sink).sum()
+
+
+def test_a_module_after_the_last_measured_layer_gets_its_list_argument_itself(caplog):
+    def make():
+        model = _SinkModel()
+        def loss_fn():
+            y, sunk = model(model.x)
+            return y.pow(2).mean() + sunk
+
+        return model, loss_fn
+
+    model, loss_fn, opt, layers = _trained(make)
+    with caplog.at_level(logging.WARNING, logger="lightning_snip"):
+        result = _round(model, loss_fn, opt, layers, batched=True)
+    assert not [r for r in caplog.records if "could not run batched" in r.getMessage()]
+    assert model not in stats_module._unbatched_models
+    assert result["second"].wd_propagated[Format.MXFP4] > 0
+
+
+def test_activation_checkpointing_measures_every_layer_as_without_it():
+    """Under activation checkpointing the backward re-runs each block's forward: the recording pass
+    counted those calls, so the probe pass waited for a second call that never came and WD's propagated
+    term read 0 for the layers of every checkpointed block (a Hugging Face Llama: 24 of 28 values)."""
+    model, loss_fn, opt, layers = _trained(_hf_llama)
+    plain = _round(model, loss_fn, opt, layers, batched=True)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        checkpointed = _round(model, loss_fn, opt, layers, batched=True)
+    finally:
+        model.gradient_checkpointing_disable()
+    for fqn in layers:
+        for fmt in (Format.FP8, Format.MXFP4):
+            assert checkpointed[fqn].wd_propagated[fmt] == plain[fqn].wd_propagated[fmt], (fqn, fmt)
+            assert checkpointed[fqn].weight_divergence[fmt] == plain[fqn].weight_divergence[fmt], (fqn, fmt)
+    assert all(checkpointed[fqn].wd_propagated[Format.MXFP4] > 0 for fqn in layers)
