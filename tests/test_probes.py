@@ -227,6 +227,8 @@ def test_input_tangents_names_a_layer_it_did_not_record():
     try:
         with pytest.raises(ValueError, match=r"layers: \['nope'\] were not recorded"):
             stats.input_tangents(lambda *a: None, lambda *a: None, 2, layers=["nope"])
+        with pytest.raises(TypeError, match="layers: expected a collection of layer names, got the string 'lm_head'"):
+            stats.input_tangents(lambda *a: None, lambda *a: None, 2, layers="lm_head")
     finally:
         stats.release()
 
