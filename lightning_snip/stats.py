@@ -588,77 +588,20 @@ def _forward_mode_pass(model, loss_fn, layers, owner_names, rng_states, tangent_
     import torch.autograd.forward_ad as fwAD
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    swapped: dict[int, list[tuple[str, nn.Parameter]]] = {}
-    touched: set[str] = set()
-    values: dict[str, torch.Tensor] = {}
-
-    pending = set(wanted)  # wanted layers not measured yet
-
-    def swap_in(module, args):
-        saved = swapped.setdefault(id(module), [])
-        for attr, p in list(module._parameters.items()):
-            name = owner_names.get((id(module), attr)) if p is not None else None
-            if name is None:
-                continue
-            if not pending:  # after the last measured layer: its tangent cannot reach a measured input
-                touched.add(name)
-                continue
-            tangent = tangent_of(name, p)
-            module._parameters[attr] = fwAD.make_dual(p.detach(), tangent.to(p.dtype))
-            saved.append((attr, p))
-            touched.add(name)
-
-    def restore(module, *_):
-        for attr, p in reversed(swapped.pop(id(module), [])):
-            module._parameters[attr] = p
-
-    calls: dict[str, int] = {}
-
-    def make_layer_hook(fqn, in_features):
-        def hook(module, args):  # before the layer runs: the last measured one's own output needs no tangent
-            calls[fqn] = calls.get(fqn, 0) + 1
-            if calls[fqn] != recorded_calls.get(fqn, 1):
-                return  # a layer called several times: the recording pass kept its last call's X
-            tangent = fwAD.unpack_dual(args[0]).tangent
-            if tangent is not None:
-                value = measure(fqn, tangent.reshape(-1, in_features).float())
-                if value is not None:
-                    values[fqn] = value
-            pending.discard(fqn)
-
-        return hook
-
-    def primal(value):
-        # Tensors and tuples of them (e.g. rotary embeddings' (cos, sin)) only: a list or dict argument is
-        # passed on as the very object, so a module that writes into it writes where its caller reads.
-        if isinstance(value, torch.Tensor):
-            return fwAD.unpack_dual(value).primal if fwAD.unpack_dual(value).tangent is not None else value
-        if type(value) is tuple:
-            items = tuple(primal(v) for v in value)
-            return value if all(a is b for a, b in zip(items, value)) else items
-        return value
-
-    def drop_tangents(module, args, kwargs):
-        if pending:
-            return None
-        new_args, new_kwargs = tuple(primal(a) for a in args), {k: primal(v) for k, v in kwargs.items()}
-        if all(a is b for a, b in zip(new_args, args)) and all(new_kwargs[k] is v for k, v in kwargs.items()):
-            return None  # nothing carried a tangent: the module gets its arguments as they were
-        return new_args, new_kwargs
-
+    hooks = _ProbeHooks(owner_names, tangent_of, measure, recorded_calls, wanted)
     owners = list({id(m): m for m in model.modules() if any((id(m), a) in owner_names for a in m._parameters)}.values())
     with contextlib.ExitStack() as stack:
         # A module's pre-hooks in this order, after any of its own (FSDP2's all-gather and input casts: a
         # layer's input as the recording pass saw it): measure a layer's input, drop tangents, swap in duals.
         for fqn, layer in layers.items():
-            stack.callback(layer.register_forward_pre_hook(make_layer_hook(fqn, layer.in_features)).remove)
+            stack.callback(layer.register_forward_pre_hook(hooks.measure_input(fqn, layer.in_features)).remove)
         if wanted:
             for module in model.modules():
-                stack.callback(module.register_forward_pre_hook(drop_tangents, with_kwargs=True).remove)
+                stack.callback(module.register_forward_pre_hook(hooks.drop_tangents, with_kwargs=True).remove)
         for module in owners:
-            stack.callback(module.register_forward_pre_hook(swap_in).remove)
+            stack.callback(module.register_forward_pre_hook(hooks.swap_in).remove)
             # First among the module's post-forward hooks: FSDP2's reshards after it.
-            stack.callback(module.register_forward_hook(restore, prepend=True, always_call=True).remove)
+            stack.callback(module.register_forward_hook(hooks.restore, prepend=True, always_call=True).remove)
         try:
             with (torch.no_grad(), fwAD.dual_level() if dual_level else contextlib.nullcontext(),
                   sdpa_kernel([SDPBackend.MATH]), high_precision(layers), rng_states.replayed()):
@@ -673,8 +616,84 @@ def _forward_mode_pass(model, loss_fn, layers, owner_names, rng_states, tangent_
                 "WD's probes cannot run on it (wd_propagation=exact can)") from err
         finally:
             for module in owners:  # a module whose forward raised
-                restore(module)
-    return values, touched
+                hooks.restore(module)
+    return hooks.values, hooks.touched
+
+
+class _ProbeHooks:
+    """The module hooks of one probe pass (_forward_mode_pass) and what they collect: each measured layer's
+    value, the parameters touched, the calls per layer."""
+
+    def __init__(self, owner_names, tangent_of, measure, recorded_calls, wanted: frozenset[str]):
+        self.owner_names, self.tangent_of, self.measure = owner_names, tangent_of, measure
+        self.recorded_calls = recorded_calls
+        self.swapped: dict[int, list[tuple[str, nn.Parameter]]] = {}
+        self.touched: set[str] = set()
+        self.values: dict[str, torch.Tensor] = {}
+        self.calls: dict[str, int] = {}
+        self.pending = set(wanted)  # wanted layers not measured yet
+
+    def swap_in(self, module, args) -> None:
+        import torch.autograd.forward_ad as fwAD
+
+        saved = self.swapped.setdefault(id(module), [])
+        for attr, p in list(module._parameters.items()):
+            name = self.owner_names.get((id(module), attr)) if p is not None else None
+            if name is None:
+                continue
+            self.touched.add(name)
+            if not self.pending:  # after the last measured layer: its tangent cannot reach a measured input
+                continue
+            module._parameters[attr] = fwAD.make_dual(p.detach(), self.tangent_of(name, p).to(p.dtype))
+            saved.append((attr, p))
+
+    def restore(self, module, *_) -> None:
+        for attr, p in reversed(self.swapped.pop(id(module), [])):
+            module._parameters[attr] = p
+
+    def measure_input(self, fqn: str, in_features: int):
+        """The pre-hook measuring layer ``fqn``'s input tangent: before the layer runs, so the last measured
+        layer's own output needs no tangent."""
+        import torch.autograd.forward_ad as fwAD
+
+        def hook(module, args):
+            self.calls[fqn] = self.calls.get(fqn, 0) + 1
+            if self.calls[fqn] != self.recorded_calls.get(fqn, 1):
+                return  # a layer called several times: the recording pass kept its last call's X
+            tangent = fwAD.unpack_dual(args[0]).tangent
+            if tangent is not None:
+                value = self.measure(fqn, tangent.reshape(-1, in_features).float())
+                if value is not None:
+                    self.values[fqn] = value
+            self.pending.discard(fqn)
+
+        return hook
+
+    def drop_tangents(self, module, args, kwargs):
+        return None if self.pending else _plain_arguments(args, kwargs)
+
+
+def _plain(value):
+    """``value`` without its forward-mode tangent: a tensor's primal, a tuple's items' (e.g. rotary
+    embeddings' (cos, sin)); anything else, a list or dict among them, is the very object (a module that
+    writes into a list argument writes where its caller reads), as is a tensor without a tangent."""
+    import torch.autograd.forward_ad as fwAD
+
+    if isinstance(value, torch.Tensor):
+        unpacked = fwAD.unpack_dual(value)
+        return unpacked.primal if unpacked.tangent is not None else value
+    if type(value) is tuple:
+        items = tuple(_plain(v) for v in value)
+        return value if all(a is b for a, b in zip(items, value)) else items
+    return value
+
+
+def _plain_arguments(args: tuple, kwargs: dict):
+    """A forward pre-hook's (args, kwargs) without tangents (_plain), or None where none carried one."""
+    new_args, new_kwargs = tuple(_plain(a) for a in args), {k: _plain(v) for k, v in kwargs.items()}
+    if all(a is b for a, b in zip(new_args, args)) and all(new_kwargs[k] is v for k, v in kwargs.items()):
+        return None
+    return new_args, new_kwargs
 
 
 @dataclass(frozen=True)

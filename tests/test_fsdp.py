@@ -94,7 +94,8 @@ def test_fsdp2_round_all_gathers_each_block_a_constant_number_of_times(tmp_path)
         # Every block's group the same number of times, and the root group (embedding, norm, head).
         assert set(g["unshard"]) == {""} | {f"layers.{b}" for b in range(blocks)}
         assert len({g["unshard"][f"layers.{b}"] for b in range(blocks)}) == 1
-        counts[blocks] = (g["unshard"]["layers.0"], g["unshard"][""], g["full_tensor"] / g["layers"])
+        # per measured layer: the LM head, pinned to bf16 by default, is measured in no format (since 2026-12-03)
+        counts[blocks] = (g["unshard"]["layers.0"], g["unshard"][""], g["full_tensor"] / (g["layers"] - 1))
     assert counts[2][:2] == counts[4][:2], counts  # unshards per block and of the root: equal
-    assert counts[4][2] <= counts[2][2], counts  # single-tensor gathers per layer: not growing (measured 11.4 / 11.6)
+    assert counts[4][2] <= counts[2][2], counts  # single-tensor gathers per layer: not growing (measured 9.21 / 9.18)
     assert counts[2][0] <= 20, counts  # a handful of passes: recording, curvature draws, probes, checks
