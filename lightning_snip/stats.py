@@ -408,6 +408,12 @@ class _Passes:
             missing = [f for f in layers if f not in outputs]
             if missing:
                 raise RuntimeError(f"statistics: layers {missing[:5]} were not called by the loss function")
+            no_grad = [f for f in layers if not outputs[f].requires_grad]
+            if no_grad:  # (autograd's own words: "One of the differentiated Tensors does not require grad")
+                raise RuntimeError(
+                    f"statistics: the outputs of layers {no_grad[:5]} carry no gradient in the recording pass: the "
+                    "forward ran under torch.no_grad, inside reentrant activation checkpointing (use "
+                    "use_reentrant=False), or with the layer's weight and input both without gradient")
             # A weight's gradient is its layer's G^T X when the layer owns it alone and ran once;
             # otherwise (tied, shared, called twice) it is taken from autograd and held.
             names_w = self.weight_names

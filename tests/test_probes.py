@@ -286,3 +286,15 @@ def test_activation_checkpointing_measures_every_layer_as_without_it():
             assert checkpointed[fqn].wd_propagated[fmt] == plain[fqn].wd_propagated[fmt], (fqn, fmt)
             assert checkpointed[fqn].weight_divergence[fmt] == plain[fqn].weight_divergence[fmt], (fqn, fmt)
     assert all(checkpointed[fqn].wd_propagated[Format.MXFP4] > 0 for fqn in layers)
+
+
+def test_reentrant_activation_checkpointing_fails_the_round_naming_the_cause():
+    """Reentrant checkpointing runs the blocks' forward without autograd: the recording pass has no
+    output gradients to take; the round fails (the callback keeps its plan) with the way out named."""
+    model, loss_fn, opt, layers = _trained(_hf_llama)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    try:
+        with pytest.raises(RuntimeError, match=r"carry no gradient in the recording pass.*use_reentrant=False"):
+            collect_stats(model, loss_fn, layers=layers, optimizer=opt)
+    finally:
+        model.gradient_checkpointing_disable()
