@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import nn
 
 from lightning_snip.adamw import AdamState, read_adam_state
@@ -591,7 +592,6 @@ def _forward_mode_pass(model, loss_fn, layers, owner_names, rng_states, tangent_
     and its loss, 4 tangents each) runs as a plain forward, and the measured values are the same bit
     for bit. torch has no way to end a forward early inside torch.func.vmap (its values leave only
     as the function's return), so the pass still runs to the loss."""
-    import torch.autograd.forward_ad as fwAD
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     hooks = _ProbeHooks(owner_names, tangent_of, measure, recorded_calls, wanted)
@@ -640,8 +640,6 @@ class _ProbeHooks:
         self.pending = set(wanted)  # wanted layers not measured yet
 
     def swap_in(self, module, args) -> None:
-        import torch.autograd.forward_ad as fwAD
-
         saved = self.swapped.setdefault(id(module), [])
         for attr, p in list(module._parameters.items()):
             name = self.owner_names.get((id(module), attr)) if p is not None else None
@@ -660,8 +658,6 @@ class _ProbeHooks:
     def measure_input(self, fqn: str, in_features: int):
         """The pre-hook measuring layer ``fqn``'s input tangent: before the layer runs, so the last measured
         layer's own output needs no tangent."""
-        import torch.autograd.forward_ad as fwAD
-
         def hook(module, args):
             self.calls[fqn] = self.calls.get(fqn, 0) + 1
             if self.calls[fqn] != self.recorded_calls.get(fqn, 1):
@@ -683,8 +679,6 @@ def _plain(value):
     """``value`` without its forward-mode tangent: a tensor's primal, a tuple's items' (e.g. rotary
     embeddings' (cos, sin)); anything else, a list or dict among them, is the very object (a module that
     writes into a list argument writes where its caller reads), as is a tensor without a tangent."""
-    import torch.autograd.forward_ad as fwAD
-
     if isinstance(value, torch.Tensor):
         unpacked = fwAD.unpack_dual(value)
         return unpacked.primal if unpacked.tangent is not None else value

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning_snip.stats as stats_module
+from lightning_snip.controller import measured_formats
 from lightning_snip.convert import convert_linears
 from lightning_snip.divergence import estimate_divergence
 from lightning_snip.formats import Format
@@ -40,7 +41,7 @@ def _hf_llama():
     return model, loss_fn
 
 
-def _trained(make):
+def _trained(make, pins=None):
     torch.manual_seed(0)
     model, loss_fn = make()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -48,7 +49,7 @@ def _trained(make):
         opt.zero_grad()
         loss_fn().backward()
         opt.step()
-    return model, loss_fn, opt, convert_linears(model)
+    return model, loss_fn, opt, convert_linears(model, pins=pins)
 
 
 def _round(model, loss_fn, opt, layers, *, batched: bool, forwards: list | None = None):
@@ -168,14 +169,7 @@ def test_the_pass_runs_without_tangents_after_the_last_measured_layer(batched, c
     every measured value is the same bit for bit as a pass that carries them to the loss."""
     import torch.autograd.forward_ad as fwAD
 
-    torch.manual_seed(0)
-    model, loss_fn = _hf_llama()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(2):
-        opt.zero_grad()
-        loss_fn().backward()
-        opt.step()
-    layers = convert_linears(model, pins={"*lm_head": "bf16"})
+    model, loss_fn, opt, layers = _trained(_hf_llama, pins={"*lm_head": "bf16"})
     head_tangents: list[bool] = []
     probing = []
 
@@ -200,7 +194,7 @@ def test_the_pass_runs_without_tangents_after_the_last_measured_layer(batched, c
 
         stats._probe = traced
         try:
-            return estimate_divergence(stats, [Format.MXFP4], noise_draws=0, probes=4,
+            return estimate_divergence(stats, [Format.MXFP4], noise_draws=0, probes=4, allowed=measured_formats(layers),
                                        generator=torch.Generator().manual_seed(3)).layers
         finally:
             stats.release()
