@@ -145,7 +145,9 @@ class SNIPConfig:
         wd_probes: forward-mode probes per round (probe): the propagated term's relative standard
             error per layer and round is at most sqrt(2 / wd_probes); rounds are aggregated after.
             4 by measurement: 8 ranked layers within 0.024 of 4 out of sample, at 1.3-1.4x the
-            round's cost (benchmarks/results/round_settings_2026-11-30.md).
+            round's cost (benchmarks/results/round_settings_2026-11-30.md); 2 cost 0.85x the round
+            and lose 0.025 of WD's ranking per round, 0.046 of its round agreement and 0.011 of the
+            aggregate (round_settings_2026-12-03_probes.md).
         pricing: what a forward GEMM in a low format costs the plan: one_step (its LD) or horizon (LD +
             weight_divergence_weight x the forward error's drift of AdamW's updates over the interval,
             lightning_snip.drift.Pricing; the aggregate and TensorBoard's loss_divergence then hold
