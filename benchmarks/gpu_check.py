@@ -268,7 +268,7 @@ def _round_profile(device, lines, width, blocks, precision):
                                                noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator,
                                                probes=cfg.wd_probes, curvature_probe=cfg.curvature_probe,
                                                precision=precision, generator=torch.Generator(device=device).manual_seed(0),
-                                               allowed=harness.measured_formats(layers))
+                                               allowed=harness.round_formats(layers))
             finally:
                 stats.release()
 

@@ -423,6 +423,13 @@ _NO_KERNEL_OPS = frozenset(f"aten::{name}" for name in (
 _COPY_IF_NEEDED_OPS = frozenset(f"aten::{name}" for name in "to reshape contiguous flatten type_as".split())
 
 
+def round_formats(layers, pinned_measured: bool = False) -> dict:
+    """The formats a benchmark's round measures each layer in: the callback's (controller.measured_formats, a
+    pinned layer in its pin only) or, ``pinned_measured``, every format its shape allows (the round before
+    2026-12-03 afternoon: the pinned LM head measured in every format too)."""
+    return {f: layer.allowed_formats for f, layer in layers.items()} if pinned_measured else measured_formats(layers)
+
+
 def count_kernel_ops(fn) -> int:
     """A CPU proxy of the GPU kernel launches of ``fn()``: the aten operations it dispatches that are not
     inside another aten operation, less views, metadata and allocations (_NO_KERNEL_OPS) and casts or
@@ -503,8 +510,7 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
                                 noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator, probes=probes,
                                 curvature_probe=cfg.curvature_probe, precision=precision, curvature_8bit=curvature_8bit,
                                 group_layers=group_layers, generator=torch.Generator(device=device).manual_seed(seed),
-                                allowed={f: layer.allowed_formats for f, layer in layers.items()} if pinned_measured
-                                else measured_formats(layers))
+                                allowed=round_formats(layers, pinned_measured))
         finally:
             stats.release()
             if unbatched:  # (a model that fell back on its own stays unbatched)

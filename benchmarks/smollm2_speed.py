@@ -32,10 +32,9 @@ import time
 
 import torch
 
-from harness import reset_peak, rss_mib
+from harness import reset_peak, round_formats, rss_mib
 
 from lightning_snip.config import SNIPConfig
-from lightning_snip.controller import measured_formats
 from lightning_snip.convert import convert_linears
 from lightning_snip.demo.lightning import ByteTextDataModule, CausalLM
 from lightning_snip.divergence import estimate_divergence
@@ -113,8 +112,7 @@ def main() -> None:
                                 noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator, probes=cfg.wd_probes,
                                 curvature_probe=cfg.curvature_probe, curvature_8bit=cfg.curvature_8bit,
                                 generator=torch.Generator().manual_seed(0),
-                                allowed=({fqn: layer.allowed_formats for fqn, layer in layers.items()}
-                                         if name in PINNED_MEASURED else measured_formats(layers)))
+                                allowed=round_formats(layers, name in PINNED_MEASURED))
         finally:
             stats.release()
             if name in UNBATCHED:  # (a model that fell back on its own stays unbatched)

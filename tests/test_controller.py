@@ -50,7 +50,7 @@ def test_a_plain_pytorch_loop_samples_plans_and_switches():
     assert dict(restored.plan) == dict(plan) and restored.aggregate.state_dict() == controller.aggregate.state_dict()
 
 
-def test_a_round_measures_a_pinned_layer_in_its_pin_only():
+def test_a_round_measures_a_pinned_layer_in_its_pin_only(monkeypatch):
     """A plan never moves a pinned layer: the round measures it in its pin (bf16: in no format) and
     every unpinned layer's deterministic parts (the forward errors, the first-order term of LD) are
     those of a round that measured every layer in every format."""
@@ -89,13 +89,9 @@ def test_a_round_measures_a_pinned_layer_in_its_pin_only():
     from lightning_snip import controller as controller_module
 
     every = {fqn: layer.allowed_formats for fqn, layer in layers.items()}
-    original = controller_module.measured_formats
-    controller_module.measured_formats = lambda _: every
-    try:
-        full = run_statistics_round(model, loss_fn, layers, cfg, optimizer=opt,
-                                    generator=torch.Generator().manual_seed(0)).layers
-    finally:
-        controller_module.measured_formats = original
+    monkeypatch.setattr(controller_module, "measured_formats", lambda _: every)
+    full = run_statistics_round(model, loss_fn, layers, cfg, optimizer=opt,
+                                generator=torch.Generator().manual_seed(0)).layers
     assert all(math.isfinite(full["lm_head"].weight_divergence[f]) for f in (Format.FP8, Format.MXFP4))
     for fqn in layers:
         if layers[fqn].pinned is None:
