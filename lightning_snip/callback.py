@@ -139,11 +139,11 @@ class SNIPCallback(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.controller.stop_recording()
+        self.controller.close()  # hooks removed, a solve still running joined (bounded)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.controller.pending = None  # a solve still running is a daemon thread: it never blocks exit
+        self.controller.close()
 
     @override
     def state_dict(self) -> dict:

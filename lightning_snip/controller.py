@@ -23,8 +23,6 @@ is the Lightning adapter over it; a plain PyTorch loop or a benchmark can drive 
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 import logging
 import math
@@ -36,21 +34,25 @@ from dataclasses import dataclass
 import torch
 
 from lightning_snip.aggregate import METRICS, DivergenceAggregate
-from lightning_snip.config import SNIPConfig
+from lightning_snip.config import SNIPConfig, TargetScope
 from lightning_snip.convert import UnmatchedPinsError, apply_plan, convert_linears, glob_filter, layer_assignment
-from lightning_snip.drift import Pricing
-from lightning_snip.divergence import (DivergenceResult, FirstOrderTerms, LayerDivergence, LossEstimator,
-                                       estimate_divergence)
-from lightning_snip.evidence import (aggregate_candidates, check_class_shrinkage, check_reachable, grad_noise_ratios,
-                                     guarded_formats, invalid_formats, layer_flops, solve_guarded)
+from lightning_snip.divergence import DivergenceResult, LayerDivergence
+from lightning_snip.evidence import (aggregate_candidates, check_reachable, grad_noise_ratios, guarded_formats,
+                                     invalid_formats, layer_candidates, layer_flops, model_target, solve_guarded)
+from lightning_snip.first_order import FirstOrderRecorder
 from lightning_snip.formats import Format
 from lightning_snip.gemm import describe_kernels, emulated_layers
 from lightning_snip.linear import SNIPLinear
 from lightning_snip.plan import Granularity, Plan, SolveStatus, split_key
+from lightning_snip.planner import FORWARD_SHARE
 from lightning_snip.reporting import divergence_scalars, plan_scalars
-from lightning_snip.stats import FirstOrderSampler, ForwardModeUnsupportedError, Propagation, collect_stats, slice_batch
+from lightning_snip.stats import Propagation, slice_batch
+from lightning_snip.statistics_round import probe_rel_stderr, round_generator, run_statistics_round
 
 logger = logging.getLogger(__name__)
+
+# The longest fit end waits for a solve still running: the solver's own limit (planner.solve_plan, 10 s) and margin.
+SOLVE_JOIN_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,12 @@ class PendingSolve:
         self.thread = threading.Thread(target=self._solve, args=(candidates, guarded, config), daemon=True,
                                        name="snip-solver")
         self.thread.start()
+
+    def join(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for the solve; whether it has ended."""
+        if self.thread is not None:
+            self.thread.join(timeout)
+        return self.thread is None or not self.thread.is_alive()
 
     def _solve(self, candidates, guarded, config: SNIPConfig) -> None:
         try:
@@ -153,7 +161,7 @@ class SNIPController:
         self.aggregate = DivergenceAggregate(self.config.aggregate_decay)
         self.pending: PendingSolve | None = None
         self.restored_pending: tuple[int, int] | None = None  # (stats_step, apply_step) from a checkpoint
-        self.propagation = Propagation(self.config.wd_propagation)  # exact after probes proved unsupported
+        self.propagation = Propagation.PROBE  # exact after probes proved unsupported
         self.flops: dict[str, float] = {}
         self.schedule = RoundSchedule(self.config)
         self.recorder: FirstOrderRecorder | None = None
@@ -169,13 +177,23 @@ class SNIPController:
 
     @property
     def fp4_fraction(self) -> float:
-        """FP4 share of the switched layers' linear FLOPs under the formats in force now."""
-        total = sum(self.flops.values())
-        if not total:
-            return 0.0
-        # The forward GEMM is a third of a layer's GEMM FLOPs, dgrad + wgrad two thirds.
-        return sum(self.flops[fqn] * (layer.format.is_fp4 / 3 + 2 * (layer.backward_format or layer.format).is_fp4 / 3)
-                   for fqn, layer in self.layers.items()) / total
+        """FP4 share of the converted layers' linear FLOPs under the formats in force now."""
+        return current_fp4_fraction(self.layers, self.flops)
+
+    @property
+    def switchable_fp4_fraction(self) -> float:
+        """FP4 share of the switchable (unpinned) layers' linear FLOPs under the formats in force now."""
+        return current_fp4_fraction(self.layers, self.flops, unpinned=True)
+
+    def close(self, timeout: float = SOLVE_JOIN_SECONDS) -> None:
+        """Remove the sampler's hooks and wait (at most ``timeout`` seconds) for a solve still running: at fit
+        end, a process that exits while the solver's thread runs native code can abort ("terminate called
+        without an active exception"). A solve that outlives the wait is left to its daemon thread, said."""
+        self.stop_recording()
+        pending, self.pending = self.pending, None
+        if pending is not None and not pending.join(timeout):
+            logger.warning("SNIP: the solve started at step %d was still running %.0f s after fit end; left to its "
+                           "daemon thread", pending.stats_step, timeout)
 
     # ------------------------------------------------------------------ setup
 
@@ -190,13 +208,12 @@ class SNIPController:
         except ValueError as err:  # name the config's field, not convert_linears' argument (pins is both)
             raise _config_field_error(err, cfg) from None
         self.flops = layer_flops(self.layers)
-        self.propagation = Propagation(cfg.wd_propagation)
+        self.propagation = Propagation.PROBE
         self.recorder = FirstOrderRecorder(self.layers, cfg)
         if self.plan is not None:
             apply_plan(model, self.plan)  # a given plan that does not fit the model fails here
         if cfg.replan:
             check_reachable(self.layers, cfg)
-            check_class_shrinkage(self.layers, cfg)
         # Stochastic rounding draws from one generator per rank, reseeded every micro-batch from
         # (the run's seed, rank, step, batch index): ranks round independently, a rerun or a resumed
         # run draws the same numbers, and the global RNG (dropout) is left alone.
@@ -331,7 +348,7 @@ class SNIPController:
 
     def guarded(self) -> dict[str, frozenset[Format]]:
         """The noise guard's blocked FP4 formats per layer, from the aggregate ({} when it is off)."""
-        if not self.config.noise_guard:
+        if self.config.noise_guard_threshold is None:
             return {}
         return guarded_formats(self.layers, self.config.formats, self.aggregate.values("rel_error_wgrad"),
                                self.config.noise_guard_threshold)
@@ -369,10 +386,12 @@ class SNIPController:
         # Layers with a changed format (in a per-GEMM plan: in either direction).
         num_changed = len({split_key(key)[0] for key, fmt in plan.items() if before.get(key) is not fmt})
         scalars = applied_plan_scalars(plan, num_changed, plan_agreement(plan, before, self.layers))
+        scalars["snip/fp4_fraction_switchable"] = self.switchable_fp4_fraction
         status = "" if plan.status is SolveStatus.OPTIMAL else f" ({plan.status.value})"
         if collective.is_rank_zero:  # every rank applied it; one line for the run
-            logger.info("SNIP plan applied at step %d: FP4 FLOPs fraction %.3f, %d of %d layers changed%s",
-                        step, plan.fp4_fraction, num_changed, len(self.layers), status)
+            logger.info("SNIP plan applied at step %d: FP4 FLOPs fraction %.3f of the switchable layers (%.3f of the "
+                        "model), %d of %d layers changed%s", step, self.switchable_fp4_fraction, plan.fp4_fraction,
+                        num_changed, len(self.layers), status)
         return scalars, plan
 
     # ------------------------------------------------------------------ checkpoint
@@ -408,7 +427,7 @@ class SNIPController:
 
 class RoundSchedule:
     """Which steps run a statistics round (every ``interval`` from ``warmup_steps``) and which sample
-    LD's first-order term (the ``first_order_steps`` before each round, for the accumulated estimator)."""
+    LD's first-order term (the ``first_order_steps`` before each round)."""
 
     def __init__(self, config: SNIPConfig) -> None:
         self.config = config
@@ -420,40 +439,38 @@ class RoundSchedule:
     def is_first_order_step(self, step: int) -> bool:
         """Whether ``step`` is one of the ``first_order_steps`` steps before a statistics round."""
         cfg = self.config
-        if not cfg.replan or cfg.first_order_steps == 0 or LossEstimator(cfg.loss_estimator) is not LossEstimator.ACCUMULATED:
+        if not cfg.replan or cfg.first_order_steps == 0:
             return False
         next_round = cfg.warmup_steps if step < cfg.warmup_steps else (
             cfg.warmup_steps + ((step - cfg.warmup_steps) // cfg.interval + 1) * cfg.interval)
         return 1 <= next_round - step <= cfg.first_order_steps
 
 
-class FirstOrderRecorder:
-    """LD's first-order term sampled on live training steps: stats.FirstOrderSampler's hooks on the
-    unpinned layers (pinned ones never change format, so their LD is never used), measuring into
-    divergence.FirstOrderTerms."""
+def current_fp4_fraction(layers: Mapping[str, SNIPLinear], flops: Mapping[str, float], *, unpinned: bool = False) -> float:
+    """FP4 share of ``layers``' linear FLOPs (of the unpinned ones' with ``unpinned``) in their current formats."""
+    chosen = [fqn for fqn, layer in layers.items() if not (unpinned and layer.pinned is not None)]
+    total = sum(flops[fqn] for fqn in chosen)
+    if not total:
+        return 0.0
+    share = FORWARD_SHARE  # of a layer's GEMM FLOPs: the forward; dgrad + wgrad the rest
+    return sum(flops[fqn] * (share * layers[fqn].format.is_fp4 + (1 - share) * (
+        layers[fqn].backward_format or layers[fqn].format).is_fp4) for fqn in chosen) / total
 
-    def __init__(self, layers: Mapping[str, SNIPLinear], config: SNIPConfig) -> None:
-        self.terms = FirstOrderTerms(config.formats, recipe=config.recipe)
-        self.sampler = FirstOrderSampler({fqn: layer for fqn, layer in layers.items() if layer.pinned is None},
-                                         config.first_order_rows, self.terms.add)
-        self._recording: contextlib.ExitStack | None = None
 
-    def start(self, step: int, grad_scale: float) -> None:
-        if self._recording is not None:
-            return
-        self.terms.grad_scale = grad_scale
-        self._recording = contextlib.ExitStack()
-        self._recording.enter_context(self.sampler.recording(offset=step))
-
-    def stop(self) -> None:
-        if self._recording is not None:
-            self._recording.close()
-            self._recording = None
-
-    def stop_and_take(self) -> dict[tuple[str, Format], list[float]]:
-        """Stop, and the terms sampled since the last take."""
-        self.stop()
-        return self.terms.take()
+def describe_target(layers: Mapping[str, SNIPLinear], config: SNIPConfig) -> str:
+    """The target in one line, in the config's scope and the model's, e.g. "fp4_fraction 0.75 of the
+    switchable layers' linear FLOPs (0.281 of the model's; pinned layers hold 62.5% of them)"."""
+    cfg = config
+    candidates = layer_candidates(layers, cfg.formats)
+    fraction, budget = model_target(candidates, cfg)
+    total = sum(c.flops for c in candidates) or 1.0
+    pinned = sum(c.flops for c in candidates if c.pinned is not None) / total
+    name, value, model_value = (("fp4_fraction", cfg.fp4_fraction, fraction) if cfg.fp4_fraction is not None
+                                else ("cost_budget", cfg.cost_budget, budget))
+    if TargetScope(cfg.target_scope) is TargetScope.MODEL:
+        return f"{name} {value:g} of the converted layers' linear FLOPs (pinned layers hold {pinned:.1%} of them)"
+    return (f"{name} {value:g} of the switchable layers' linear FLOPs ({model_value:.3f} of the model's; pinned "
+            f"layers hold {pinned:.1%} of them)")
 
 
 def applied_plan_scalars(plan: Plan, num_changed: int, agreement: float) -> dict[str, float]:
@@ -478,94 +495,11 @@ def log_setup(config: SNIPConfig, layers: Mapping[str, SNIPLinear], device, max_
                         len(names), fmt.value, 16 if fmt is Format.FP8 else 32, shown, ", ..." if len(names) > 8 else "")
         else:
             logger.info("SNIP: every layer that can run %s has weight dimensions its native kernel takes", fmt.value)
-    if not cfg.noise_guard and cfg.noise_guard_threshold != math.sqrt(3.0):
-        logger.warning("SNIP: noise_guard_threshold=%s has no effect while noise_guard is false "
-                       "(the ratios are logged either way)", cfg.noise_guard_threshold)
+    if cfg.replan:
+        logger.info("SNIP: target %s", describe_target(layers, cfg))
     if cfg.replan and max_steps is not None and cfg.warmup_steps >= max_steps:
         logger.warning("SNIP: warmup_steps (%d) >= the run's max_steps (%d): no statistics round will run "
                        "and the layers stay in %s", cfg.warmup_steps, max_steps, cfg.initial_format)
-
-
-# ---------------------------------------------------------------------- the round's parts
-
-
-def measured_formats(layers: Mapping[str, SNIPLinear]) -> dict[str, frozenset[Format]]:
-    """fqn -> the formats a round measures the layer in: those its shape allows, and a pinned layer only
-    in its pin (bf16: none). A plan never moves a pinned layer, so its other formats' LD and WD were
-    never used (the planner, the evidence, the gradient-noise guard skip pinned layers): they read +inf.
-    On SmolLM2, measuring the pinned 49152-wide LM head in fp8 and mxfp4 made the round 1.09x longer
-    (benchmarks/results/smollm2_speed_2026-12-03.md)."""
-    return {fqn: frozenset({layer.pinned}) if layer.pinned is not None else layer.allowed_formats
-            for fqn, layer in layers.items()}
-
-
-def run_statistics_round(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], layers: Mapping[str, SNIPLinear],
-                         config: SNIPConfig, *, optimizer=None, loss_scale: float = 1.0,
-                         propagation: Propagation | None = None, first_order_history=None,
-                         generator: Callable[[], torch.Generator] | torch.Generator | None = None,
-                         on_exact: Callable[[], None] | None = None) -> DivergenceResult:
-    """One statistics round as the controller runs it: record (collect_stats; under fp16 a loss scale
-    that overflows is lowered by 2^8 as often as it takes, down to 1, instead of losing the round),
-    estimate LD and WD with ``config``'s settings, and return the result with LD unclamped (rounds and
-    ranks are averaged before the planner's clamp at 0: clamping each one first would bias noisy layers
-    upwards). The model's buffers are left as they were found.
-
-    ``generator``: the random source of the curvature probes and stochastic rounding, or a function
-    returning a fresh one: then an attempt repeated with exact propagation (where the model has no
-    forward-mode derivatives, probes switch to exact once, loudly, and ``on_exact`` is called at once,
-    so the caller keeps exact even if the repeat fails) draws what a round configured exact draws."""
-    cfg = config
-    propagation = Propagation(cfg.wd_propagation) if propagation is None else propagation
-    result = None
-    with buffers_restored(model):  # the recording pass and every noise re-run
-        while result is None:
-            stats = _collect(model, loss_fn, layers, optimizer, loss_scale, propagation)
-            try:
-                result = estimate_divergence(
-                    stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws, noise_scale=cfg.noise_scale,
-                    curvature_probe=cfg.curvature_probe, curvature_8bit=cfg.curvature_8bit,
-                    loss_estimator=cfg.loss_estimator, first_order_history=first_order_history or {},
-                    allowed=measured_formats(layers),
-                    generator=generator() if callable(generator) else generator, probes=cfg.wd_probes,
-                    drift_probes=cfg.drift_probes if cfg.pricing is Pricing.HORIZON else 0,
-                    group_layers=cfg.round_group_layers,
-                )
-            except ForwardModeUnsupportedError as err:
-                if stats.sharded or propagation is Propagation.EXACT:
-                    raise
-                # Once, loudly, and for the rest of the run: not a failure per round.
-                logger.warning("SNIP: %s. Switching to wd_propagation=exact for the rest of the run "
-                               "(one vector-Jacobian product per layer: a round's cost grows with depth "
-                               "squared); set it in the config to silence this.", err)
-                propagation = Propagation.EXACT
-                if on_exact is not None:
-                    on_exact()
-            finally:
-                stats.release()
-    return DivergenceResult(
-        layers={fqn: dataclasses.replace(d, loss_divergence=_forward_price(d, cfg)) for fqn, d in result.layers.items()},
-        loss=result.loss, used_adam=result.used_adam)
-
-
-def _forward_price(d: LayerDivergence, cfg: SNIPConfig) -> dict[Format, float]:
-    """A forward GEMM's price per format, unclamped: LD under the configured estimator, plus under
-    pricing=horizon weight_divergence_weight x the drift per step over the interval (drift.Pricing)."""
-    ld = d.loss_divergence_as(cfg.loss_estimator, clamp=False)
-    if cfg.pricing is not Pricing.HORIZON:
-        return ld
-    return {f: v + cfg.weight_divergence_weight * d.drift[f].per_step(cfg.interval) if f in d.drift else v
-            for f, v in ld.items()}
-
-
-def _collect(model, loss_fn, layers, optimizer, loss_scale: float, propagation: Propagation):
-    while True:
-        stats = collect_stats(model, loss_fn, layers=layers, optimizer=optimizer, loss_scale=loss_scale,
-                              propagation=propagation)
-        finite = all(torch.isfinite(s.g).all() for s in stats.layers.values())
-        if finite or loss_scale <= 1.0:
-            return stats
-        stats.release()
-        loss_scale = max(1.0, loss_scale / 256.0)
 
 
 def reduce_result(result: DivergenceResult | None, fqns: list[str], formats,
@@ -596,42 +530,12 @@ def reduce_result(result: DivergenceResult | None, fqns: list[str], formats,
     return DivergenceResult(layers=layers, loss=result.loss if result else float("nan"), used_adam=bool(result and result.used_adam))
 
 
-@contextlib.contextmanager
-def buffers_restored(module: torch.nn.Module):
-    """The round's forward passes leave the module's buffers as they found them (BatchNorm running
-    statistics, counters a forward updates); attributes outside buffers are the module's own."""
-    saved = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
-
-
-def probe_rel_stderr(result: DivergenceResult) -> float | None:
-    """Median relative standard error of the probed propagated term over (layer, format); None when
-    the round computed it exactly (no spread) or nothing was probed."""
-    ratios = sorted(d.wd_propagated_stderr[f] / d.wd_propagated[f] for d in result.layers.values()
-                    for f in d.wd_propagated_stderr if f is not Format.BF16 and d.wd_propagated.get(f, 0) > 0
-                    and math.isfinite(d.wd_propagated_stderr[f]))
-    if not ratios or ratios[-1] == 0:
-        return None
-    return ratios[len(ratios) // 2]
-
-
 def stream_seed(seed: int, rank: int, step: int, batch_idx: int) -> int:
     """A 63-bit seed for one (rank, step, micro-batch) of a run seeded with ``seed``."""
     mixed = seed
     for value in (rank, step, batch_idx):
         mixed = (mixed * 6364136223846793005 + 1442695040888963407 + value) % (1 << 63)
     return mixed
-
-
-def round_generator(device: torch.device, step: int, rank: int) -> torch.Generator:
-    """The curvature probes' random source for one round: a function of (step, rank) only, so a
-    resumed run draws what the uninterrupted one drew, and ranks draw independently."""
-    return torch.Generator(device=device).manual_seed(0x5A1B + 1_000_003 * step + rank)
 
 
 def plan_agreement(plan: Plan, before: dict, layers) -> float:

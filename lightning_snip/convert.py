@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -178,3 +179,16 @@ def layer_assignment(layers: Mapping[str, SNIPLinear], granularity: Granularity)
         out[gemm_key(fqn, FORWARD)] = layer.format
         out[gemm_key(fqn, BACKWARD)] = layer.backward_format or layer.format
     return out
+
+
+@contextlib.contextmanager
+def high_precision(layers: Mapping[str, SNIPLinear]):
+    """Run ``layers`` in bf16 (the run's own precision) inside the block; restore formats after."""
+    saved = {fqn: (layer.format, layer.backward_format) for fqn, layer in layers.items()}
+    try:
+        for layer in layers.values():
+            layer.format, layer.backward_format = Format.BF16, None
+        yield
+    finally:
+        for fqn, layer in layers.items():
+            layer.format, layer.backward_format = saved[fqn]

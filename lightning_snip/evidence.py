@@ -11,10 +11,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import re
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-from lightning_snip.config import SNIPConfig
+from lightning_snip.config import SNIPConfig, TargetScope
 from lightning_snip.divergence import DivergenceResult
 from lightning_snip.formats import Format
 from lightning_snip.linear import SNIPLinear
@@ -37,84 +36,6 @@ def planning_value(values: Mapping[str, Mapping[str, float]], fqn: str, fmt: For
         return 0.0
     value = values.get(fqn, {}).get(fmt.value, math.inf)
     return max(0.0, value) if math.isfinite(value) else math.inf  # NaN / -inf: no estimate, not a free format
-
-
-_BLOCK = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")  # the first integer component: the block ("layers.3.")
-
-
-def layer_classes(fqns: Iterable[str]) -> dict[str, str]:
-    """fqn -> its class for class_shrinkage: the same module in the other blocks of its stack, split
-    into the stack's first block, its inner blocks and its last block (the grouping of the fixed rule
-    layer_type_edges, which holds a layer's forward and backward GEMMs). A stack is the name before the
-    first integer component (``model.layers.``); its block range is the one ``fqns`` span; the module is
-    the name after it (``.self_attn.q_proj``), so an encoder's, a decoder's and a cross-attention's
-    q_proj are three classes. A layer with no integer component (an LM head) is a class of its own."""
-    parsed = {}
-    for fqn in fqns:
-        match = _BLOCK.search(fqn)
-        parsed[fqn] = None if match is None else (fqn[:match.start(1)], int(match.group(1)), fqn[match.end(1):])
-    ranges: dict[str, tuple[int, int]] = {}
-    for stack, block, _ in filter(None, parsed.values()):
-        lo, hi = ranges.get(stack, (block, block))
-        ranges[stack] = (min(lo, block), max(hi, block))
-    out = {}
-    for fqn, p in parsed.items():
-        if p is None:
-            out[fqn] = fqn
-            continue
-        stack, block, module = p
-        lo, hi = ranges[stack]
-        out[fqn] = f"{stack}*{module}@{'first' if block == lo else 'last' if block == hi else 'inner'}"
-    return out
-
-
-def shrink_to_class_means(values: Mapping[str, Mapping[str, float]], strength: float, *,
-                          pinned: Collection[str] = ()) -> dict[str, dict[str, float]]:
-    """``values`` (fqn -> format name -> estimate, as DivergenceAggregate.values gives them) with each
-    layer's estimate moved toward the mean of its class (layer_classes over the fqns of ``values``) for
-    that format: (1 - strength) * own + strength * class mean, signed values averaged (the planner
-    clamps at 0 after). The ILP favours the layers whose estimate came out low by chance; a class mean
-    averages its members' noise. 0 returns the values as they are, 1 the class means. ``pinned``
-    layers, non-finite estimates (an invalid format: kept off it) and the members of a class with one
-    finite estimate are unchanged; a mean is over the class's unpinned finite members. Written here: no
-    dependency offers a grouped shrinkage."""
-    if not (isinstance(strength, (int, float)) and not isinstance(strength, bool) and 0.0 <= strength <= 1.0):
-        raise ValueError(f"class_shrinkage: invalid value {strength!r}; allowed: a number in [0, 1]")
-    if isinstance(pinned, str):
-        raise TypeError(f"pinned: expected a collection of fqns, got the string {pinned!r}")
-    out = {fqn: dict(per_format) for fqn, per_format in values.items()}
-    if strength == 0.0:
-        return out
-    pinned = frozenset(pinned)
-    classes = layer_classes(values)
-    members: dict[tuple[str, str], list[str]] = {}
-    for fqn, per_format in values.items():
-        for fmt, value in per_format.items():
-            if fqn not in pinned and math.isfinite(value):
-                members.setdefault((classes[fqn], fmt), []).append(fqn)
-    for (_, fmt), fqns in members.items():
-        if len(fqns) < 2:
-            continue
-        mean = math.fsum(values[fqn][fmt] for fqn in fqns) / len(fqns)
-        for fqn in fqns:
-            out[fqn][fmt] = (1.0 - strength) * values[fqn][fmt] + strength * mean
-    return out
-
-
-def check_class_shrinkage(layers: Mapping[str, SNIPLinear], config: SNIPConfig) -> None:
-    """A warning at setup where ``class_shrinkage`` > 0 can change nothing: no two unpinned layers share
-    a class (a model of at most 3 blocks, or whose names have no block index)."""
-    if config.class_shrinkage == 0.0:
-        return
-    classes = layer_classes(layers)
-    counts: dict[str, int] = {}
-    for fqn, layer in layers.items():
-        if layer.pinned is None:
-            counts[classes[fqn]] = counts.get(classes[fqn], 0) + 1
-    if not any(n > 1 for n in counts.values()):
-        logger.warning("class_shrinkage=%s has no effect on this model: no two unpinned layers share a class (the "
-                       "same module in the inner blocks of a stack; layers: %s)", config.class_shrinkage,
-                       list(layers)[:3])
 
 
 def layer_candidates(layers: Mapping[str, SNIPLinear], formats: Sequence[Format], *,
@@ -145,13 +66,9 @@ def layer_candidates(layers: Mapping[str, SNIPLinear], formats: Sequence[Format]
 
 def aggregate_candidates(layers: Mapping[str, SNIPLinear], config: SNIPConfig, aggregate,
                          flops: Mapping[str, float] | None = None) -> list[LayerCandidates]:
-    """The planner's choices valued by ``aggregate`` (a DivergenceAggregate: LD and WD over rounds),
-    each estimate moved toward its class's mean by ``config.class_shrinkage`` (shrink_to_class_means)."""
-    pinned = {fqn for fqn, layer in layers.items() if layer.pinned is not None}
-    ld, wd = (shrink_to_class_means(aggregate.values(metric), config.class_shrinkage, pinned=pinned)
-              for metric in ("loss_divergence", "weight_divergence"))
-    return layer_candidates(layers, config.formats, flops=flops, loss_divergence=ld, weight_divergence=wd)
-
+    """The planner's choices valued by ``aggregate`` (a DivergenceAggregate: LD and WD over rounds)."""
+    return layer_candidates(layers, config.formats, flops=flops, loss_divergence=aggregate.values("loss_divergence"),
+                            weight_divergence=aggregate.values("weight_divergence"))
 
 def invalid_formats(layers: Mapping[str, SNIPLinear], formats: Sequence[Format],
                     result: DivergenceResult) -> list[tuple[str, Format]]:
@@ -204,13 +121,48 @@ def guarded_formats(layers: Mapping[str, SNIPLinear], formats: Sequence[Format],
     return out
 
 
+def model_target(candidates: Sequence[LayerCandidates], config: SNIPConfig) -> tuple[float | None, float | None]:
+    """``config``'s (fp4_fraction, cost_budget) as shares of every candidate layer's FLOPs, what the planner
+    constrains: under target_scope=switchable the pinned layers' FLOPs (and their pins' FP4 FLOPs or GEMM
+    cost) are added to the target's share of the unpinned ones. The same linear constraint, so the same plan
+    as the switchable target."""
+    fraction, budget = config.fp4_fraction, config.cost_budget
+    if TargetScope(config.target_scope) is TargetScope.MODEL:
+        return fraction, budget
+    total = sum(c.flops for c in candidates)
+    pinned = [c for c in candidates if c.pinned is not None]
+    free = total - sum(c.flops for c in pinned)
+    if not total or not pinned:
+        return fraction, budget
+    if fraction is not None:
+        fraction = (sum(c.flops for c in pinned if c.pinned.is_fp4) + fraction * free) / total
+    if budget is not None:
+        cost = config.cost_model.relative_cost
+        budget = (sum(c.flops * cost[c.pinned] for c in pinned) + budget * free) / total
+    return fraction, budget
+
+
+def switchable_share(model_share: float, candidates: Sequence[LayerCandidates], config: SNIPConfig,
+                     *, cost: bool = False) -> float:
+    """The inverse of model_target for one share of the model's FLOPs (an FP4 fraction, or a relative GEMM
+    cost with ``cost``): the unpinned layers' part of it. NaN where no layer is unpinned."""
+    total = sum(c.flops for c in candidates)
+    pinned = [c for c in candidates if c.pinned is not None]
+    free = total - sum(c.flops for c in pinned)
+    if not free:
+        return math.nan
+    weight = config.cost_model.relative_cost if cost else {f: float(f.is_fp4) for f in Format}
+    return (model_share * total - sum(c.flops * weight[c.pinned] for c in pinned)) / free
+
+
 def check_reachable(layers: Mapping[str, SNIPLinear], config: SNIPConfig) -> None:
     """Raise ValueError when no plan can meet the FP4 fraction / cost budget: pins and layer shapes
     alone decide that, and every statistics round would otherwise fail on it."""
     cfg = config
+    candidates = layer_candidates(layers, cfg.formats)
+    fraction, budget = model_target(candidates, cfg)
     try:
-        check_target(layer_candidates(layers, cfg.formats), fp4_fraction=cfg.fp4_fraction,
-                     cost_budget=cfg.cost_budget, relative_cost=cfg.cost_model.relative_cost)
+        check_target(candidates, fp4_fraction=fraction, cost_budget=budget, relative_cost=cfg.cost_model.relative_cost)
     except PlanInfeasibleError as err:
         field_name = "fp4_fraction" if cfg.fp4_fraction is not None else "cost_budget"
         value = cfg.fp4_fraction if cfg.fp4_fraction is not None else cfg.cost_budget
@@ -218,12 +170,17 @@ def check_reachable(layers: Mapping[str, SNIPLinear], config: SNIPConfig) -> Non
         by_shape = [f"{fqn} ({layer.in_features}->{layer.out_features})" for fqn, layer in layers.items()
                     if layer.pinned is None and not any(f.is_fp4 for f in cfg.formats if f in layer.allowed_formats)]
         why = []
+        if fraction is not None and TargetScope(cfg.target_scope) is TargetScope.SWITCHABLE:
+            why.append(f"at most {switchable_share(max_fp4_fraction(candidates), candidates, cfg):.4f} of the "
+                       "switchable layers' FLOPs can run in FP4")
+        else:
+            why.append(str(err))
         if pinned:
             why.append(f"pinned (pins): {pinned[:3]}")
         if by_shape:
             blocks = ", ".join(f"{f.value} needs dimensions divisible by {f.block_size}" for f in cfg.formats if f.is_fp4)
             why.append(f"no FP4 candidate fits the shape ({blocks}): {by_shape[:3]}")
-        raise ValueError(f"{field_name}: {value!r} cannot be met ({err}); " + "; ".join(why)
+        raise ValueError(f"{field_name}: {value!r} cannot be met; " + "; ".join(why)
                          + "; lower it, or unpin layers / add candidate formats") from None
 
 
@@ -239,21 +196,20 @@ def solve_guarded(candidates: list[LayerCandidates], guarded: Mapping[str, froze
     else:
         items = [keep_out_of_fp4(c, guarded[c.fqn]) if c.fqn in guarded else c for c in candidates]
     relative_cost = cfg.cost_model.relative_cost
-    fraction, budget = cfg.fp4_fraction, cfg.cost_budget
+    fraction, budget = model_target(candidates, cfg)
     why = f"SNIP noise guard: {len(guarded)} layers keep FP4 formats out of their backward (gradient/noise ratio < " \
-          f"{cfg.noise_guard_threshold:.3g}); "
+          f"{cfg.noise_guard_threshold or 0:.3g}); "
     reachable = max_fp4_fraction(items) if guarded and fraction is not None else 1.0
     if fraction is not None and reachable < fraction:
+        logger.warning("%sthe largest reachable FP4 fraction of the model's FLOPs, %.3f, is used instead of %.3f "
+                       "(fp4_fraction=%s)", why, reachable, fraction, cfg.fp4_fraction)
         fraction = reachable * (1 - 1e-9)
-        logger.warning("%sthe largest reachable FP4 fraction, %.3f, is used instead of fp4_fraction=%s",
-                       why, fraction, cfg.fp4_fraction)
     cheapest = min_relative_cost(items, relative_cost) if guarded and budget is not None else 0.0
     if budget is not None and cheapest > budget:
+        logger.warning("%sthe lowest reachable relative GEMM cost of the model, %.3f, is used instead of %.3f "
+                       "(cost_budget=%s)", why, cheapest, budget, cfg.cost_budget)
         budget = cheapest * (1 + 1e-9)
-        logger.warning("%sthe lowest reachable relative GEMM cost, %.3f, is used instead of cost_budget=%s",
-                       why, budget, cfg.cost_budget)
     plan = solve_plan(items, fp4_fraction=fraction, cost_budget=budget,
-                      weight_divergence_weight=cfg.weight_divergence_weight,
-                      time_limit_seconds=cfg.time_limit_seconds, relative_cost=relative_cost)
+                      weight_divergence_weight=cfg.weight_divergence_weight, relative_cost=relative_cost)
     return dataclasses.replace(plan, noise_guarded={fqn: tuple(sorted(f, key=lambda x: x.value))
                                                    for fqn, f in guarded.items()})

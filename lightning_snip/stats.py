@@ -13,18 +13,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.autograd.forward_ad as fwAD
 from torch import nn
 
 from lightning_snip.adamw import AdamState, read_adam_state
-from lightning_snip.formats import Choice, Format
+from lightning_snip.formats import Choice
 from lightning_snip.gemm import mm_fp32
 from lightning_snip.linear import SNIPLinear
+from lightning_snip.convert import high_precision
+from lightning_snip.probes import forward_mode_pass, probe_passes
 from lightning_snip.sharding import is_sharded
 
 logger = logging.getLogger(__name__)
@@ -124,8 +124,7 @@ class Statistics:
                  params: dict[str, nn.Parameter], rerun: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]],
                  loss_scale: float = 1.0, layer_modules: Mapping[str, SNIPLinear] | None = None, *,
                  propagation: Propagation = Propagation.EXACT, recomputed: Mapping[str, str] | None = None,
-                 probe: Callable | None = None, sharded: bool = False,
-                 shifted: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None):
+                 probe: Callable | None = None, sharded: bool = False):
         self.loss = loss
         self._loss_scale = loss_scale
         self._batched_vjp = True
@@ -144,7 +143,6 @@ class Statistics:
         self._inputs = inputs  # fqn -> X with its graph (EXACT: for the vector-Jacobian products)
         self._params = params
         self._rerun = rerun
-        self._shifted = shifted
         self._probe = probe
         self._operand_cache: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -248,14 +246,6 @@ class Statistics:
         output gradients G' (rows x m) of every layer."""
         return self._rerun(noise)
 
-    def output_grads_with_shift(self, shift: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Re-run the slice with every parameter ``name`` of ``shift`` moved by ``shift[name]`` (its
-        shape; a DTensor like the parameter under FSDP2) and put back afterwards (also on error);
-        return the output gradients G' (rows x m) of every layer: G' - G is how the gradient arriving
-        at each layer's output moves when the parameters do (a finite difference of the
-        parameter-output mixed second derivative, lightning_snip.drift)."""
-        return self._shifted(shift)
-
     @property
     def layer_modules(self) -> Mapping[str, SNIPLinear]:
         """The recorded layers' modules by fqn (the same objects round after round)."""
@@ -265,7 +255,6 @@ class Statistics:
         self._inputs.clear()
         self._operand_cache.clear()
         self._rerun = None
-        self._shifted = None
         self._probe = None
         self._layers = {}
 
@@ -303,9 +292,9 @@ def collect_stats(
 
     def probe(tangents_of, measure, probes, wanted):
         try:
-            run = functools.partial(_forward_mode_pass, model, loss_fn, layers, p.trainable_owners, passes.rng_states,
+            run = functools.partial(forward_mode_pass, model, loss_fn, layers, p.trainable_owners, passes.rng_states,
                                     recorded_calls=recorded_calls, measure=measure, wanted=wanted)
-            return _probe_passes(model, run, tangents_of, probes, batched=not sharded)
+            return probe_passes(model, run, tangents_of, probes, batched=not sharded)
         finally:
             _reshard(model)  # the probe pass has no backward: FSDP2 keeps its root unsharded after it
 
@@ -333,7 +322,6 @@ def collect_stats(
         inputs=inputs if exact else {},
         params=p.params,
         rerun=lambda noise: passes.run(noise, record=False)[2],
-        shifted=lambda shift: passes.run(None, record=False, shift=shift)[2],
         loss_scale=loss_scale,
         layer_modules=layers,
         propagation=propagation,
@@ -379,11 +367,9 @@ class _Passes:
         self.propagation, self.loss_scale = propagation, loss_scale
         self.compute_dtypes: dict[str, torch.dtype] = {}
 
-    def run(self, noise: Mapping[str, torch.Tensor] | None, record: bool,
-            shift: Mapping[str, torch.Tensor] | None = None):
+    def run(self, noise: Mapping[str, torch.Tensor] | None, record: bool):
         """One pass: (loss, layer inputs, output gradients, parameter gradients, the weights whose
-        gradient is recomputed from G^T X instead of held, calls per layer). ``shift``: parameter
-        name -> a change added to it for this pass only."""
+        gradient is recomputed from G^T X instead of held, calls per layer)."""
         layers, params, loss_scale = self.layers, self.maps.params, self.loss_scale
         inputs: dict[str, torch.Tensor] = {}
         outputs: dict[str, torch.Tensor] = {}
@@ -393,8 +379,6 @@ class _Passes:
         # Every run (the recording one and each noise re-run) draws the same random numbers (dropout
         # masks), and the training run's streams are left where they were.
         with high_precision(layers), self.rng_states.replayed(), contextlib.ExitStack() as stack:
-            if shift:
-                stack.enter_context(_shifted_parameters(params, shift))
             for fqn, layer in layers.items():
                 stack.callback(layer.register_forward_hook(self._output_hook(fqn, noise, record, inputs, outputs,
                                                                              calls, backward)).remove)
@@ -464,31 +448,6 @@ class _Passes:
         return hook
 
 
-@contextlib.contextmanager
-def _shifted_parameters(params: Mapping[str, nn.Parameter], shift: Mapping[str, torch.Tensor]):
-    """The parameters of ``shift`` moved by it in place, put back on exit (adding and then subtracting
-    the same float tensor can leave a last-bit difference; the original values are kept instead).
-
-    Their version counters are put back too: a graph the recording pass kept (Propagation.EXACT's
-    vector-Jacobian products) saved some of them, and autograd refuses a saved tensor whose version
-    moved, although its values are restored bit for bit. torch has no public way to say so; its private
-    setter is the one torch.func uses."""
-    saved, versions = {}, {}
-    try:
-        with torch.no_grad():
-            for name, delta in shift.items():
-                param = params[name]
-                saved[name], versions[name] = param.detach().clone(), param._version
-                param.add_(delta.to(param.dtype))
-        yield
-    finally:
-        with torch.no_grad():
-            for name, value in saved.items():
-                params[name].copy_(value)
-        setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
-        if setter is not None and saved:
-            setter(tuple(params[name] for name in saved), tuple(versions[name] for name in saved))
-
 
 def _reshard(model: nn.Module) -> None:
     """Reshard every FSDP2 module of ``model`` (nothing without FSDP2)."""
@@ -501,199 +460,14 @@ def _reshard(model: nn.Module) -> None:
             module.reshard()
 
 
-class ForwardModeUnsupportedError(RuntimeError):
-    """The model runs an operation without a forward-mode derivative (a custom autograd.Function
-    without ``jvp``, a fused kernel): Propagation.PROBE cannot run on it."""
 
-
-try:
-    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack as _clear_functorch
-except ImportError:  # another torch: the probes run one pass each
-    _clear_functorch = None
 
 # Models whose probes failed to run batched (an operation without a vmap rule): one pass per probe.
-_unbatched_models: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
-def unbatch_probes(model: nn.Module, unbatched: bool = True) -> None:
-    """Run ``model``'s WD probes one forward-mode pass per probe (``unbatched``), as a model whose
-    batched pass failed does, or batched again (False): the same numbers either way; for timing one
-    against the other (benchmarks/stats_cost.py's ``+unbatched``)."""
-    if unbatched:
-        _unbatched_models.add(model)
-    else:
-        _unbatched_models.discard(model)
 
 
-def _probe_passes(model, run, tangents_of, probes: int, *, batched: bool) -> tuple[list[dict], set[str]]:
-    """Statistics.input_tangents: ``probes`` forward-mode passes of ``run`` (_forward_mode_pass).
 
-    Batched: one pass under torch.func.vmap over the probe index, in which each parameter carries the
-    probes' tangents stacked (a batched forward gradient): the primal forward and each weight's
-    update sensitivity (its recomputed G^T X) are computed once for all probes, not once per probe,
-    and the tangents' GEMMs of every layer run batched (the round 0.86-0.89x, benchmarks/results/
-    stats_cost_2026-12-02.md; the same numbers in fp32, within bf16 rounding under autocast). torch.func has no forward-mode pass over a module with lazily created tangents, so
-    a dummy torch.func.jvp opens the forward-AD level the parameters' duals are made at. A model that
-    fails there (an operation with no vmap rule, an in-place write of a batched value) runs one pass
-    per probe from then on, with a warning. FSDP2 (``batched`` False): one pass per probe, so every
-    rank runs the same collectives."""
-    if batched and _clear_functorch is not None and model not in _unbatched_models:
-        def one(k):
-            def tangent_of(name, param):
-                # Outside the transforms (torch's own helper for leaving them; private): the draws
-                # and the compiled AdamW kernels see plain tensors, as in an unbatched pass
-                # (torch.compile refuses to trace under functorch); only the selection is batched.
-                with _clear_functorch():
-                    stacked = tangents_of(name, param, range(probes))
-                return stacked[k]
-
-            def probe_pass(anchor):
-                values, names = run(tangent_of, dual_level=False)
-                seen.update(names)
-                return anchor, values
-
-            anchor = torch.zeros(())
-            return torch.func.jvp(probe_pass, (anchor,), (anchor,))[0][1]
-
-        seen: set[str] = set()
-        try:
-            with torch.no_grad():
-                values = torch.vmap(one, randomness="same")(torch.arange(probes))
-        except ForwardModeUnsupportedError:
-            raise  # unbatched it fails the same way
-        except Exception as err:  # noqa: BLE001 - any vmap failure falls back to the same passes unbatched
-            _unbatched_models.add(model)
-            logger.warning("statistics: the WD probes could not run batched in one pass (%s: %s); one pass per probe "
-                           "for this model (same numbers, slower)", type(err).__name__, (str(err).splitlines() or [""])[0][:200])
-        else:
-            return [{fqn: v[k] for fqn, v in values.items()} for k in range(probes)], seen
-    out, touched = [], set()
-    for probe in range(probes):
-        values, names = run(lambda name, param, probe=probe: tangents_of(name, param, range(probe, probe + 1))[0])
-        out.append(values)
-        touched |= names
-    return out, touched
-
-
-def _forward_mode_pass(model, loss_fn, layers, owner_names, rng_states, tangent_of, *, measure, recorded_calls,
-                       wanted: frozenset[str], dual_level: bool = True) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """One probe pass: ``loss_fn`` once under forward-mode AD (no backward, no graph); returns each
-    layer's ``measure`` of its input tangent and the names of the parameters that got a tangent or
-    whose module ran only after the last measured layer.
-
-    A forward pre-hook on every module that owns trainable parameters swaps them for dual tensors
-    (primal: the parameter, tangent: ``tangent_of``) while the module runs, so tangents exist one
-    module's parameters at a time. Attention runs in SDPA's math kernel: the fused CPU and CUDA
-    kernels have no forward-mode derivative. ``dual_level`` False: inside a forward-AD level the
-    caller opened (_probe_passes' batched pass).
-
-    Once every layer of ``wanted`` has been measured, the modules that run after it get no tangents
-    and their inputs' tangents are dropped: the rest of the pass (on SmolLM2 the 49152-wide LM head
-    and its loss, 4 tangents each) runs as a plain forward, and the measured values are the same bit
-    for bit. torch has no way to end a forward early inside torch.func.vmap (its values leave only
-    as the function's return), so the pass still runs to the loss."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    hooks = _ProbeHooks(owner_names, tangent_of, measure, recorded_calls, wanted)
-    owners = list({id(m): m for m in model.modules() if any((id(m), a) in owner_names for a in m._parameters)}.values())
-    with contextlib.ExitStack() as stack:
-        # A module's pre-hooks in this order, after any of its own (FSDP2's all-gather and input casts: a
-        # layer's input as the recording pass saw it): measure a layer's input, drop tangents, swap in duals.
-        for fqn, layer in layers.items():
-            stack.callback(layer.register_forward_pre_hook(hooks.measure_input(fqn, layer.in_features)).remove)
-        if wanted:
-            for module in model.modules():
-                stack.callback(module.register_forward_pre_hook(hooks.drop_tangents, with_kwargs=True).remove)
-        for module in owners:
-            stack.callback(module.register_forward_pre_hook(hooks.swap_in).remove)
-            # First among the module's post-forward hooks: FSDP2's reshards after it.
-            stack.callback(module.register_forward_hook(hooks.restore, prepend=True, always_call=True).remove)
-        try:
-            with (torch.no_grad(), fwAD.dual_level() if dual_level else contextlib.nullcontext(),
-                  sdpa_kernel([SDPBackend.MATH]), high_precision(layers), rng_states.replayed()):
-                loss_fn()
-        except NotImplementedError as err:
-            # torch: "Trying to use forward AD with <op> that does not support it", or for an
-            # autograd.Function: "You must implement the jvp function ... with forward mode AD".
-            if "forward AD" not in str(err) and "forward mode AD" not in str(err):
-                raise
-            raise ForwardModeUnsupportedError(
-                f"statistics: the model runs an operation without a forward-mode derivative ({str(err).splitlines()[0]}); "
-                "WD's probes cannot run on it (wd_propagation=exact can)") from err
-        finally:
-            for module in owners:  # a module whose forward raised
-                hooks.restore(module)
-    return hooks.values, hooks.touched
-
-
-class _ProbeHooks:
-    """The module hooks of one probe pass (_forward_mode_pass) and what they collect: each measured layer's
-    value, the parameters touched, the calls per layer."""
-
-    def __init__(self, owner_names, tangent_of, measure, recorded_calls, wanted: frozenset[str]):
-        self.owner_names, self.tangent_of, self.measure = owner_names, tangent_of, measure
-        self.recorded_calls = recorded_calls
-        self.swapped: dict[int, list[tuple[str, nn.Parameter]]] = {}
-        self.touched: set[str] = set()
-        self.values: dict[str, torch.Tensor] = {}
-        self.calls: dict[str, int] = {}
-        self.pending = set(wanted)  # wanted layers not measured yet
-
-    def swap_in(self, module, args) -> None:
-        saved = self.swapped.setdefault(id(module), [])
-        for attr, p in list(module._parameters.items()):
-            name = self.owner_names.get((id(module), attr)) if p is not None else None
-            if name is None:
-                continue
-            self.touched.add(name)
-            if not self.pending:  # after the last measured layer: its tangent cannot reach a measured input
-                continue
-            module._parameters[attr] = fwAD.make_dual(p.detach(), self.tangent_of(name, p).to(p.dtype))
-            saved.append((attr, p))
-
-    def restore(self, module, *_) -> None:
-        for attr, p in reversed(self.swapped.pop(id(module), [])):
-            module._parameters[attr] = p
-
-    def measure_input(self, fqn: str, in_features: int):
-        """The pre-hook measuring layer ``fqn``'s input tangent: before the layer runs, so the last measured
-        layer's own output needs no tangent."""
-        def hook(module, args):
-            self.calls[fqn] = self.calls.get(fqn, 0) + 1
-            if self.calls[fqn] != self.recorded_calls.get(fqn, 1):
-                return  # a layer called several times: the recording pass kept its last call's X
-            tangent = fwAD.unpack_dual(args[0]).tangent
-            if tangent is not None:
-                value = self.measure(fqn, tangent.reshape(-1, in_features).float())
-                if value is not None:
-                    self.values[fqn] = value
-            self.pending.discard(fqn)
-
-        return hook
-
-    def drop_tangents(self, module, args, kwargs):
-        return None if self.pending else _plain_arguments(args, kwargs)
-
-
-def _plain(value):
-    """``value`` without its forward-mode tangent: a tensor's primal, a tuple's items' (e.g. rotary
-    embeddings' (cos, sin)); anything else, a list or dict among them, is the very object (a module that
-    writes into a list argument writes where its caller reads), as is a tensor without a tangent."""
-    if isinstance(value, torch.Tensor):
-        unpacked = fwAD.unpack_dual(value)
-        return unpacked.primal if unpacked.tangent is not None else value
-    if type(value) is tuple:
-        items = tuple(_plain(v) for v in value)
-        return value if all(a is b for a, b in zip(items, value)) else items
-    return value
-
-
-def _plain_arguments(args: tuple, kwargs: dict):
-    """A forward pre-hook's (args, kwargs) without tangents (_plain), or None where none carried one."""
-    new_args, new_kwargs = tuple(_plain(a) for a in args), {k: _plain(v) for k, v in kwargs.items()}
-    if all(a is b for a, b in zip(new_args, args)) and all(new_kwargs[k] is v for k, v in kwargs.items()):
-        return None
-    return new_args, new_kwargs
 
 
 @dataclass(frozen=True)
@@ -718,18 +492,6 @@ class _RandomStreams:
                 torch.cuda.set_rng_state(state, device)
             yield
 
-
-@contextlib.contextmanager
-def high_precision(layers: Mapping[str, SNIPLinear]):
-    """Run ``layers`` in bf16 (the run's own precision) inside the block; restore formats after."""
-    saved = {fqn: (layer.format, layer.backward_format) for fqn, layer in layers.items()}
-    try:
-        for layer in layers.values():
-            layer.format, layer.backward_format = Format.BF16, None
-        yield
-    finally:
-        for fqn, layer in layers.items():
-            layer.format, layer.backward_format = saved[fqn]
 
 
 def slice_batch(batch, max_rows: int, *, tokens_per_sample: int | None = None):
@@ -773,57 +535,3 @@ def _map_tensors(batch, fn):
     if isinstance(batch, (list, tuple)):
         return type(batch)(_map_tensors(v, fn) for v in batch)
     return batch
-
-
-class FirstOrderSampler:
-    """Hooks on ordinary training steps that hand each layer's input rows X and output-gradient rows G
-    (``max_rows`` token rows spread over the step's batch) to ``measure`` while the backward pass
-    runs, so LD's first-order term <G, dY> can be averaged over many batches instead of one
-    (lightning_snip.divergence.FirstOrderTerms). ``measure(fqn, x, g, weight, total_rows)`` sees the
-    weight the forward pass used: the optimizer has not stepped yet.
-
-    Use as ``with sampler.recording(offset): <one training step's forward and backward>``. The step
-    runs in the layers' current formats: G is the gradient at the point training is at.
-    """
-
-    def __init__(self, layers: Mapping[str, SNIPLinear], max_rows: int,
-                 measure: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor, int], None]) -> None:
-        self.layers = layers
-        self.max_rows = max_rows
-        self.measure = measure
-
-    @contextlib.contextmanager
-    def recording(self, offset: int = 0):
-        """Hooks for the steps inside the block. ``offset`` shifts the rows sampled (a stride's phase),
-        so successive steps sample all token positions, not every stride-th one alone."""
-        handles = [layer.register_forward_hook(self._make_hook(fqn, offset)) for fqn, layer in self.layers.items()]
-        try:
-            # A compiled model runs these steps eagerly: traced, each hook (eager code) broke the graph
-            # at every layer, and the pieces became a frame per layer, past dynamo's recompile limit.
-            with torch.compiler.set_stance("force_eager"):
-                yield self
-        finally:
-            for handle in handles:
-                handle.remove()
-
-    def _make_hook(self, fqn: str, offset: int):
-        def hook(module, args, output):
-            if not (torch.is_grad_enabled() and output.requires_grad):
-                return None
-            x = args[0].detach().reshape(-1, module.in_features)
-            total_rows = x.shape[0]
-            stride = max(1, -(-total_rows // self.max_rows))  # ceil: the samples cover the whole batch
-            rows = slice(offset % stride, None, stride)
-            # Autograd keeps X unmodified until this backward (the linear saved it). The rows are kept
-            # in the dtype of the round's GEMM operands (RoundPrecision.TRAINING: bf16 where the layer's
-            # GEMM ran in bf16), so this term and the round's own are measured on the same operands.
-            sampled_x = x[rows].to(torch.bfloat16 if output.dtype == torch.bfloat16 else torch.float32)
-
-            def grad_hook(grad):
-                g = grad.detach().reshape(-1, module.out_features)[rows].float()
-                self.measure(fqn, sampled_x, g, module.weight.detach(), total_rows)
-
-            output.register_hook(grad_hook)
-            return None
-
-        return hook

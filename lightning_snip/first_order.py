@@ -1,0 +1,141 @@
+"""LD's first-order term <G, dY> sampled on live training steps, so the round averages it over many batches.
+
+One batch's first-order term is mostly that batch's noise (signed, its sampling error larger than its mean); the
+``first_order_steps`` training steps before each statistics round also measure it, on ``first_order_rows`` token
+rows of each step's batch, while their own backward pass runs: FirstOrderSampler's hooks hand the rows to
+FirstOrderTerms, and FirstOrderRecorder is the controller's switch for it. Written here: no library samples a
+layer's input and output gradient on a training step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+
+from lightning_snip.config import SNIPConfig
+from lightning_snip.formats import Format, QuantRecipe
+from lightning_snip.gemm import mm_fp32, quantized_matmul
+from lightning_snip.linear import SNIPLinear
+
+
+class FirstOrderSampler:
+    """Hooks on ordinary training steps that hand each layer's input rows X and output-gradient rows G
+    (``max_rows`` token rows spread over the step's batch) to ``measure`` while the backward pass
+    runs, so LD's first-order term <G, dY> can be averaged over many batches instead of one
+    (FirstOrderTerms). ``measure(fqn, x, g, weight, total_rows)`` sees the
+    weight the forward pass used: the optimizer has not stepped yet.
+
+    Use as ``with sampler.recording(offset): <one training step's forward and backward>``. The step
+    runs in the layers' current formats: G is the gradient at the point training is at.
+    """
+
+    def __init__(self, layers: Mapping[str, SNIPLinear], max_rows: int,
+                 measure: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor, int], None]) -> None:
+        self.layers = layers
+        self.max_rows = max_rows
+        self.measure = measure
+
+    @contextlib.contextmanager
+    def recording(self, offset: int = 0):
+        """Hooks for the steps inside the block. ``offset`` shifts the rows sampled (a stride's phase),
+        so successive steps sample all token positions, not every stride-th one alone."""
+        handles = [layer.register_forward_hook(self._make_hook(fqn, offset)) for fqn, layer in self.layers.items()]
+        try:
+            # A compiled model runs these steps eagerly: traced, each hook (eager code) broke the graph
+            # at every layer, and the pieces became a frame per layer, past dynamo's recompile limit.
+            with torch.compiler.set_stance("force_eager"):
+                yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _make_hook(self, fqn: str, offset: int):
+        def hook(module, args, output):
+            if not (torch.is_grad_enabled() and output.requires_grad):
+                return None
+            x = args[0].detach().reshape(-1, module.in_features)
+            total_rows = x.shape[0]
+            stride = max(1, -(-total_rows // self.max_rows))  # ceil: the samples cover the whole batch
+            rows = slice(offset % stride, None, stride)
+            # Autograd keeps X unmodified until this backward (the linear saved it). The rows are kept
+            # in the dtype of the round's GEMM operands (RoundPrecision.TRAINING: bf16 where the layer's
+            # GEMM ran in bf16), so this term and the round's own are measured on the same operands.
+            sampled_x = x[rows].to(torch.bfloat16 if output.dtype == torch.bfloat16 else torch.float32)
+
+            def grad_hook(grad):
+                g = grad.detach().reshape(-1, module.out_features)[rows].float()
+                self.measure(fqn, sampled_x, g, module.weight.detach(), total_rows)
+
+            output.register_hook(grad_hook)
+            return None
+
+        return hook
+
+
+class FirstOrderTerms:
+    """LD's first-order term <G, dY> of sampled training batches, per (fqn, format): the evidence of
+    LD (loss_divergence). Its ``add`` is a FirstOrderSampler's ``measure``.
+
+    A sample holds ``rows`` of a batch of ``total_rows`` rows; the sum over them is scaled by
+    total_rows / rows, an estimate of the whole batch's term. ``grad_scale`` is divided out of the
+    recorded gradients (1 / accumulate_grad_batches, times an AMP loss scale). A non-finite sample
+    (an overflowing fp16 step) is dropped.
+    """
+
+    def __init__(self, formats: Iterable[Format], *, recipe: QuantRecipe = QuantRecipe()) -> None:
+        self.formats = [f for f in dict.fromkeys(formats) if f is not Format.BF16]
+        self.recipe = recipe
+        self.grad_scale = 1.0
+        self.values: dict[tuple[str, Format], list[float]] = {}
+
+    def add(self, fqn: str, x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, total_rows: int) -> None:
+        """``x`` in the dtype of the round's GEMM operands (FirstOrderSampler: bf16 where the layer's
+        GEMM ran in bf16; the weight is cast to it, as autocast casts it), ``g`` in fp32."""
+        with torch.no_grad():
+            w = weight.to(x.dtype)
+            y = mm_fp32(x, w)
+            g = g.float()
+            for fmt in self.formats:
+                dy = quantized_matmul(x, w, fmt, recipe=self.recipe, out_dtype=torch.float32) - y
+                value = float((g * dy).sum()) * total_rows / x.shape[0] / self.grad_scale
+                if math.isfinite(value):
+                    self.values.setdefault((fqn, fmt), []).append(value)
+
+    def take(self) -> dict[tuple[str, Format], list[float]]:
+        """The values collected so far, and a fresh start."""
+        values, self.values = self.values, {}
+        return values
+
+
+
+class FirstOrderRecorder:
+    """LD's first-order term sampled on live training steps: FirstOrderSampler's hooks on the
+    unpinned layers (pinned ones never change format, so their LD is never used), measuring into
+    FirstOrderTerms."""
+
+    def __init__(self, layers: Mapping[str, SNIPLinear], config: SNIPConfig) -> None:
+        self.terms = FirstOrderTerms(config.formats, recipe=config.recipe)
+        self.sampler = FirstOrderSampler({fqn: layer for fqn, layer in layers.items() if layer.pinned is None},
+                                         config.first_order_rows, self.terms.add)
+        self._recording: contextlib.ExitStack | None = None
+
+    def start(self, step: int, grad_scale: float) -> None:
+        if self._recording is not None:
+            return
+        self.terms.grad_scale = grad_scale
+        self._recording = contextlib.ExitStack()
+        self._recording.enter_context(self.sampler.recording(offset=step))
+
+    def stop(self) -> None:
+        if self._recording is not None:
+            self._recording.close()
+            self._recording = None
+
+    def stop_and_take(self) -> dict[tuple[str, Format], list[float]]:
+        """Stop, and the terms sampled since the last take."""
+        self.stop()
+        return self.terms.take()
+
