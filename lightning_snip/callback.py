@@ -20,7 +20,6 @@ from lightning_snip.gemm import choose_fp8_scaling
 from lightning_snip.formats import Format, Fp8Scaling
 from lightning_snip.plan import Plan
 from lightning_snip.reporting import log_to_loggers
-from lightning_snip.stats import Propagation
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +29,8 @@ logger = logging.getLogger(__name__)
 SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
 UNSUPPORTED_STRATEGIES = (DeepSpeedStrategy,)
 _STATE = ("config", "layers", "plan", "history", "aggregate", "num_stats_rounds", "num_plans_applied",
-          "num_consecutive_failures", "grad_noise_ratios", "invalid_formats", "fp4_fraction")
+          "num_consecutive_failures", "grad_noise_ratios", "invalid_formats", "fp4_fraction",
+          "switchable_fp4_fraction")
 
 
 class SNIPCallback(Callback):
@@ -63,10 +63,11 @@ class SNIPCallback(Callback):
         ``snip/stats_seconds``: wall time of the statistics round (statistics step).
         ``snip/invalid_formats``: (layer, format) candidates the round found non-finite (left out of
             its evidence; one warning per round names them). Non-zero is a fault to look into.
-        ``snip/wd_probe_rel_stderr``: (``wd_propagation=probe``) the median over layers and formats of
+        ``snip/wd_probe_rel_stderr``: (WD's probes, not the exact fallback) the median over layers and formats of
             the probes' relative standard error of WD's propagated term in the round (this rank's).
         ``snip/solver_seconds``: ILP solve time (apply step).
-        ``snip/fp4_fraction``: FP4 share of the switched layers' linear FLOPs under the applied plan.
+        ``snip/fp4_fraction``: FP4 share of the converted layers' linear FLOPs under the applied plan.
+        ``snip/fp4_fraction_switchable``: the same share of the switchable (unpinned) layers' FLOPs.
         ``snip/relative_gemm_cost``: GEMM cost of the applied plan relative to all-bf16.
         ``snip/plan_changes``: layers whose format the applied plan changed.
         ``snip/plan_agreement``: share of the switched layers whose format the new plan keeps.
@@ -77,7 +78,7 @@ class SNIPCallback(Callback):
     is its Lightning adapter. Public state (the controller's): ``layers`` (fqn -> SNIPLinear),
     ``plan`` (the applied Plan or None), ``history`` (a list of dicts: step, divergence, plan),
     ``aggregate``, ``num_stats_rounds``, ``num_plans_applied``, ``num_consecutive_failures``,
-    ``grad_noise_ratios``, ``invalid_formats``, ``fp4_fraction``.
+    ``grad_noise_ratios``, ``invalid_formats``, ``fp4_fraction``, ``switchable_fp4_fraction``.
     """
 
     def __init__(self, config: SNIPConfig | None = None, *, plan: Plan | None = None) -> None:
@@ -182,9 +183,6 @@ def _check_strategy(strategy, config: SNIPConfig) -> None:
                 f"trainer.strategy: ModelParallelStrategy(tensor_parallel_size={tensor_parallel}) is not supported "
                 "by SNIPCallback (a tensor-parallel layer's GEMMs and statistics span ranks); allowed: "
                 "tensor_parallel_size=1 (FSDP2 data parallelism)")
-        if Propagation(config.wd_propagation) is Propagation.EXACT:
-            raise ValueError("wd_propagation: exact is not supported under FSDP2 (ModelParallelStrategy): it "
-                             "holds every parameter's gradient whole; allowed: probe")
 
 
 def resolve_fp8_scaling(config: SNIPConfig, model: torch.nn.Module, device, collective: Collective = SINGLE_PROCESS,

@@ -208,7 +208,6 @@ class SNIPController:
         except ValueError as err:  # name the config's field, not convert_linears' argument (pins is both)
             raise _config_field_error(err, cfg) from None
         self.flops = layer_flops(self.layers)
-        self.propagation = Propagation.PROBE
         self.recorder = FirstOrderRecorder(self.layers, cfg)
         if self.plan is not None:
             apply_plan(model, self.plan)  # a given plan that does not fit the model fails here

@@ -11,8 +11,9 @@ draw, in program order: no common-subexpression merge of two equal-looking draws
 The bits are those an eager ``random_(generator=...)`` draws from the same generator state, so a
 compiled layer rounds bit for bit as its eager self.
 
-Generators given a token are held for the process's lifetime (one per SNIPCallback and rank: a few
-kilobytes each). Key 0 names torch's default generator of the output's device. Tokens live on the CPU
+A generator given a token is held while its token lives: the token is shared by the layers that draw
+from the generator (and held by a compiled graph that names it), and when the last holder goes, the
+registry forgets both. Key 0 names torch's default generator of the output's device. Tokens live on the CPU
 (read by the operator on the host; no device sync per draw).
 """
 
@@ -21,11 +22,13 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import weakref
 
 import torch
 
 _GENERATORS: dict[int, torch.Generator] = {}
-_TOKENS: dict[int, torch.Tensor] = {}  # id(generator) -> its token (one shared token per generator)
+# id(generator) -> its token (one shared token per generator), weakly: the layers hold the token
+_TOKENS: dict[int, weakref.ref] = {}
 # Keys unique to this process (its pid in the high bits): a token unpickled in another process never
 # names an unrelated generator there.
 _KEYS = itertools.count((os.getpid() << 32) + 1)
@@ -41,12 +44,29 @@ def token_for(generator: torch.Generator | None) -> torch.Tensor:
     if not isinstance(generator, torch.Generator):
         raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
     with _LOCK:
-        token = _TOKENS.get(id(generator))
+        ref = _TOKENS.get(id(generator))
+        token = ref() if ref is not None else None
         if token is None or _GENERATORS.get(int(token[0])) is not generator:
             key = next(_KEYS)
             _GENERATORS[key] = generator
-            token = _TOKENS[id(generator)] = torch.tensor([key, 0], dtype=torch.int64, device="cpu")
+            token = torch.tensor([key, 0], dtype=torch.int64, device="cpu")
+            _TOKENS[id(generator)] = weakref.ref(token)
+            weakref.finalize(token, _forget, key, id(generator))
         return token
+
+
+def _forget(key: int, generator_id: int) -> None:
+    """A token's last holder is gone: its generator leaves the registry (and the id its token entry)."""
+    with _LOCK:
+        _GENERATORS.pop(key, None)
+        ref = _TOKENS.get(generator_id)
+        if ref is not None and ref() is None:
+            del _TOKENS[generator_id]
+
+
+def num_registered() -> int:
+    """Generators the registry holds now (each named by a live token)."""
+    return len(_GENERATORS)
 
 
 def generator_of(token: torch.Tensor, *, missing_ok: bool = False) -> torch.Generator | None:

@@ -165,7 +165,7 @@ def _allowed(hint) -> str:
 def check_overrides(args: typing.Sequence[str]) -> None:
     """The command line's overrides of the schema's fields, checked before Hydra composes them: an
     unknown key (``snip.foo=1``; with ``+`` it reaches to_config) or a value of the wrong type
-    (``snip.noise_guard=maybe``) raises ConfigError naming the field, the value and what is allowed.
+    (``snip.replan=maybe``) raises ConfigError naming the field, the value and what is allowed.
     Hydra's own messages for these span several lines, name no allowed keys and exit 1. Overrides of
     Hydra itself, config-group choices, deletions and what Hydra's grammar rejects are Hydra's to report.
 
@@ -316,7 +316,8 @@ def run(config: TrainConfig, *, output_folder: str | None = None, quiet: bool = 
         "train_loss": metrics.get("train/loss"),
         "val_loss": metrics.get("val/loss"),
         "val_loss_plan": metrics.get("val/loss_plan"),  # CausalLM (smollm2): val/loss is in high precision
-        "fp4_fraction": snip.plan.fp4_fraction if snip.plan else snip.fp4_fraction,
+        "fp4_fraction": snip.plan.fp4_fraction if snip.plan else snip.fp4_fraction,  # of the converted layers
+        "fp4_fraction_switchable": snip.switchable_fp4_fraction,
         "plans_applied": snip.num_plans_applied,
         "stats_rounds": snip.num_stats_rounds,
         "invalid_formats": len(snip.invalid_formats),
@@ -405,7 +406,8 @@ def _print_summary(summary: dict, config: TrainConfig, snip, progress, *, model_
           f"train loss {_fmt(summary['train_loss'])}; val loss {_fmt(summary['val_loss'])}"
           + ("" if summary["val_loss_plan"] is None else
              f" (high precision; {_fmt(summary['val_loss_plan'])} in the plan's formats)"))
-    print(f"FP4 FLOPs fraction {summary['fp4_fraction']:.3f}; plans applied {summary['plans_applied']}; "
+    print(f"FP4 FLOPs fraction {summary['fp4_fraction_switchable']:.3f} of the switchable layers "
+          f"({summary['fp4_fraction']:.3f} of the model); plans applied {summary['plans_applied']}; "
           f"statistics rounds {summary['stats_rounds']}")
     if summary["invalid_formats"]:
         print(f"WARNING: the last statistics round found {summary['invalid_formats']} (layer, format) candidates "
@@ -454,7 +456,7 @@ class ProgressLog(pl.Callback):
         steps = trainer.global_step - self._last_step
         logger.info("step %d/%d | loss %s | %.2f steps/s | FP4 fraction %.2f", trainer.global_step, trainer.max_steps,
                     "n/a" if loss is None else f"{float(loss):.4f}", steps / max(now - self._last, 1e-9),
-                    self.snip.fp4_fraction)
+                    self.snip.switchable_fp4_fraction)
         self._last, self._last_step = now, trainer.global_step
 
 

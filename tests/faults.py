@@ -7,12 +7,12 @@ from lightning_snip.formats import Format
 
 def nan_forward_weights(fmt: Format, weight_shape: tuple[int, int],
                         when: Callable[[], bool] = lambda: True) -> dict[str, Callable]:
-    """Replacements for lightning_snip.divergence's ``quantize_stack`` and ``_output_errors`` (name -> function,
+    """Replacements for lightning_snip.loss_divergence's ``quantize_stack`` and ``_output_errors`` (name -> function,
     for monkeypatch.setattr or assignment) whose forward output errors are NaN for layers with weights of
     ``weight_shape`` (out, in) in ``fmt`` while ``when()`` holds: a quantizer fault, as an all-zero block once
     gave on a GPU. The forward quantizes the weights stacked by shape; the gradient GEMMs' operands are left
     alone."""
-    import lightning_snip.divergence as div
+    import lightning_snip.loss_divergence as div
 
     real, real_forward, in_forward = div.quantize_stack, div._output_errors, []
 

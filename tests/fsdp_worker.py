@@ -52,7 +52,7 @@ def _nan_on_rank_one() -> None:
     """Mode "fault": rank 1's MXFP4 forward output error of the mlp.down layers is NaN (a quantizer
     fault on one rank only); the ranks must agree to leave exactly those pairs out, or their
     collectives diverge."""
-    import lightning_snip.divergence as div
+    import lightning_snip.loss_divergence as div
     from faults import nan_forward_weights
 
     def on_rank_one() -> bool:

@@ -53,13 +53,13 @@ def test_wrong_type_is_rejected_by_the_schema():
 def test_choices_are_enums_read_by_value_or_name():
     """Enum-typed fields take the value as configs write it (any case) or the member's name, and
     hold the Enum; a library user's strings become the Enums too."""
+    from lightning_snip.config import TargetScope
     from lightning_snip.plan import Granularity
-    from lightning_snip.stats import Propagation
 
-    cfg = to_config(_compose(["snip.granularity=gemm", "snip.wd_propagation=EXACT", "snip.initial_format=Mxfp4"]))
-    assert cfg.snip.granularity is Granularity.GEMM and cfg.snip.wd_propagation is Propagation.EXACT
+    cfg = to_config(_compose(["snip.granularity=layer", "snip.target_scope=MODEL", "snip.initial_format=Mxfp4"]))
+    assert cfg.snip.granularity is Granularity.LAYER and cfg.snip.target_scope is TargetScope.MODEL
     assert cfg.snip.initial_format is Format.MXFP4
-    assert SNIPConfig(granularity="gemm", fp8_scaling="tensorwise").granularity is Granularity.GEMM
+    assert SNIPConfig(granularity="layer", fp8_scaling="tensorwise").granularity is Granularity.LAYER
     with pytest.raises(ValueError, match="^granularity: invalid value 'gems'; allowed: layer, gemm$"):
         SNIPConfig(granularity="gems")  # the library names its own field, without the app's prefix
     with pytest.raises(ValueError, match=r"^fp4_fraction: invalid value 1.5; allowed: a number in \[0, 1\]$"):
@@ -87,7 +87,7 @@ def test_pins_from_the_command_line(override, expected):
     ("model.dim=60", r"model.dim: 60 gives an odd head size 15"),
     ("data.seq_len=600", r"data.seq_len: 600 exceeds model.max_seq_len 512"),
     ("trainer.precision=bogus", r"trainer.precision: invalid value 'bogus'; allowed: 32-true"),
-    ("snip.round_group_layers=0", r"snip.round_group_layers: invalid value 0; allowed: an integer > 0, or null"),
+    ("snip.noise_guard_threshold=0", r"snip.noise_guard_threshold: invalid value 0.0; allowed: a finite number > 0"),
 ])
 def test_composed_config_errors_name_the_field(override, message):
     with pytest.raises(ValueError, match=message):
@@ -98,20 +98,17 @@ def test_python_api_takes_a_mapping_of_pins():
     assert SNIPConfig(pins={"*.q": "fp8"}).pin_formats == {"*.q": "fp8"}
 
 
+def test_group_layers_reaches_the_round(monkeypatch):
+    """run_statistics_round's group_layers (None: the device's default) is estimate_divergence's."""
+    import lightning_snip.statistics_round as statistics_round
 
-def test_round_group_layers_reaches_the_round(monkeypatch):
-    """snip.round_group_layers from the command line (null: the device's default) is the round's group_layers."""
-    import lightning_snip.controller as controller
-
-    assert to_config(_compose([])).snip.round_group_layers is None
-    assert to_config(_compose(["snip.round_group_layers=4"])).snip.round_group_layers == 4
     seen = []
 
     def estimate(*args, group_layers, **kwargs):
         seen.append(group_layers)
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(controller, "estimate_divergence", estimate)
+    monkeypatch.setattr(statistics_round, "estimate_divergence", estimate)
     import torch
     from lightning_snip.convert import convert_linears
     from lightning_snip.demo.model import LlamaConfig, TinyLlama
@@ -119,7 +116,8 @@ def test_round_group_layers_reaches_the_round(monkeypatch):
     model = TinyLlama(LlamaConfig(dim=32, num_layers=1, num_heads=2, num_kv_heads=1, hidden_dim=64))
     layers = convert_linears(model)
     tokens = torch.randint(0, 256, (2, 9))
-    with pytest.raises(RuntimeError, match="stop here"):
-        controller.run_statistics_round(model, lambda: model.loss((tokens[:, :-1], tokens[:, 1:])), layers,
-                                        SNIPConfig(round_group_layers=3))
-    assert seen == [3]
+    for group_layers in (3, None):
+        with pytest.raises(RuntimeError, match="stop here"):
+            statistics_round.run_statistics_round(model, lambda: model.loss((tokens[:, :-1], tokens[:, 1:])), layers,
+                                                  SNIPConfig(), group_layers=group_layers)
+    assert seen == [3, None]

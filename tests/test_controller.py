@@ -19,7 +19,8 @@ def test_a_plain_pytorch_loop_samples_plans_and_switches():
     model = TinyLlama(LlamaConfig(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=160))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     controller = SNIPController(SNIPConfig(warmup_steps=2, interval=3, first_order_steps=1, first_order_rows=64,
-                                           max_rows=128, noise_draws=1, fp4_fraction=0.6, pins=["lm_head=bf16"]))
+                                           max_rows=128, noise_draws=1, fp4_fraction=0.6, pins=["lm_head=bf16"],
+                                           granularity="layer", target_scope="model"))
     controller.attach(model)
     assert len(controller.layers) == 2 * 7 + 1 and controller.layers["lm_head"].pinned is Format.BF16
     tokens = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(0))
@@ -58,7 +59,7 @@ def test_a_round_measures_a_pinned_layer_in_its_pin_only(monkeypatch):
 
     import pytest
 
-    from lightning_snip.controller import measured_formats, run_statistics_round
+    from lightning_snip.statistics_round import measured_formats, run_statistics_round
     from lightning_snip.convert import convert_linears
 
     transformers = pytest.importorskip("transformers")
@@ -86,10 +87,10 @@ def test_a_round_measures_a_pinned_layer_in_its_pin_only(monkeypatch):
     assert head.weight_divergence == {Format.BF16: 0.0, Format.FP8: math.inf, Format.MXFP4: math.inf}
     assert math.isfinite(q0.weight_divergence[Format.FP8]) and q0.weight_divergence[Format.MXFP4] == math.inf
     # the same round with every layer measured in every format (as before 2026-12-03)
-    from lightning_snip import controller as controller_module
+    from lightning_snip import statistics_round
 
     every = {fqn: layer.allowed_formats for fqn, layer in layers.items()}
-    monkeypatch.setattr(controller_module, "measured_formats", lambda _: every)
+    monkeypatch.setattr(statistics_round, "measured_formats", lambda _: every)
     full = run_statistics_round(model, loss_fn, layers, cfg, optimizer=opt,
                                 generator=torch.Generator().manual_seed(0)).layers
     assert all(math.isfinite(full["lm_head"].weight_divergence[f]) for f in (Format.FP8, Format.MXFP4))
@@ -99,3 +100,73 @@ def test_a_round_measures_a_pinned_layer_in_its_pin_only(monkeypatch):
                 assert result[fqn].rel_error_forward[fmt] == full[fqn].rel_error_forward[fmt], (fqn, fmt)
                 assert result[fqn].first_order[fmt] == full[fqn].first_order[fmt], (fqn, fmt)
                 assert math.isfinite(result[fqn].weight_divergence[fmt]) and result[fqn].weight_divergence[fmt] > 0
+
+
+def test_the_default_target_is_a_share_of_the_switchable_layers(caplog):
+    """A model whose pinned LM head is most of its linear FLOPs (a small model with a large vocabulary)
+    trains at the defaults: fp4_fraction is a share of the switchable layers' FLOPs, the model's share
+    said beside it; the same target over the whole model cannot be met and fails at setup, naming it."""
+    import logging
+
+    import pytest
+
+    from lightning_snip.convert import apply_plan
+    from lightning_snip.evidence import layer_candidates, model_target, solve_guarded
+
+    def model():
+        torch.manual_seed(0)
+        return TinyLlama(LlamaConfig(vocab_size=8192, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=160))
+
+    with pytest.raises(ValueError, match=r"^fp4_fraction: 0.75 cannot be met; .*FP4 FLOPs fraction 0.75 is unreachable"):
+        SNIPController(SNIPConfig(target_scope="model")).attach(model())
+    lm = model()
+    controller = SNIPController(SNIPConfig())
+    with caplog.at_level(logging.INFO, logger="lightning_snip"):
+        controller.attach(lm)
+        controller.log_setup("cpu", None)
+    flops = controller.flops
+    head = flops["lm_head"] / sum(flops.values())
+    assert head > 0.6
+    expected_model = 0.75 * (1 - head)
+    assert (f"target fp4_fraction 0.75 of the switchable layers' linear FLOPs ({expected_model:.3f} of the model's; "
+            f"pinned layers hold {head:.1%} of them)") in caplog.text
+    cfg = controller.config
+    fraction, budget = model_target(layer_candidates(controller.layers, cfg.formats), cfg)
+    assert fraction == pytest.approx(expected_model) and budget is None
+    g = torch.Generator().manual_seed(1)
+    estimates = [{fqn: {"fp8": float(torch.rand((), generator=g)) * 1e-3, "mxfp4": float(torch.rand((), generator=g))}
+                  for fqn in controller.layers} for _ in range(2)]
+    candidates = layer_candidates(controller.layers, cfg.formats, loss_divergence=estimates[0],
+                                  weight_divergence=estimates[1])
+    plan = solve_guarded(candidates, {}, cfg)
+    apply_plan(lm, plan)
+    assert 0.75 - 1e-9 <= controller.switchable_fp4_fraction and controller.fp4_fraction < 0.3
+    assert controller.fp4_fraction == pytest.approx(plan.fp4_fraction)
+    # the same plan as the whole-model target it stands for (the same linear constraint)
+    same = solve_guarded(candidates, {}, SNIPConfig(target_scope="model", fp4_fraction=fraction * (1 - 1e-12)))
+    assert dict(same) == dict(plan)
+
+
+def test_close_joins_a_solve_still_running_within_its_bound(monkeypatch, caplog):
+    """At fit end (SNIPCallback.on_fit_end / teardown) the controller waits for a solve still running, at
+    most its bound: a process exiting while the solver's thread runs native code can abort."""
+    import logging
+    import threading
+
+    import lightning_snip.controller as controller_module
+
+    release = threading.Event()
+    monkeypatch.setattr(controller_module, "solve_guarded", lambda *a: release.wait(10) and None)
+    controller = SNIPController(SNIPConfig(pins=[]))
+    controller.attach(TinyLlama(LlamaConfig(dim=64, num_layers=1, num_heads=4, num_kv_heads=2, hidden_dim=160)))
+    controller.aggregate.update({"loss_divergence": {}, "weight_divergence": {}})
+    controller.start_solve(0, 1)
+    thread = controller.pending.thread
+    with caplog.at_level(logging.WARNING, logger="lightning_snip"):
+        controller.close(timeout=0.05)  # still running: said, left to its daemon thread
+    assert thread.is_alive() and "still running" in caplog.text and controller.pending is None
+    controller.start_solve(0, 1)
+    thread = controller.pending.thread
+    release.set()
+    controller.close()
+    assert not thread.is_alive() and controller.pending is None

@@ -95,3 +95,29 @@ def test_state_dict_keys_are_those_of_nn_linear():
     lin = nn.Linear(32, 32)
     snip = SNIPLinear.from_linear(lin, format="mxfp4")
     assert list(snip.state_dict()) == list(lin.state_dict())
+
+
+def test_a_generator_leaves_the_rng_registry_with_its_last_layer():
+    """Layers hold their generator's RNG token; a deep copy shares it; when the last holder goes, the
+    registry (what a compiled graph draws through) forgets the generator instead of keeping it for the
+    process's lifetime."""
+    import copy
+    import gc
+
+    from lightning_snip import rng
+
+    gc.collect()  # earlier tests' layers
+    before = rng.num_registered()
+    generator = torch.Generator().manual_seed(0)
+    layers = [SNIPLinear(64, 64) for _ in range(3)]
+    for layer in layers:
+        layer.generator = generator
+    twin = copy.deepcopy(layers[0])
+    assert twin.generator is generator and twin._rng_token is layers[0]._rng_token
+    assert rng.num_registered() == before + 1
+    del layers, layer
+    gc.collect()
+    assert rng.num_registered() == before + 1  # the copy still draws from it
+    del twin
+    gc.collect()
+    assert rng.num_registered() == before

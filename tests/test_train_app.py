@@ -138,14 +138,14 @@ def test_progress_plan_lines_clean_output_and_summary(tmp_path):
     (["model.dim=0"], "model.dim: invalid value 0; allowed: an integer > 0"),
     (["+foo.bar=1"], "foo.bar: unknown key; allowed: data, model, snip, trainer and their fields"),
     (["snip.formats=[fp8,int4]"], "snip.formats: unknown key; allowed: aggregate_decay, apply_delay, candidate_formats"),
-    (["snip.noise_guard=maybe"], "snip.noise_guard: 'maybe' is not a valid value (Value 'maybe' is not a valid bool"),
+    (["snip.replan=maybe"], "snip.replan: 'maybe' is not a valid value (Value 'maybe' is not a valid bool"),
     # an Enum field: its values named; the library's "pins[0]: ..." gets the app's prefix
     (["snip.granularity=gems"], "snip.granularity: 'gems' is not a valid value; allowed: layer, gemm"),
     (["snip.pins=[lm_head]"], "snip.pins[0]: 'lm_head' is not 'glob=format'"),
     (["model.dim=1.5"], "model.dim: 1.5 is not a valid value"),
     (["trainer.strategy=nonsense"], "trainer: Lightning rejects these trainer settings (strategy='nonsense'"),
     (["trainer.val_check_interval=-5"], "trainer.val_check_interval: invalid value -5; allowed: an integer > 0"),
-    (["snip.fp4_fraction=1.0"], "snip.fp4_fraction: 1.0 cannot be met"),
+    (["snip.fp4_fraction=1.0", "snip.target_scope=model"], "snip.fp4_fraction: 1.0 cannot be met"),
     (["trainer.ckpt_path=last"], "trainer.ckpt_path: 'last', but there is no checkpoint"),
     (["model.dim=48", "model.hidden_dim=96"], "snip.fp4_fraction: 0.6 cannot be met"),  # 48: no 32-block
     (["model.name=smollm2"], "model.name: 'smollm2' with the model preset 'tiny'; allowed: choose the model with "
