@@ -26,9 +26,8 @@ logger = logging.getLogger(__name__)
 def measured_formats(layers: Mapping[str, SNIPLinear]) -> dict[str, frozenset[Format]]:
     """fqn -> the formats a round measures the layer in: those its shape allows, and a pinned layer only
     in its pin (bf16: none). A plan never moves a pinned layer, so its other formats' LD and WD were
-    never used (the planner, the evidence, the gradient-noise guard skip pinned layers): they read +inf.
-    On SmolLM2, measuring the pinned 49152-wide LM head in fp8 and mxfp4 made the round 1.09x longer
-    (benchmarks/results/smollm2_speed_2026-12-03.md)."""
+    never used (the planner, the evidence, the gradient-noise guard skip pinned layers): they read +inf,
+    and a large pinned LM head costs the round nothing."""
     return {fqn: frozenset({layer.pinned}) if layer.pinned is not None else layer.allowed_formats
             for fqn, layer in layers.items()}
 

@@ -40,8 +40,8 @@ class RoundPrecision(Choice):
         dtype before quantizing, so these are the operands the training GEMMs see), quantized in bf16 and
         multiplied with fp32 sums (gemm.mm_fp32: bf16 tensor cores on a GPU, where an fp32 GEMM is
         about 15x slower). fp32 and fp16 layers (an fp16 G without its loss scale underflows) run as FP32.
-    FP32: every operand upcast to fp32 and the fp32 master weight quantized (the round before
-        2026-11-30 night, kept to measure the difference side by side: benchmarks/stats_cost.py).
+    FP32: every operand upcast to fp32 and the fp32 master weight quantized (the earlier round, kept as a
+        reference to measure against: benchmarks/gpu_check.py).
     Every elementwise sum of the round is fp32 or fp64 in both.
     """
 
@@ -68,7 +68,7 @@ class LayerStats:
     weight_name: str = ""
     # The dtype the layer's GEMM ran in during the recording pass (its output's: the autocast dtype
     # under *-mixed precision): the statistics round quantizes and multiplies X, G, W in it, as the
-    # training GEMMs do (lightning_snip.divergence.RoundPrecision).
+    # training GEMMs do (RoundPrecision).
     compute_dtype: torch.dtype = torch.float32
     # The input had a leading sample dimension over token dimensions ((batch, seq, features) and up):
     # rows of one sample are contiguous and samples independent. A 2-D input's rows may be tokens of

@@ -256,8 +256,8 @@ def _probe_propagated(stats: Statistics, adam: Mapping[str, AdamState | None], i
     missing = [n for n in stats.param_names if n not in touched and stats.has_grad(n)]
     if missing:
         logger.warning("weight divergence: parameters %s have gradients but were not used by the module that "
-                       "registers them; their share of the propagated term is missing (use "
-                       "wd_propagation=exact for this model)", missing[:5])
+                       "registers them; their share of the propagated term is missing (exact propagation, "
+                       "collect_stats(propagation=Propagation.EXACT), covers them)", missing[:5])
     out = {}
     for fqn in input_errors:
         mean = sums[fqn].cpu() / probes

@@ -39,7 +39,8 @@ def main(out_dir: str) -> None:
     rank = int(os.environ.get("LOCAL_RANK", 0))
     data = ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1, seed=rank)
     _record_reductions()
-    snip = SNIPCallback(SNIPConfig(warmup_steps=2, interval=4, apply_delay=1, fp4_fraction=0.6, max_rows=128, noise_draws=1))
+    snip = SNIPCallback(SNIPConfig(warmup_steps=2, interval=4, apply_delay=1, fp4_fraction=0.6, max_rows=128, noise_draws=1,
+                                   granularity="layer", target_scope="model"))
     trainer = pl.Trainer(
         max_steps=6, accelerator="cpu", devices=2, strategy="ddp", callbacks=[snip], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,

@@ -16,7 +16,7 @@ import lightning_snip.controller as ctl
 from lightning_snip.controller import SNIPController
 from lightning_snip.callback import SNIPCallback
 from lightning_snip.config import SNIPConfig
-from lightning_snip.stats import unbatch_probes
+from lightning_snip.probes import unbatch_probes
 from lightning_snip.demo.lightning import ByteTextDataModule, DemoLM
 from lightning_snip.demo.model import LlamaConfig
 from lightning_snip.formats import Format
@@ -113,7 +113,8 @@ def main(out_dir: str, mode: str) -> None:
         unbatch_probes(module)
     data = ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1, seed=0)  # the same data on both ranks
     snip = SNIPCallback(SNIPConfig(warmup_steps=2, interval=3, apply_delay=1, fp4_fraction=0.6, max_rows=128,
-                                   noise_draws=1, wd_probes=4, initial_format="fp8"))
+                                   noise_draws=1, wd_probes=4, initial_format="fp8", granularity="layer",
+                                   target_scope="model"))
     restored = _RestoredPlan(snip)
     if single:
         strategy, devices = "auto", 1

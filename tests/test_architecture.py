@@ -1,5 +1,5 @@
 """The house rules of docs/architecture.md, checked on the source: imports run one way (no circle
-among lightning_snip's modules), no function over 80 lines, a thin SNIPCallback, and benchmarks on
+among lightning_snip's modules), no function over 80 lines, no module over 600, a thin SNIPCallback, and benchmarks on
 the public API (no private lightning_snip name, nothing from tests/)."""
 
 import ast
@@ -59,12 +59,18 @@ def test_no_import_circle_in_the_package():
 
 
 def test_formats_and_the_planner_import_no_torch():
-    for name in ("formats", "plan", "planner", "baselines", "aggregate"):
+    for name in ("formats", "plan", "planner", "baselines", "aggregate", "config"):
         modules = {a.name.split(".")[0] for n in _imports(PACKAGE / f"{name}.py") if isinstance(n, ast.Import)
                    for a in n.names}
         modules |= {n.module.split(".")[0] for n in _imports(PACKAGE / f"{name}.py")
                     if isinstance(n, ast.ImportFrom) and n.module}
         assert "torch" not in modules, name
+
+
+def test_no_module_longer_than_600_lines():
+    """A module a newcomer reads in one sitting: the estimator is split along its concepts (issue 53)."""
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, long
 
 
 def test_no_function_longer_than_80_lines_and_a_thin_callback():

@@ -1,4 +1,4 @@
-"""WD's forward-mode probes batched into one pass (stats._probe_passes): the same numbers as one pass
+"""WD's forward-mode probes batched into one pass (probes.probe_passes): the same numbers as one pass
 per probe, bit for bit, on the demo model and on a Hugging Face Llama; a model that cannot run them
 batched falls back to one pass per probe with one warning."""
 
@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import lightning_snip.probes as probes_module
 import lightning_snip.stats as stats_module
-from lightning_snip.controller import measured_formats
+from lightning_snip.statistics_round import measured_formats
 from lightning_snip.convert import convert_linears
 from lightning_snip.divergence import estimate_divergence
 from lightning_snip.formats import Format
@@ -54,7 +55,7 @@ def _trained(make, pins=None):
 
 def _round(model, loss_fn, opt, layers, *, batched: bool, forwards: list | None = None):
     if not batched:
-        stats_module._unbatched_models.add(model)
+        probes_module._unbatched_models.add(model)
     try:
         stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
         handle = model.register_forward_hook(lambda *_: forwards.append(1)) if forwards is not None else None
@@ -67,7 +68,7 @@ def _round(model, loss_fn, opt, layers, *, batched: bool, forwards: list | None 
             stats.release()
     finally:
         if not batched:
-            stats_module._unbatched_models.discard(model)
+            probes_module._unbatched_models.discard(model)
     return result.layers
 
 
@@ -135,7 +136,7 @@ def test_a_model_the_probes_cannot_batch_runs_one_pass_per_probe_after_one_warni
     model, loss_fn, opt, layers = _trained(make)
     with caplog.at_level(logging.WARNING, logger="lightning_snip"):
         fallback = [_round(model, loss_fn, opt, layers, batched=True) for _ in range(2)]
-        assert model in stats_module._unbatched_models  # remembered for the model's later rounds
+        assert model in probes_module._unbatched_models  # remembered for the model's later rounds
         reference = _round(model, loss_fn, opt, layers, batched=False)
     warned = [r.getMessage() for r in caplog.records if "could not run batched" in r.getMessage()]
     assert len(warned) == 1 and "one pass per probe" in warned[0], warned
@@ -181,7 +182,7 @@ def test_the_pass_runs_without_tangents_after_the_last_measured_layer(batched, c
 
     def round_(to_the_loss: bool):
         if not batched:
-            stats_module._unbatched_models.add(model)
+            probes_module._unbatched_models.add(model)
         stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
         probe = stats._probe
 
@@ -198,7 +199,7 @@ def test_the_pass_runs_without_tangents_after_the_last_measured_layer(batched, c
                                        generator=torch.Generator().manual_seed(3)).layers
         finally:
             stats.release()
-            stats_module._unbatched_models.discard(model)
+            probes_module._unbatched_models.discard(model)
 
     with caplog.at_level(logging.WARNING, logger="lightning_snip"):
         full = round_(to_the_loss=True)
@@ -260,7 +261,7 @@ def test_a_module_after_the_last_measured_layer_gets_its_list_argument_itself(ca
     with caplog.at_level(logging.WARNING, logger="lightning_snip"):
         result = _round(model, loss_fn, opt, layers, batched=True)
     assert not [r for r in caplog.records if "could not run batched" in r.getMessage()]
-    assert model not in stats_module._unbatched_models
+    assert model not in probes_module._unbatched_models
     assert result["second"].wd_propagated[Format.MXFP4] > 0
 
 

@@ -139,7 +139,12 @@ def test_trains_under_bf16_mixed_with_a_plan(smollm2, tmp_path):
                          limit_val_batches=1, val_check_interval=4, default_root_dir=tmp_path)
     trainer.fit(module, datamodule=data)
     assert len(snip.layers) == 21 and snip.num_plans_applied == 1
-    assert {fqn: layer.format for fqn, layer in snip.layers.items()} == dict(snip.plan)
+    from lightning_snip.plan import BACKWARD, FORWARD, gemm_key
+
+    # per-GEMM plans (the default): every layer runs its forward and backward formats
+    assert all(layer.format is snip.plan[gemm_key(fqn, FORWARD)]
+               and (layer.backward_format or layer.format) is snip.plan[gemm_key(fqn, BACKWARD)]
+               for fqn, layer in snip.layers.items())
     assert snip.plan.fp4_fraction >= 0.5
     assert _finite_round(snip)
     metrics = trainer.callback_metrics

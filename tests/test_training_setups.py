@@ -13,13 +13,15 @@ from torch import nn
 
 import lightning_snip.controller as ctl
 import lightning_snip.evidence as evidence_mod
+import lightning_snip.statistics_round as statistics_round
 from lightning_snip.controller import SNIPController
 from lightning_snip.callback import SNIPCallback
 from lightning_snip.demo.lightning import ByteTextDataModule, DemoLM
 from lightning_snip.formats import Format
 from lightning_snip.gemm import quantized_matmul
 from lightning_snip.linear import SNIPLinear
-from lightning_snip.stats import collect_stats, high_precision
+from lightning_snip.convert import high_precision
+from lightning_snip.stats import collect_stats
 from test_callback import SMALL, _fit, _snip
 
 
@@ -115,14 +117,14 @@ def _finite_round(snip):
 
 def test_bf16_mixed_trains_and_the_round_runs_under_autocast(tmp_path, monkeypatch):
     seen = []
-    real = ctl.collect_stats
+    real = statistics_round.collect_stats
 
     def spy(*args, **kwargs):
         stats = real(*args, **kwargs)
         seen.append(stats.layers["model.layers.0.attn.o"].x.dtype)  # attention output: bf16 under autocast
         return stats
 
-    monkeypatch.setattr(ctl, "collect_stats", spy)
+    monkeypatch.setattr(statistics_round, "collect_stats", spy)
     snip = SNIPCallback(_snip(initial_format="mxfp4"))
     trainer, _ = _fit(tmp_path, snip, precision="bf16-mixed")
     assert seen == [torch.bfloat16, torch.bfloat16]
@@ -241,8 +243,7 @@ class _CompileCounter(pl.Callback):
 
 @pytest.mark.compiled_quantizers
 def test_compiled_model_trains_gets_plans_and_recompiles_only_for_new_plans(tmp_path):
-    # (the default error probe: its curvature passes run the compiled model, which curvature_probe=fisher
-    # never does; fisher where users train: test_fisher_curvature_on_a_hugging_face_llama_...)
+    # (the error probe's curvature passes run the compiled model too)
     torch._dynamo.reset()
     snip = SNIPCallback(_snip(first_order_steps=2))
     counter = _CompileCounter(snip)
@@ -341,7 +342,7 @@ def test_tied_head_weight_divergence_uses_the_shared_weights_adam_state(tmp_path
     """WD's direct term of a head tied to the embedding, against a computation from the optimizer's
     raw state: the update of the next AdamW step of the *shared* parameter (lookup by identity)."""
     module = _UserLM(tied=True)
-    snip = SNIPCallback(_user_snip(candidate_formats=("fp8", "mxfp4"), fp4_grad_rounding="nearest"))
+    snip = SNIPCallback(_user_snip(candidate_formats=("fp8", "mxfp4")))
     trainer, _ = _fit(tmp_path, snip, max_steps=4, module=module)
     assert snip.num_plans_applied == 1 and module.net.head.weight is module.net.embed.weight
     module.net.drop.p = 0.0
@@ -426,7 +427,7 @@ def test_repeated_statistics_failures_raise_with_the_cause(tmp_path, monkeypatch
     def broken(*args, **kwargs):
         raise RuntimeError("injected statistics failure")
 
-    monkeypatch.setattr(ctl, "collect_stats", broken)
+    monkeypatch.setattr(statistics_round, "collect_stats", broken)
     snip = SNIPCallback(_snip(interval=2, apply_delay=1, max_consecutive_failures=3))  # rounds at 2, 4, 6
     with pytest.raises(RuntimeError, match=r"3 statistics rounds or solves in a row.*injected statistics failure"):
         _fit(tmp_path, snip, max_steps=10)
@@ -442,7 +443,7 @@ def test_failures_are_tolerated_when_the_user_asks(tmp_path, monkeypatch, caplog
 
 
 def test_a_success_resets_the_failure_count(tmp_path, monkeypatch):
-    real = ctl.collect_stats
+    real = statistics_round.collect_stats
     calls = []
 
     def flaky(*args, **kwargs):
@@ -451,7 +452,7 @@ def test_a_success_resets_the_failure_count(tmp_path, monkeypatch):
             raise RuntimeError("injected")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ctl, "collect_stats", flaky)
+    monkeypatch.setattr(statistics_round, "collect_stats", flaky)
     snip = SNIPCallback(_snip(interval=2, apply_delay=1, max_consecutive_failures=2))
     _fit(tmp_path, snip, max_steps=10)  # fail, succeed, fail, succeed: never two in a row
     assert snip.num_plans_applied == 2
@@ -513,7 +514,7 @@ def test_fp16_round_lowers_an_overflowing_loss_scale_instead_of_losing_the_round
                 s.g = torch.full_like(s.g, float("inf"))
         return stats
 
-    monkeypatch.setattr(ctl, "collect_stats", overflowing)
+    monkeypatch.setattr(statistics_round, "collect_stats", overflowing)
     snip = SNIPCallback(_snip(initial_format="mxfp4"))
     _fit(tmp_path, snip, max_steps=4, plugins=[MixedPrecision("16-mixed", "cpu")])
     assert scales[0] > 2.0**10 and scales[1] == scales[0] / 256, scales  # retried at a lower scale
@@ -552,26 +553,6 @@ def test_round_leaves_buffers_as_it_found_them(tmp_path, monkeypatch):
     assert seen == [True] and snip.num_plans_applied == 1
 
 
-def test_fisher_curvature_on_a_hugging_face_llama_under_bf16_mixed_and_accumulation(tmp_path, monkeypatch):
-    """snip.curvature_probe=fisher where users train: no curvature pass runs, LD's second-order term
-    is positive and finite for every layer, and the run plans."""
-    pytest.importorskip("transformers")
-    import lightning_snip.controller as ctl
-    from lightning_snip.stats import Statistics
-
-    monkeypatch.setattr(Statistics, "output_grads_with_noise", lambda self, noise: pytest.fail("fisher runs no pass"))
-    results = []
-    real = ctl.estimate_divergence
-    monkeypatch.setattr(ctl, "estimate_divergence", lambda *a, **kw: results.append(real(*a, **kw)) or results[-1])
-    snip = SNIPCallback(_snip(pins={"*lm_head": "bf16"}, curvature_probe="fisher"))
-    _fit(tmp_path, snip, module=_HFLlamaLM(), precision="bf16-mixed", accumulate_grad_batches=2)
-    assert snip.num_plans_applied == 2 and _finite_round(snip) and len(results) == 2
-    from lightning_snip.formats import Format
-
-    second = [d.second_order[f] for d in results[-1].layers.values() for f in d.second_order if f is not Format.BF16]
-    assert second and all(0 < v < math.inf for v in second)
-
-
 def test_noise_guard_on_a_hugging_face_llama_under_bf16_mixed_and_accumulation(tmp_path):
     """The gradient-noise guard where users train: a module we did not write, bf16-mixed, 2 micro-
     batches per step, per-GEMM plans. Every ratio is finite; a threshold above all of them keeps
@@ -579,7 +560,7 @@ def test_noise_guard_on_a_hugging_face_llama_under_bf16_mixed_and_accumulation(t
     pytest.importorskip("transformers")
     from lightning_snip.plan import BACKWARD, FORWARD, gemm_key
 
-    snip = SNIPCallback(_snip(pins={"*lm_head": "bf16"}, granularity="gemm", fp4_fraction=0.3, noise_guard=True,
+    snip = SNIPCallback(_snip(pins={"*lm_head": "bf16"}, granularity="gemm", fp4_fraction=0.3,
                               noise_guard_threshold=1e12))
     _fit(tmp_path, snip, module=_HFLlamaLM(), precision="bf16-mixed", accumulate_grad_batches=2)
     unpinned = {fqn for fqn, layer in snip.layers.items() if layer.pinned is None}
