@@ -9,8 +9,8 @@ policy; the pretraining and the truths are shared by all seeds.
 Policies at each FP4 fraction (candidates fp8 / mxfp4 / nvfp4; the fixed rules use the setting's
 ``low`` FP4 format and fp8; the LM head pinned bf16 everywhere):
   snip, snip_gemm        the callback (granularity layer / gemm), plans from its own statistics rounds
-                         (+horizon: SNIPConfig.pricing=horizon; +shrink<x>: class_shrinkage=x; +rows<n>:
-                         max_rows=n, the statistics slice; run only where --policies names them)
+                         (fp4_fraction of the whole model's linear FLOPs: target_scope=model; +rows<n>:
+                         max_rows=n, the statistics slice; run only where --policies names it)
   oracle, oracle_gemm    the same ILP fed with measured truths instead of estimates: per layer and
                          format, the mean relative loss increase over K batches with only its forward
                          in the format (LD's truth) and the one-step AdamW update deviation with only
@@ -384,23 +384,51 @@ def _oracle_lambda(policy: str) -> float:
     return float(lam) if lam else DEFAULT_WEIGHT_DIVERGENCE_WEIGHT
 
 
-def pooled_truths(truths: dict, strength: float = 1.0) -> dict:
-    """The truths averaged over each class of layers: (layer type, first / inner / last block, format),
-    for LD and WD apart. A single layer's truth is noisy (at deep8 16 of 56 layers' LD truth per FP4
-    format comes out <= 0, which the clamp makes free for the ILP); a class mean much less so. The
-    oracle_pooled policies plan from these: do they beat the oracle, i.e. was its loss the noise?
-    ``strength`` < 1: each value moved only that far toward its class mean (the callback's
-    class_shrinkage, evidence.shrink_to_class_means, on "fqn|format" keys)."""
-    from lightning_snip.evidence import shrink_to_class_means
+_BLOCK = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")  # an fqn's first integer component: its block ("layers.3.")
 
+
+def layer_classes(fqns) -> dict[str, str]:
+    """fqn -> its class: the same module in the other blocks of its stack, split into the stack's first
+    block, its inner blocks and its last block (a stack: the name before the first integer component, its
+    block range the one ``fqns`` span; the module: the name after it). A layer with no integer component
+    (an LM head) is a class of its own."""
+    parsed = {}
+    for fqn in fqns:
+        match = _BLOCK.search(fqn)
+        parsed[fqn] = None if match is None else (fqn[:match.start(1)], int(match.group(1)), fqn[match.end(1):])
+    ranges: dict[str, tuple[int, int]] = {}
+    for stack, block, _ in filter(None, parsed.values()):
+        lo, hi = ranges.get(stack, (block, block))
+        ranges[stack] = (min(lo, block), max(hi, block))
+    out = {}
+    for fqn, p in parsed.items():
+        if p is None:
+            out[fqn] = fqn
+            continue
+        stack, block, module = p
+        lo, hi = ranges[stack]
+        out[fqn] = f"{stack}*{module}@{'first' if block == lo else 'last' if block == hi else 'inner'}"
+    return out
+
+
+def pooled_truths(truths: dict) -> dict:
+    """The truths averaged over each class of layers: (layer type, first / inner / last block, format),
+    for LD and WD apart (layer_classes). A single layer's truth is noisy (at deep8 16 of 56 layers' LD
+    truth per FP4 format comes out <= 0, which the clamp makes free for the ILP); a class mean much less
+    so. The oracle_pooled policies plan from these: do they beat the oracle, i.e. was its loss the
+    noise? Non-finite truths and classes of one finite member are kept as they are."""
     out = {}
     for metric, values in truths.items():
-        nested: dict[str, dict[str, float]] = {}
-        for key, v in values.items():
+        classes = layer_classes(dict.fromkeys(key.partition("|")[0] for key in values))
+        members: dict[tuple[str, str], list[str]] = {}
+        for key, value in values.items():
             fqn, _, fmt = key.partition("|")
-            nested.setdefault(fqn, {})[fmt] = v
-        out[metric] = {f"{fqn}|{fmt}": v for fqn, per in shrink_to_class_means(nested, strength).items()
-                       for fmt, v in per.items()}
+            if math.isfinite(value):
+                members.setdefault((classes[fqn], fmt), []).append(key)
+        out[metric] = dict(values)
+        for keys in members.values():
+            if len(keys) > 1:
+                out[metric].update(dict.fromkeys(keys, math.fsum(values[k] for k in keys) / len(keys)))
     return out
 
 
@@ -428,7 +456,7 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
 
     from lightning_snip.callback import SNIPCallback
     from lightning_snip.config import SNIPConfig
-    from lightning_snip.stats import high_precision
+    from lightning_snip.convert import high_precision
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*(LeafSpec|dataloader is not resumable).*")
@@ -438,26 +466,23 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
     pl.seed_everything(seed)
     module = _module(s, continuation=True)
     base, _, lam = policy.partition("@")  # "snip_gemm@0.3": SNIP with weight_divergence_weight 0.3
-    # "snip_gemm+horizon": SNIP with SNIPConfig.pricing=horizon; "snip_gemm+shrink0.5": class_shrinkage 0.5
-    base, *modifiers = base.split("+")
-    pricing = "horizon" if "horizon" in modifiers else None
-    shrink = next((float(m[len("shrink"):]) for m in modifiers if m.startswith("shrink")), None)
-    max_rows = next((int(m[len("rows"):]) for m in modifiers if m.startswith("rows")), s.max_rows)  # "+rows2048"
+    base, *modifiers = base.split("+")  # "snip_gemm+rows2048": SNIP with max_rows 2048
+    max_rows = next((int(m[len("rows"):]) for m in modifiers if m.startswith("rows")), s.max_rows)
     granularity = "gemm" if base.endswith("_gemm") or base == "backward_only" else "layer"
+    # Every config sets its granularity and target_scope=model: the fractions are shares of the whole model's
+    # linear FLOPs (the pinned head's included), as the committed results were measured.
     if base in ("snip", "snip_gemm"):
         # The first round runs at the checkpoint (no first-order history yet), then every interval.
         config = SNIPConfig(warmup_steps=s.pretrain_steps, interval=s.snip_interval, apply_delay=1, fp4_fraction=fraction,
-                            candidate_formats=s.candidates, initial_format="fp8", pins=PINS, granularity=granularity,
-                            first_order_steps=min(s.first_order_steps, s.snip_interval - 1), max_rows=max_rows,
-                            first_order_rows=s.first_order_rows,
-                            **({"weight_divergence_weight": float(lam)} if lam else {}),
-                            **({"pricing": pricing} if pricing else {}),
-                            **({"class_shrinkage": shrink} if shrink is not None else {}))
+                            target_scope="model", candidate_formats=s.candidates, initial_format="fp8", pins=PINS,
+                            granularity=granularity, first_order_steps=min(s.first_order_steps, s.snip_interval - 1),
+                            max_rows=max_rows, first_order_rows=s.first_order_rows,
+                            **({"weight_divergence_weight": float(lam)} if lam else {}))
         callback = SNIPCallback(config)
     else:
         plan = fixed_plan(policy, fraction, seed, _module(s), s, measured)
-        callback = SNIPCallback(SNIPConfig(replan=False, fp4_fraction=fraction or 0.0, pins=PINS, granularity=granularity,
-                                           candidate_formats=s.candidates), plan=plan)
+        callback = SNIPCallback(SNIPConfig(replan=False, fp4_fraction=fraction or 0.0, target_scope="model", pins=PINS,
+                                           granularity=granularity, candidate_formats=s.candidates), plan=plan)
     data = _data(s, seed)
     start = time.perf_counter()
     trainer = _trainer(s, s.pretrain_steps + s.continue_steps, [callback], Path(root))
@@ -1038,10 +1063,8 @@ def main() -> None:
             jobs = jobs_for(args.fractions, 1 if args.quick else args.seeds, natural=natural, natural_seeds=args.natural_seeds)
             jobs += [(f"{p}@{lam:g}", f, seed) for seed in range(1 if args.quick else args.seeds)
                      for f in args.fractions for lam in args.lambdas for p in ("snip", "snip_gemm", "oracle", "oracle_gemm")]
-            # SNIP with SNIPConfig.pricing=horizon (issue 33), only where --policies names it
-            # and with SNIPConfig.class_shrinkage=<x> ("snip_gemm+shrink0.5") or max_rows=<n> ("+rows2048")
-            named = [p for p in args.policies or () if p in ("snip+horizon", "snip_gemm+horizon")
-                     or re.fullmatch(r"snip(_gemm)?\+(shrink(0(\.\d+)?|1(\.0*)?)|rows[1-9]\d*)", p)]
+            # SNIP with max_rows=<n> ("snip_gemm+rows2048"), only where --policies names it
+            named = [p for p in args.policies or () if re.fullmatch(r"snip(_gemm)?\+rows[1-9]\d*", p)]
             jobs += [(p, f, seed) for p in named
                      for seed in range(1 if args.quick else args.seeds) for f in args.fractions]
         if args.policies:

@@ -23,15 +23,16 @@ Every truth's own reliability is printed as its ceiling: the Spearman between it
 batches 1..K/2 vs K/2+1..K; WD: batches 1..B/2 vs the rest, and seeds 1..S/2 vs the rest as
 ``weights_seeds``). In-sample numbers (truth measured on the
 statistics batch itself) are printed as a labelled aside. Estimators compared, all from the same rounds:
-LD under every LossEstimator, one round and the mean of R rounds (what the callback's aggregate plans
-from), and the local quantization error baselines, relative and absolute.
+LD and WD as the library computes them, one round, the mean of R rounds and the callback's aggregate (what
+it plans from), WD with its propagated term probed (the callback's) against exact, and the local quantization
+error baselines, relative and absolute.
 
 Last lines, per model and format (the spearman values are rank correlations with the truth; a fifth
 field names the model: demo, deep or hf):
     spearman_out <estimator> <format> <value>   (loss_divergence, weight_divergence, rel_error_vs_loss,
                                                  rel_error_vs_weights, abs_error_vs_loss,
-                                                 abs_error_vs_weights, loss_divergence_<estimator>,
-                                                 loss_divergence_mean<R>, weight_divergence_mean<R>)
+                                                 abs_error_vs_weights, loss_divergence_mean<R>,
+                                                 weight_divergence_mean<R>, weight_divergence_exact, ...)
     ceiling <truth> <format> <value>            (loss, weights; weights_seeds, weights_one_batch_vs_another)
     round_agreement <estimator> <format> <value> (two rounds on two batches)
     round_agreement_median <estimator> <format> <value> (median over every pair of rounds)
@@ -40,9 +41,8 @@ field names the model: demo, deep or hf):
 
 ``--settings-study RAW.json --settings 8x2,4x2``: a round's cost against its fidelity. Replays the
 rounds of a --dump run (same seed and arguments: the rounds' losses are checked against the dump's)
-under each <WD probes>x<curvature draws> setting (<probes>xfisher: the Fisher curvature, no pass;
-<probes>x<draws>layer: the error probe with one sign per layer, CurvatureProbe.ERROR_LAYER)
-and prints, against the dump's truths,
+under each <WD probes>x<curvature draws> setting (the draws of the error probe, a sign per layer and
+sample, as the library runs it) and prints, against the dump's truths,
     settings <setting> <format> <round / hp step> <LD median round> <LD aggregate> <WD median round>
              <WD aggregate> <LD round agreement, median pair> <WD round agreement> <model>
 (aggregate: the callback's EMA after each round from the 4th on, median over them; ``--extra-rounds N``
@@ -77,14 +77,17 @@ from lightning_snip.demo.model import LlamaConfig, TinyLlama
 from lightning_snip.aggregate import DivergenceAggregate
 from lightning_snip.config import SNIPConfig
 from lightning_snip.evidence import planning_value
-from lightning_snip.divergence import CurvatureProbe, FirstOrderTerms, LossEstimator, estimate_divergence
+from lightning_snip.divergence import estimate_divergence
+from lightning_snip.first_order import FirstOrderSampler, FirstOrderTerms
 from lightning_snip.formats import QuantRecipe
-from lightning_snip.stats import FirstOrderSampler, Propagation, collect_stats, slice_batch
+from lightning_snip.stats import Propagation, collect_stats, slice_batch
 
 from harness import (FORMATS, HFLlamaSpec, SmolLM2Spec, batches, build_model, interleaved_split, loss_increase,
                      precision, second_corpus, spearman, update_deviation)
 
-DEFAULT_ESTIMATOR = LossEstimator(SNIPConfig().loss_estimator)  # what the callback uses
+# The dump's record of its rounds' curvature probe: the error probe with a sign per layer and sample (the
+# library's only one since issue 53; dumps before 2026-12-01 ran one sign per layer and do not record it).
+SIGN_PER_SAMPLE = "error"
 
 
 @dataclass
@@ -242,8 +245,8 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
             if wd_batch_half else float("nan")
         one_vs_another = spearman(truth_wd(dev_batches[:1]), truth_wd(dev_batches[1:2])) if wd_batches > 1 else float("nan")
 
-        def ld(r, est=DEFAULT_ESTIMATOR):
-            return [results[r].layers[f].loss_divergence_as(est)[fmt] for f in fqns]
+        def ld(r):  # clamped at 0, as the library returns it
+            return [results[r].layers[f].loss_divergence[fmt] for f in fqns]
 
         def wd(r, source=results):
             return [source[r].layers[f].weight_divergence[fmt] for f in wd_fqns]
@@ -264,14 +267,11 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
             "abs_error_vs_loss": spearman([d0[f].abs_error_forward[fmt] for f in fqns], truth),
             "abs_error_vs_weights": spearman([d0[f].abs_error_wgrad[fmt] for f in wd_fqns], wd_truth),
         }
-        for est in LossEstimator:
-            out[f"loss_divergence_{est.value}"] = spearman(ld(0, est), truth)
-            out[f"loss_divergence_{est.value}_mean{rounds}"] = spearman(mean_rounds(lambda r: ld(r, est)), truth)
         out[f"loss_divergence_mean{rounds}"] = spearman(mean_rounds(ld), truth)
         for decay in (0.5, 0.8):
             agg = DivergenceAggregate(decay)
             for r in range(rounds):  # unclamped LD averaged, clamped after: as the callback plans
-                unclamped = [results[r].layers[f].loss_divergence_as(DEFAULT_ESTIMATOR, clamp=False)[fmt] for f in fqns]
+                unclamped = [results[r].layers[f].unclamped_loss_divergence()[fmt] for f in fqns]
                 agg.update({"loss_divergence": {f: {fmt.value: v} for f, v in zip(fqns, unclamped)},
                             "weight_divergence": {f: {fmt.value: v} for f, v in zip(wd_fqns, wd(r))}})
             out[f"loss_divergence_ema{decay}"] = spearman(  # clamped as the planner takes it
@@ -285,12 +285,9 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
             out[f"weight_divergence_exact_mean{rounds}"] = spearman(mean_rounds(wd_exact), wd_truth)
             lines.append(f"# [{name}] {fmt.value}: WD probes vs exact, per round: "
                          + ", ".join(f"{spearman(wd(r), wd_exact(r)):.3f}" for r in range(rounds))
-                         + f"; propagated term alone: " + ", ".join(f"{spearman([results[r].layers[f].wd_propagated[fmt] for f in fqns], [results_exact[r].layers[f].wd_propagated[fmt] for f in fqns]):.3f}" for r in range(rounds)))
+                         + "; propagated term alone: " + ", ".join(f"{spearman([results[r].layers[f].wd_propagated[fmt] for f in fqns], [results_exact[r].layers[f].wd_propagated[fmt] for f in fqns]):.3f}" for r in range(rounds)))
         parts = {
             "first_order_batch": [d0[f].first_order[fmt] for f in fqns],
-            "first_order_weight_part": [d0[f].first_weight[fmt] for f in fqns],
-            "first_order_activation_part": [d0[f].first_activation[fmt] for f in fqns],
-            "first_order_weight_momentum": [d0[f].first_weight_momentum.get(fmt, float("nan")) for f in fqns],
             "first_order_accumulated": [d0[f].first_accumulated[fmt] for f in fqns],
             "second_order": [d0[f].second_order[fmt] for f in fqns],
         }
@@ -300,14 +297,11 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
         noisy = sum(abs(d0[f].first_order[fmt]) < d0[f].first_stderr[fmt] for f in fqns)
         negative = sum(d0[f].first_order[fmt] + d0[f].second_order[fmt] < 0 for f in fqns)
         lines.append(f"# [{name}] {fmt.value}: in sample (truth on the round-0 slice itself): "
-                     f"loss_divergence_batch {spearman(ld(0, LossEstimator.BATCH), in_sample_truth):.3f}, "
                      f"loss_divergence {spearman(ld(0), in_sample_truth):.3f}, weight_divergence "
                      f"{spearman(wd(0), [wd_in_sample[f, fmt][0] for f in wd_fqns]) if wd_in_sample else float('nan'):.3f}; "
                      f"held-out truth vs in-sample truth "
                      f"{spearman(truth, in_sample_truth):.3f}; layers whose |first-order| < its standard error: "
                      f"{noisy}/{len(fqns)}; negative batch LD: {negative}/{len(fqns)}")
-        for est in LossEstimator:
-            lines.append(f"round_agreement loss_divergence_{est.value} {fmt.value} {spearman(ld(0, est), ld(1, est)):.3f}")
         lines.append(f"round_agreement weight_divergence {fmt.value} {spearman(wd(0), wd(1)):.3f}")
         if results_exact:
             lines.append(f"round_agreement weight_divergence_exact {fmt.value} {spearman(wd_exact(0), wd_exact(1)):.3f}")
@@ -335,14 +329,13 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
         "update_deviation_in_sample": {fmt.value: [wd_in_sample[f, fmt] for f in wd_fqns] for fmt in FORMATS}
                                       if wd_in_sample else {},
         "round_loss": [res.loss for res in results],
-        # the rounds' (settings study); estimate_divergence's default curvature probe
-        "setting": {"probes": args.probes, "noise_draws": args.noise_draws, "curvature_probe": CurvatureProbe.ERROR.value,
+        # the rounds' (settings study)
+        "setting": {"probes": args.probes, "noise_draws": args.noise_draws, "curvature_probe": SIGN_PER_SAMPLE,
                     "precision": args.precision},
         "first_order_history": [{f"{fqn}|{fmt.value}": values for (fqn, fmt), values in h.items()} for h in histories],
         "rounds": [
             {fqn: {k: {f.value: v for f, v in getattr(d, k).items()} for k in (
-                "loss_divergence", "weight_divergence", "first_order", "second_order", "first_stderr", "first_weight",
-                "first_activation", "first_activation_stderr", "first_weight_momentum", "first_weight_momentum_stderr",
+                "loss_divergence", "weight_divergence", "first_order", "second_order", "first_stderr",
                 "first_accumulated", "first_accumulated_stderr", "wd_direct", "wd_propagated", "rel_error_forward",
                 "abs_error_forward")} for fqn, d in res.layers.items()}
             for res in results
@@ -380,18 +373,15 @@ def history_study(raw: dict) -> list[str]:
     return lines
 
 
-def parse_settings(text: str) -> list[tuple[int, int | str]]:
-    """"8x2,4xfisher,4x2layer" -> [(8, 2), (4, "fisher"), (4, "2layer")]: (WD probes, curvature draws
-    of the error probe (CurvatureProbe.ERROR), "fisher" (CurvatureProbe.FISHER, no curvature pass) or
-    "<draws>layer" (CurvatureProbe.ERROR_LAYER: one sign per layer)) per setting."""
+def parse_settings(text: str) -> list[tuple[int, int]]:
+    """"8x2,4x1" -> [(8, 2), (4, 1)]: (WD probes, curvature draws of the error probe) per setting."""
     out = []
     for item in text.split(","):
         probes, _, draws = item.partition("x")
-        if not (probes.isdigit() and int(probes) >= 1
-                and (draws == "fisher" or draws.isdigit() or (draws.endswith("layer") and draws[:-5].isdigit()))):
-            raise SystemExit(f"--settings: invalid item {item!r}; allowed: <probes>x<draws>, <probes>x<draws>layer or "
-                             "<probes>xfisher, e.g. 8x2,4xfisher,4x2layer (probes >= 1, draws >= 0)")
-        out.append((int(probes), int(draws) if draws.isdigit() else draws))
+        if not (probes.isdigit() and int(probes) >= 1 and draws.isdigit()):
+            raise SystemExit(f"--settings: invalid item {item!r}; allowed: <probes>x<draws>, e.g. 8x2,4x1 "
+                             "(probes >= 1, draws >= 0)")
+        out.append((int(probes), int(draws)))
     return out
 
 
@@ -400,15 +390,6 @@ def check_dump_precision(raw: dict, args) -> None:
     if raw.get("setting", {}).get("precision", "32-true") != args.precision:
         raise SystemExit(f"--precision: {args.precision}, but the dump's rounds ran in "
                          f"{raw['setting']['precision']}: pass --precision {raw['setting']['precision']}")
-
-
-def curvature_of(draws: int | str) -> tuple[CurvatureProbe, int]:
-    """A setting's curvature probe and its number of draws (parse_settings' encoding)."""
-    if draws == "fisher":
-        return CurvatureProbe.FISHER, 0
-    if isinstance(draws, str):
-        return CurvatureProbe.ERROR_LAYER, int(draws[:-5])
-    return CurvatureProbe.ERROR, draws
 
 
 def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: dict) -> list[str]:
@@ -433,9 +414,9 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
     # The dump's own setting, whose WD the replay must reproduce (dumps before it was stored: this run's
     # --probes and --noise-draws, which must then be the dump run's).
     own = raw.get("setting", {"probes": args.probes, "noise_draws": args.noise_draws})
-    # (dumps before 2026-12-01 ran the error probe with one sign per layer and do not record it)
-    own = (own["probes"], own["noise_draws"] if own.get("curvature_probe", "error_layer") == "error"
-           else f"{own['noise_draws']}layer")
+    # (dumps before 2026-12-01 ran the error probe with one sign per layer, which no setting replays: their
+    # own setting is none of these)
+    own = (own["probes"], own["noise_draws"]) if own.get("curvature_probe") == SIGN_PER_SAMPLE else None
     rounds = replayed + args.extra_rounds  # extra rounds: the next training batches (their truths are the same)
     terms = FirstOrderTerms(FORMATS)
     sampler = FirstOrderSampler(ck.layers, args.first_order_rows, terms.add)
@@ -467,9 +448,7 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
         for probes, draws, k in settings:
             start = time.perf_counter()
             stats = collect_stats(ck.model, lambda: ck.model.loss(sliced), layers=ck.layers, optimizer=ck.opt)
-            curvature, noise_draws = curvature_of(draws)
-            res = estimate_divergence(stats, FORMATS, noise_draws=noise_draws,
-                                      curvature_probe=curvature, first_order_history=history,
+            res = estimate_divergence(stats, FORMATS, noise_draws=draws, first_order_history=history,
                                       generator=torch.Generator().manual_seed(args.seed + r + 1000 * k), probes=probes)
             stats.release()
             seconds[probes, draws, k].append(time.perf_counter() - start)
@@ -493,6 +472,7 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
     hp_step = statistics.median(hp)
     check = (f"WD of the dump's own setting {own[0]}x{own[1]} equal to the dump's" if reproduced
              else "WD not checked (--skip-wd-check)" if args.skip_wd_check
+             else "the dump's own setting (one curvature sign per layer) is no setting: WD not checked" if own is None
              else f"the dump's own setting {own[0]}x{own[1]} not among the settings: WD not checked")
     lines = [f"# [{name}] settings study: {replayed} rounds replayed (losses and first-order samples match the dump; "
              f"{check}) + {args.extra_rounds} more, high-precision "
@@ -506,7 +486,8 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
         rows = {}
         for (probes, draws, k), res in results.items():
             def ld(r, clamp=True):  # the aggregate averages unclamped values and clamps after, as the callback
-                return [res[r].layers[f].loss_divergence_as(DEFAULT_ESTIMATOR, clamp=clamp)[fmt] for f in fqns]
+                return [(res[r].layers[f].loss_divergence if clamp else res[r].layers[f].unclamped_loss_divergence())[fmt]
+                        for f in fqns]
 
             def wd(r):
                 return [res[r].layers[f].weight_divergence[fmt] for f in wd_fqns]
@@ -547,14 +528,16 @@ def curvature_noise_study(name: str, cfg: LlamaConfig, corpus: str | None, args,
     slices, checked by their losses), and on each round's slice, per layer and format, the second-order
     term three ways: "exact" injects one layer's error at a time (1/2 <dY, G' - G>, no cross-layer term,
     a pass per layer: quadratic in depth, a reference only), "layer" the error probe with one sign per
-    layer (CurvatureProbe.ERROR_LAYER), "sample" with a sign per (layer, sample) (CurvatureProbe.ERROR),
+    layer (the library's fallback where a model's samples interact), "sample" with a sign per (layer, sample)
+    (the library's error probe),
     each with --noise-draws draws, repeated with --draw-seeds seeds. LD = the dump's accumulated
     first-order term + that second-order term. Lines
     ``curvature_noise <model> <format> <variant> <noise / spread> <LD vs truth> <LD round agreement>``:
     noise = the rms deviation from "exact" over layers, relative to exact's spread over layers (median
     over rounds and seeds); LD vs truth and agreement: medians over rounds (pairs) and seeds."""
-    from lightning_snip.divergence import error_probe_second_order, round_operands
+    from lightning_snip.curvature import error_probe_second_order
     from lightning_snip.gemm import mm_fp32, quantized_matmul
+    from lightning_snip.round_inputs import round_operands
     from lightning_snip.stats import RoundPrecision
 
     check_dump_precision(raw, args)
@@ -671,7 +654,7 @@ def main() -> None:
                         help="--settings-study: run each setting with this many random-draw seeds (signs, probes, "
                              "stochastic rounding); lines per seed (#k) and their mean")
     parser.add_argument("--settings", default="8x2,4x2,8x1,4x1,2x1",
-                        help="<probes>x<curvature draws> (or <probes>xfisher) per setting of --settings-study")
+                        help="<probes>x<curvature draws> per setting of --settings-study")
     parser.add_argument("--history-study", metavar="DUMP",
                         help="print the accumulated estimator's fidelity vs the number of sampled batches from a --dump file, and exit")
     args = parser.parse_args()
@@ -683,7 +666,7 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     print(f"# machine: {platform.machine()} python {platform.python_version()} torch {torch.__version__}; "
-          f"{args.threads} thread(s); seed {args.seed}; default LD estimator {DEFAULT_ESTIMATOR.value}")
+          f"{args.threads} thread(s); seed {args.seed}")
     models = {
         "demo": (LlamaConfig(), None),
         "deep": (LlamaConfig(dim=64, num_layers=8, hidden_dim=192), second_corpus()),

@@ -17,9 +17,8 @@ import torch
 
 from lightning_snip.convert import convert_linears
 from lightning_snip.demo.model import LlamaConfig, TinyLlama
-from lightning_snip.divergence import FirstOrderTerms
+from lightning_snip.first_order import FirstOrderSampler, FirstOrderTerms
 from lightning_snip.formats import Format
-from lightning_snip.stats import FirstOrderSampler
 
 
 def main() -> None:

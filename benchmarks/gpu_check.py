@@ -179,11 +179,12 @@ def round_cost(device, shapes, lines):
     from harness import RoundVariant, measure_one
 
     for width, blocks in shapes:
-        # beside it, interleaved: the round of 2026-12-02 afternoon (one forward-mode pass per WD probe, the
-        # 8-bit formats' own curvature passes, each layer's metrics alone), the one the earlier GPU runs
-        # timed, and today's round with each layer's quantizers and GEMMs alone (a GPU's default stacks the
-        # layers of one shape, 16 at a time: lightning_snip.groups)
-        before_v, ungrouped_v = RoundVariant(4, True, "probe", 1), RoundVariant(group_layers=1)
+        # beside it, interleaved: the round with one forward-mode pass per WD probe and each layer's metrics
+        # alone (the round of 2026-12-02 afternoon, which the earlier GPU runs timed, also ran the 8-bit
+        # formats' own curvature passes: an option since removed), and today's round with each layer's
+        # quantizers and GEMMs alone (a GPU's default stacks the layers of one shape, 16 at a time:
+        # lightning_snip.groups)
+        before_v, ungrouped_v = RoundVariant(4, True, 1), RoundVariant(group_layers=1)
         r = measure_one(width, blocks, repeats=3, exact=False, seed=0, mode="time", device=device.type, fp32_round=True,
                         variants=[before_v, ungrouped_v])
         before, ungrouped = dict(r["variants"])[before_v.name], dict(r["variants"])[ungrouped_v.name]
@@ -195,7 +196,7 @@ def round_cost(device, shapes, lines):
                      f"emulated_steps {r['round_seconds'] / r['emulated_step_seconds']:.2f} "
                      f"fp32_operands_round_ms {r['round_seconds_fp32'] * 1e3:.1f} "
                      f"fp32_operands_hp_steps {r['round_seconds_fp32'] / r['hp_step_seconds']:.2f} "
-                     f"unbatched_probe8_ungrouped_round_ms {before * 1e3:.1f} unbatched_probe8_ungrouped_hp_steps {before / r['hp_step_seconds']:.2f} "
+                     f"unbatched_ungrouped_round_ms {before * 1e3:.1f} unbatched_ungrouped_hp_steps {before / r['hp_step_seconds']:.2f} "
                      f"ungrouped_round_ms {ungrouped * 1e3:.1f} ungrouped_hp_steps {ungrouped / r['hp_step_seconds']:.2f}"
                      + (f" peak_extra_mib hp_step {r['hp_step_peak_extra_mib']:.0f} round {r['round_peak_extra_mib']:.0f} "
                         f"ungrouped_round {dict(r['variants_peak_extra_mib'])[ungrouped_v.name]:.0f}"
@@ -217,6 +218,8 @@ def _round_profile(device, lines, width, blocks, precision):
     import harness
 
     import lightning_snip.divergence as div
+    import lightning_snip.loss_divergence as ld
+    import lightning_snip.weight_divergence as wd
     from lightning_snip.config import SNIPConfig
     from lightning_snip.convert import convert_linears
     from lightning_snip.demo.model import TinyLlama
@@ -227,6 +230,7 @@ def _round_profile(device, lines, width, blocks, precision):
 
     def wrap(module, name):
         fn = getattr(module, name)
+        label = f"{module.__name__.rsplit('.', 1)[-1]}.{name}"  # (quantized_matmul: LD's and WD's apart)
 
         def timed_fn(*args, **kwargs):
             sync()
@@ -235,15 +239,17 @@ def _round_profile(device, lines, width, blocks, precision):
                 return fn(*args, **kwargs)
             finally:
                 sync()
-                totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
-                counts[name] = counts.get(name, 0) + 1
+                totals[label] = totals.get(label, 0.0) + time.perf_counter() - start
+                counts[label] = counts.get(label, 0) + 1
 
         setattr(module, name, timed_fn)
         return fn
 
-    names = [(harness, "collect_stats"), (harness, "estimate_divergence"), (div, "quantized_matmul"),
-             (div, "error_probe_second_order"), (div, "_estimate_curvature"), (div, "_forward_metrics"),
-             (div, "_probe_propagated"), (div, "_backward_metrics")]
+    # each function wrapped where its caller looks it up (the modules of the round's phases)
+    names = [(harness, "collect_stats"), (harness, "estimate_divergence"), (div, "update_energy"),
+             (div, "forward_divergence"), (ld, "quantized_matmul"), (ld, "error_probe_second_order"),
+             (ld, "transferred_second_order"), (ld, "_forward_metrics"), (div, "backward_divergence"),
+             (wd, "quantized_matmul"), (wd, "_probe_propagated"), (wd, "_layer_backward_metrics")]
     originals = [(m, n, wrap(m, n)) for m, n in names if hasattr(m, n)]
     try:
         torch.manual_seed(0)
@@ -265,10 +271,9 @@ def _round_profile(device, lines, width, blocks, precision):
             stats = harness.collect_stats(model, loss_fn, layers=layers, optimizer=opt, propagation=Propagation.PROBE)
             try:
                 harness.estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
-                                               noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator,
-                                               probes=cfg.wd_probes, curvature_probe=cfg.curvature_probe,
-                                               precision=precision, generator=torch.Generator(device=device).manual_seed(0),
-                                               allowed=harness.round_formats(layers))
+                                            probes=cfg.wd_probes, precision=precision,
+                                            generator=torch.Generator(device=device).manual_seed(0),
+                                            allowed=harness.round_formats(layers))
             finally:
                 stats.release()
 

@@ -35,13 +35,14 @@ import torch.nn.functional as F
 from scipy.stats import spearmanr
 
 from lightning_snip.config import SNIPConfig
-from lightning_snip.controller import measured_formats
 from lightning_snip.convert import convert_linears
 from lightning_snip.demo.model import LlamaConfig, TinyLlama
 from lightning_snip.divergence import estimate_divergence
 from lightning_snip.formats import Format
 from lightning_snip.groups import MAX_GROUP_LAYERS
-from lightning_snip.stats import Propagation, RoundPrecision, collect_stats, slice_batch, unbatch_probes
+from lightning_snip.probes import unbatch_probes
+from lightning_snip.statistics_round import measured_formats
+from lightning_snip.stats import Propagation, RoundPrecision, collect_stats, slice_batch
 
 FORMATS = (Format.MXFP4, Format.NVFP4)
 
@@ -397,7 +398,6 @@ class RoundVariant(NamedTuple):
 
     probes: int = SNIPConfig().wd_probes
     unbatched: bool = False  # one forward-mode pass per WD probe (the round before 2026-12-02, night)
-    curvature_8bit: str = SNIPConfig().curvature_8bit.value  # "probe": the 8-bit formats' own curvature passes
     # None: the device's default (1 on a CPU, MAX_GROUP_LAYERS on a GPU); 1: each layer's quantizers and GEMMs
     # alone (everywhere before 2026-12-03); MAX_GROUP_LAYERS: stacked with the layers of its shape
     group_layers: int | None = None
@@ -406,11 +406,10 @@ class RoundVariant(NamedTuple):
 
     @property
     def name(self) -> str:
-        """e.g. "4+unbatched+probe8+ungrouped+pinned" (benchmarks/stats_cost.py's --variants)."""
+        """e.g. "4+unbatched+ungrouped+pinned" (benchmarks/stats_cost.py's --variants)."""
         grouping = {None: "", 1: "+ungrouped", MAX_GROUP_LAYERS: "+grouped"}.get(self.group_layers,
                                                                                 f"+group{self.group_layers}")
-        return (f"{self.probes}{'+unbatched' if self.unbatched else ''}{'+probe8' if self.curvature_8bit == 'probe' else ''}"
-                f"{grouping}{'+pinned' if self.pinned_measured else ''}")
+        return f"{self.probes}{'+unbatched' if self.unbatched else ''}{grouping}{'+pinned' if self.pinned_measured else ''}"
 
 
 # aten operations that launch no kernel on a GPU: views, metadata, allocations (count_kernel_ops)
@@ -424,7 +423,7 @@ _COPY_IF_NEEDED_OPS = frozenset(f"aten::{name}" for name in "to reshape contiguo
 
 
 def round_formats(layers, pinned_measured: bool = False) -> dict:
-    """The formats a benchmark's round measures each layer in: the callback's (controller.measured_formats, a
+    """The formats a benchmark's round measures each layer in: the callback's (statistics_round.measured_formats, a
     pinned layer in its pin only) or, ``pinned_measured``, every format its shape allows (the round before
     2026-12-03 afternoon: the pinned LM head measured in every format too)."""
     return {f: layer.allowed_formats for f, layer in layers.items()} if pinned_measured else measured_formats(layers)
@@ -494,8 +493,7 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
 
     def round_on(b, propagation: Propagation, probes: int = cfg.wd_probes,
                  precision: RoundPrecision = RoundPrecision.TRAINING, unbatched: bool = False,
-                 curvature_8bit: str = cfg.curvature_8bit.value, group_layers: int | None = None,
-                 pinned_measured: bool = False):
+                 group_layers: int | None = None, pinned_measured: bool = False):
         sliced = slice_batch(b, cfg.max_rows)
         if unbatched:  # the probes one forward-mode pass each (the round before 2026-12-02, night)
             unbatch_probes(model)
@@ -506,10 +504,9 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
 
         stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt, propagation=propagation)
         try:
-            estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
-                                noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator, probes=probes,
-                                curvature_probe=cfg.curvature_probe, precision=precision, curvature_8bit=curvature_8bit,
-                                group_layers=group_layers, generator=torch.Generator(device=device).manual_seed(seed),
+            estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws, probes=probes,
+                                precision=precision, group_layers=group_layers,
+                                generator=torch.Generator(device=device).manual_seed(seed),
                                 allowed=round_formats(layers, pinned_measured))
         finally:
             stats.release()
@@ -519,8 +516,7 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
     def variant_round(v: RoundVariant):
         """The round of variant ``v`` on the batch, as a callable (timed, counted, measured)."""
         return lambda: round_on(batch, Propagation.PROBE, v.probes, unbatched=v.unbatched,
-                                curvature_8bit=v.curvature_8bit, group_layers=v.group_layers,
-                                pinned_measured=v.pinned_measured)
+                                group_layers=v.group_layers, pinned_measured=v.pinned_measured)
 
     # Adam state and every compiled quantizer kernel, on a tiny batch (no large temporaries yet).
     step(tiny, Format.BF16)
@@ -593,3 +589,24 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
         out["round_peak_extra_mib"] = peak_extra_mib(lambda: round_on(batch, Propagation.PROBE))
         out["variants_peak_extra_mib"] = [[v.name, peak_extra_mib(variant_round(v))] for v in variants]
     return out
+
+
+def broken_fp4_forward(layers, fmt: Format, *, mode: str = "nan"):
+    """A replacement for lightning_snip.linear's ``quantized_matmul`` (for monkeypatch.setattr) whose forward
+    GEMM of ``layers`` (SNIPLinear modules) in ``fmt`` is broken on purpose: ``mode`` "nan" writes NaN (a
+    quantizer that divides by a zero scale), "noise" adds noise 10x the output's size (one that scrambles its
+    blocks). Other layers, formats and the gradient GEMMs are left alone."""
+    import lightning_snip.linear as linear
+
+    real = linear.quantized_matmul
+    weights = [layer.weight for layer in layers]
+
+    def quantized_matmul(a, b, f, *args, **kw):
+        out = real(a, b, f, *args, **kw)
+        if f is fmt and not kw.get("a_is_grad") and any(b is w for w in weights):
+            if mode == "nan":
+                return out * float("nan")
+            return out + 10 * out.detach().std() * torch.randn_like(out)
+        return out
+
+    return quantized_matmul

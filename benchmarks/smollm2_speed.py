@@ -7,7 +7,7 @@ Interleaved over ``--repeats`` (the machine is shared), medians of:
   run's own precision: fp32 GEMMs under 32-true) and with every unpinned layer in fp8, mxfp4, nvfp4
   (emulated on a CPU: quantize, dequantize, a high-precision GEMM);
 - a held-out evaluation forward in high precision (the quality benchmark's eval, per batch);
-- a statistics round as the callback runs it (collect_stats + estimate_divergence, candidates fp8
+- a statistics round as the callback runs it (statistics_round.run_statistics_round, candidates fp8
   and mxfp4) at the app preset's settings (``model=smollm2``: max_rows 256) and at SNIPConfig()'s
   (max_rows 1024: the whole batch where it holds fewer rows), in high-precision steps;
 - peak memory: the process's peak RSS in each phase (VmHWM reset before it), and its RSS at rest.
@@ -35,21 +35,19 @@ import torch
 from harness import reset_peak, round_formats, rss_mib
 
 from lightning_snip.config import SNIPConfig
-from lightning_snip.convert import convert_linears
+from lightning_snip.convert import convert_linears, high_precision
 from lightning_snip.demo.lightning import ByteTextDataModule, CausalLM
 from lightning_snip.divergence import estimate_divergence
 from lightning_snip.formats import Format
 from lightning_snip.hf import load_smollm2
-from lightning_snip.stats import collect_stats, high_precision, slice_batch, unbatch_probes
+from lightning_snip.statistics_round import run_statistics_round
+from lightning_snip.stats import collect_stats, slice_batch
 
 FORMATS = (Format.BF16, Format.FP8, Format.MXFP4, Format.NVFP4)
 ROUND_SETTINGS = {"preset": SNIPConfig(max_rows=256), "default": SNIPConfig(),
-                  # the preset's round of 2026-12-02 afternoon: fp8's own curvature passes, one pass per WD probe
-                  "preset_before": SNIPConfig(max_rows=256, curvature_8bit="probe"),
                   # the preset's round before 2026-12-03 afternoon: the pinned LM head measured in every format too
                   "preset_pinned": SNIPConfig(max_rows=256)}
-UNBATCHED = {"preset_before"}
-PINNED_MEASURED = {"preset_before", "preset_pinned"}
+PINNED_MEASURED = {"preset_pinned"}
 
 
 def main() -> None:
@@ -59,8 +57,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", default="preset,default",
-                        help="round settings to time: preset, default, preset_before (the preset's round before "
-                             "2026-12-02 night: fp8 probed, one pass per WD probe), preset_pinned (the preset's round "
+                        help="round settings to time: preset, default, preset_pinned (the preset's round "
                              "before 2026-12-03 afternoon: the pinned LM head measured in every format)")
     parser.add_argument("--runs", type=int, default=51, help="quality runs per session (16 policies x 3 seeds + 3 bf16)")
     parser.add_argument("--session-minutes", type=float, default=150.0)
@@ -104,19 +101,17 @@ def main() -> None:
         for layer in unpinned:
             layer.format = Format.FP8
         sliced = slice_batch(batch, cfg.max_rows)
-        if name in UNBATCHED:
-            unbatch_probes(model)
+        if name not in PINNED_MEASURED:  # the callback's round
+            run_statistics_round(model, lambda: module.snip_loss(sliced), layers, cfg, optimizer=optimizer,
+                                 generator=torch.Generator().manual_seed(0))
+            return
+        # the pinned head measured in every format: the callback's round with other allowed formats
         stats = collect_stats(model, lambda: module.snip_loss(sliced), layers=layers, optimizer=optimizer)
         try:
-            estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
-                                noise_scale=cfg.noise_scale, loss_estimator=cfg.loss_estimator, probes=cfg.wd_probes,
-                                curvature_probe=cfg.curvature_probe, curvature_8bit=cfg.curvature_8bit,
-                                generator=torch.Generator().manual_seed(0),
-                                allowed=round_formats(layers, name in PINNED_MEASURED))
+            estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws, probes=cfg.wd_probes,
+                                generator=torch.Generator().manual_seed(0), allowed=round_formats(layers, True))
         finally:
             stats.release()
-            if name in UNBATCHED:  # (a model that fell back on its own stays unbatched)
-                unbatch_probes(model, False)
 
     peaks: dict[str, float] = {}
 
@@ -156,8 +151,8 @@ def main() -> None:
         cfg = ROUND_SETTINGS[r]
         rows = min(cfg.max_rows, args.batch * args.seq_len)
         print(f"round {r} {med[f'round_{r}']:.1f} {med[f'round_{r}'] / hp:.1f} ({rows} rows: max_rows {cfg.max_rows}, noise_draws "
-              f"{cfg.noise_draws}, wd_probes {cfg.wd_probes}{' unbatched' if r in UNBATCHED else ''}, curvature_8bit "
-              f"{cfg.curvature_8bit.value}, candidates {'/'.join(f.value for f in cfg.candidate_formats)})")
+              f"{cfg.noise_draws}, wd_probes {cfg.wd_probes}{', pinned head measured' if r in PINNED_MEASURED else ''}, "
+              f"candidates {'/'.join(f.value for f in cfg.candidate_formats)})")
     print(f"peak_rss_mib rest {rest:.0f} (model and tokenizer loaded: {rest_before:.0f})")
     for name, peak in peaks.items():
         print(f"peak_rss_mib {name} {peak:.0f}")

@@ -18,12 +18,12 @@ draws per format, SNIPConfig().wd_probes forward-mode probes). Measured:
 ``--exact-max-blocks``: also the EXACT propagation (one vector-Jacobian product per layer), the
 round before issue 11, at depths up to that.
 
-``--variants 8,2,4+unbatched+probe8+ungrouped``: also time, interleaved with the default round in the same
+``--variants 8,2,4+unbatched+ungrouped``: also time, interleaved with the default round in the same
 process, rounds with that many WD probes (``+unbatched``: one forward-mode pass per probe, as before 2026-12-02
-night, batched in one pass since; ``+probe8``: curvature_8bit=probe, the 8-bit formats' own curvature passes,
-the default until the same night; ``+ungrouped``: group_layers=1, each layer's quantizers and GEMMs alone, the
-CPU's default; ``+grouped``: stacked with the layers of their shape, 16 at a time, a GPU's default).
-``4+unbatched+probe8+ungrouped`` is the round of 2026-12-02 afternoon.
+night, batched in one pass since; ``+ungrouped``: group_layers=1, each layer's quantizers and GEMMs alone, the
+CPU's default; ``+grouped``: stacked with the layers of their shape, 16 at a time, a GPU's default;
+``+pinned``: the pinned LM head measured in every format too). The round of 2026-12-02 afternoon also measured
+the 8-bit formats' own curvature passes (an option since removed: issue 53).
 
     python benchmarks/stats_cost.py [--blocks 2,4,8,16,32] [--widths 128,256] [--repeats 2] [--quick]
 
@@ -56,23 +56,21 @@ from harness import BATCH, SEQ_LEN, RoundVariant, measure_one
 from lightning_snip.groups import MAX_GROUP_LAYERS
 
 def parse_variants(text: str) -> list[RoundVariant]:
-    """"8,4+unbatched+probe8+ungrouped" -> the extra rounds to time: their WD probes, whether they run one
-    forward-mode pass each (``unbatched``) instead of batched in one, the 8-bit formats' curvature
-    (``probe8``: curvature_8bit=probe, their own error-probe passes) and whether each layer's quantizers and
+    """"8,4+unbatched+ungrouped" -> the extra rounds to time: their WD probes, whether they run one
+    forward-mode pass each (``unbatched``) instead of batched in one, and whether each layer's quantizers and
     GEMMs run alone (``ungrouped``: group_layers=1) or stacked with the layers of its shape (``grouped``:
     MAX_GROUP_LAYERS); neither: the device's default; ``pinned``: the LM head, pinned to bf16, measured in every
     format too (the round before 2026-12-03 afternoon)."""
     out = []
     for item in filter(None, text.split(",")):
         count, *flags = item.split("+")
-        if (not count.isdigit() or int(count) < 1 or not set(flags) <= {"unbatched", "probe8", "ungrouped", "grouped", "pinned"}
+        if (not count.isdigit() or int(count) < 1 or not set(flags) <= {"unbatched", "ungrouped", "grouped", "pinned"}
                 or {"ungrouped", "grouped"} <= set(flags)):
             raise SystemExit(f"--variants: invalid item {item!r}; allowed: a number of probes >= 1, optionally "
-                             "followed by +unbatched, +probe8, +pinned and/or one of +ungrouped, +grouped, e.g. "
-                             "8,4+grouped,4+unbatched+probe8+ungrouped+pinned")
+                             "followed by +unbatched, +pinned and/or one of +ungrouped, +grouped, e.g. "
+                             "8,4+grouped,4+unbatched+ungrouped+pinned")
         grouping = 1 if "ungrouped" in flags else MAX_GROUP_LAYERS if "grouped" in flags else None
-        out.append(RoundVariant(int(count), "unbatched" in flags, "probe" if "probe8" in flags else "transfer", grouping,
-                                "pinned" in flags))
+        out.append(RoundVariant(int(count), "unbatched" in flags, grouping, "pinned" in flags))
     return out
 
 
@@ -85,7 +83,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="2 and 4 blocks, width 64, one repeat")
-    parser.add_argument("--variants", default="", help="also time rounds with these settings, e.g. 8,4+unbatched+probe8")
+    parser.add_argument("--variants", default="", help="also time rounds with these settings, e.g. 8,4+unbatched")
     parser.add_argument("--one", nargs=2, type=int, metavar=("WIDTH", "BLOCKS"), help=argparse.SUPPRESS)
     parser.add_argument("--ops", action="store_true", help="also count each round's kernel-launching operations "
                         "(harness.count_kernel_ops: a CPU proxy of a GPU's launches)")

@@ -92,6 +92,7 @@ class SNIPCallback(Callback):
         self._collective: Collective | None = None  # the trainer's ranks, built once per fit
         self._fp8_auto = self.controller.config.fp8_scaling == FP8_SCALING_AUTO
         self._restored_fp8_scaling: str | None = None  # fp8_scaling=auto's choice, from a checkpoint
+        self._step_loss = _StepLoss()  # the spike guard's view of each optimizer step
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -117,6 +118,7 @@ class SNIPCallback(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
         controller, step, collective = self.controller, trainer.global_step, self._collective
+        self._step_loss.begin(step)
         controller.begin_batch(step, batch_idx, trainer.global_rank)
         applied = controller.apply_due(pl_module, step, collective)
         if applied is not None:
@@ -133,6 +135,18 @@ class SNIPCallback(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
         self.controller.end_batch()
+        if self.controller.guard.enabled:
+            observed = self._step_loss.end(trainer, outputs, self._collective)
+            if observed is not None:  # the optimizer stepped: a step boundary, the same on every rank
+                step, loss, finite_grads = observed
+                reverted = self.controller.observe_step(pl_module, step, loss, finite_grads=finite_grads)
+                if reverted is not None:
+                    log_to_loggers(trainer.loggers, step, reverted[0], text={"snip/plan_reverted_reason": reverted[1]})
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        if self.controller.guard.watching and _amp_loss_scale(trainer) == 1.0:  # (AMP's scaler skips such steps)
+            self._step_loss.check_gradients(pl_module, self._collective)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -222,6 +236,44 @@ def _timed_fp8_scaling(config: SNIPConfig, model: torch.nn.Module, device) -> Fp
                 f"fp8 GEMMs with casts of the model's {len(shapes)} layer shapes: {timed}" if times
                 else "no native FP8 GEMM here: emulated, the finer scales")
     return chosen
+
+
+class _StepLoss:
+    """Each optimizer step's loss for the spike guard: the micro-batches' losses summed on the device (Lightning
+    divides each by accumulate_grad_batches: the sum is the step's mean), read once per step, averaged over
+    ranks with the gradients' finiteness, so every rank's guard sees the same numbers."""
+
+    def __init__(self) -> None:
+        self.step, self.total, self.finite_grads = -1, None, True
+
+    def begin(self, step: int) -> None:
+        if step != self.step:
+            self.step, self.total, self.finite_grads = step, None, True
+
+    def end(self, trainer: pl.Trainer, outputs, collective: Collective) -> tuple[int, float, bool] | None:
+        """(step, loss, finite gradients) once the step's optimizer has stepped, else None."""
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach().float().reshape(())
+            self.total = loss if self.total is None else self.total + loss
+        if trainer.global_step == self.step or self.total is None:
+            return None
+        values = collective.all_sum(torch.stack([self.total.cpu(), torch.tensor(float(not self.finite_grads))]))
+        step, self.total = self.step, None
+        return step, float(values[0]) / collective.world_size, bool(values[1] == 0)
+
+    def check_gradients(self, module: torch.nn.Module, collective: Collective) -> None:
+        """Whether every gradient is finite (on every rank); if not, they are zeroed: AdamW's step then moves
+        by its momentum alone instead of writing NaN into the weights, and the guard reverts the plan."""
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                 for p in module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        bad = torch.logical_not(torch.isfinite(torch.nn.utils.get_total_norm(grads))).float().cpu().reshape(1)
+        if float(collective.all_sum(bad)[0]) > 0:
+            self.finite_grads = False
+            for grad in grads:
+                grad.zero_()
 
 
 def _collective(trainer: pl.Trainer) -> Collective:

@@ -113,7 +113,9 @@ class SNIPConfig:
         ``wd_probes`` forward-mode probes, LD's first-order term also sampled on ``first_order_rows`` rows
         of the ``first_order_steps`` steps before each round, rounds averaged with ``aggregate_decay``, the
         objective LD + ``weight_divergence_weight`` x WD.
-    Guard: ``noise_guard_threshold`` (null: off) keeps FP4 out of the backward of a layer whose weight
+    Guard: ``spike_threshold`` (null: off) reverts a plan whose loss, in the steps after it, rises that
+        many standard deviations above the steps before it (or goes non-finite; lightning_snip.spike_guard);
+        ``noise_guard_threshold`` (null: off) keeps FP4 out of the backward of a layer whose weight
         gradient is below that multiple of its FP4 error; ``max_consecutive_failures`` rounds or solves in a
         row that gave no plan stop the run (null: never).
     """
@@ -146,6 +148,7 @@ class SNIPConfig:
     aggregate_decay: float = 0.5
     weight_divergence_weight: float = DEFAULT_WEIGHT_DIVERGENCE_WEIGHT
     # guard
+    spike_threshold: float | None = 6.0
     noise_guard_threshold: float | None = None
     max_consecutive_failures: int | None = 3
 
@@ -161,6 +164,10 @@ class SNIPConfig:
             and 0 < self.noise_guard_threshold < math.inf), "noise_guard_threshold", self.noise_guard_threshold,
             "a finite number > 0 (1.732, sqrt(3), is the rule's), or null (the guard off)")
         check_field(isinstance(self.replan, bool), "replan", self.replan, "true or false")
+        check_field(self.spike_threshold is None or (
+            isinstance(self.spike_threshold, (int, float)) and not isinstance(self.spike_threshold, bool)
+            and 0 < self.spike_threshold < math.inf), "spike_threshold", self.spike_threshold,
+            "a finite number > 0 (standard deviations), or null (the guard off)")
         check_field(self.weight_divergence_weight >= 0, "weight_divergence_weight", self.weight_divergence_weight, "a number >= 0")
         object.__setattr__(self, "candidate_formats", tuple(Format.parse(f, field_name="candidate_formats")
                                                            for f in self.candidate_formats))

@@ -23,6 +23,7 @@ is the Lightning adapter over it; a plain PyTorch loop or a benchmark can drive 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -47,6 +48,7 @@ from lightning_snip.plan import Granularity, Plan, SolveStatus, split_key
 from lightning_snip.planner import FORWARD_SHARE
 from lightning_snip.reporting import divergence_scalars, plan_scalars
 from lightning_snip.stats import Propagation, slice_batch
+from lightning_snip.spike_guard import AVOID_ROUNDS, SpikeGuard
 from lightning_snip.statistics_round import probe_rel_stderr, round_generator, run_statistics_round
 
 logger = logging.getLogger(__name__)
@@ -84,9 +86,10 @@ class PendingSolve:
     plan: Plan | None = None
     error: BaseException | None = None
 
-    def start(self, candidates, guarded: Mapping[str, frozenset[Format]], config: SNIPConfig) -> None:
+    def start(self, candidates, guarded: Mapping[str, frozenset[Format]], config: SNIPConfig,
+              avoided: Mapping[str, frozenset[str]] | None = None) -> None:
         """Solve in a daemon thread (it never blocks exit)."""
-        self.thread = threading.Thread(target=self._solve, args=(candidates, guarded, config), daemon=True,
+        self.thread = threading.Thread(target=self._solve, args=(candidates, guarded, config, avoided), daemon=True,
                                        name="snip-solver")
         self.thread.start()
 
@@ -96,9 +99,9 @@ class PendingSolve:
             self.thread.join(timeout)
         return self.thread is None or not self.thread.is_alive()
 
-    def _solve(self, candidates, guarded, config: SNIPConfig) -> None:
+    def _solve(self, candidates, guarded, config: SNIPConfig, avoided=None) -> None:
         try:
-            self.plan = solve_guarded(candidates, guarded, config)
+            self.plan = solve_guarded(candidates, guarded, config, avoided)
         except BaseException as err:  # noqa: BLE001 - reported on the training thread at apply time
             self.error = err
 
@@ -174,6 +177,7 @@ class SNIPController:
         self.num_consecutive_failures = 0  # statistics rounds or solves in a row that gave no plan
         self.grad_noise_ratios: dict[str, float] = {}  # the last round's, per switchable layer
         self.invalid_formats: list[tuple[str, Format]] = []  # the last round's non-finite candidates
+        self.guard = SpikeGuard(self.config.spike_threshold)
 
     @property
     def fp4_fraction(self) -> float:
@@ -356,7 +360,8 @@ class SNIPController:
         """Rank 0 solves the plan on the current aggregate in a background thread."""
         self.pending = PendingSolve(stats_step=stats_step, apply_step=apply_step)
         if collective.is_rank_zero:
-            self.pending.start(self.candidates(), self.guarded(), self.config)
+            self.pending.start(self.candidates(), self.guarded(), self.config, self.guard.avoided())
+        self.guard.count_solve()  # (on every rank: the guard's state is the same everywhere)
 
     def apply_due(self, model: torch.nn.Module, step: int,
                   collective: Collective = SINGLE_PROCESS) -> tuple[dict[str, float], Plan] | None:
@@ -383,7 +388,9 @@ class SNIPController:
         if self.history and self.history[-1]["step"] == pending.stats_step:
             self.history[-1]["plan"] = json.loads(message)
         # Layers with a changed format (in a per-GEMM plan: in either direction).
-        num_changed = len({split_key(key)[0] for key, fmt in plan.items() if before.get(key) is not fmt})
+        changed = {split_key(key)[0] for key, fmt in plan.items() if before.get(key) is not fmt}
+        num_changed = len(changed)
+        self.guard.on_switch(step, {key: fmt.value for key, fmt in before.items() if split_key(key)[0] in changed})
         scalars = applied_plan_scalars(plan, num_changed, plan_agreement(plan, before, self.layers))
         scalars["snip/fp4_fraction_switchable"] = self.switchable_fp4_fraction
         status = "" if plan.status is SolveStatus.OPTIMAL else f" ({plan.status.value})"
@@ -392,6 +399,27 @@ class SNIPController:
                         "model), %d of %d layers changed%s", step, self.switchable_fp4_fraction, plan.fp4_fraction,
                         num_changed, len(self.layers), status)
         return scalars, plan
+
+    def observe_step(self, model: torch.nn.Module, step: int, loss: float, *, finite_grads: bool = True
+                     ) -> tuple[dict[str, float], str] | None:
+        """One optimizer step's loss (the same on every rank: averaged over micro-batches and ranks) and
+        whether its gradients were finite, for the spike guard. When the guard reverts the last plan's
+        changes, every rank applies the formats from before it here (call at a step boundary); returns the
+        scalars and the reason to log, else None."""
+        revert = self.guard.observe(step, loss, finite_grads=finite_grads)
+        if revert is None:
+            return None
+        applied = {key: self.plan[key].value for key in revert.formats if self.plan is not None and key in self.plan}
+        apply_plan(model, revert.formats)
+        self.guard.mark(revert, applied)
+        if self.plan is not None:
+            self.plan = dataclasses.replace(self.plan, formats={**self.plan.formats, **{
+                key: Format(fmt) for key, fmt in revert.formats.items() if key in self.plan.formats}})
+        layers = sorted({split_key(key)[0] for key in revert.formats})
+        logger.warning("SNIP spike guard at step %d: %s; the last plan's changes to %d layer(s) reverted (%s%s), their "
+                       "formats avoided for the next %d solves", step, revert.reason, len(layers), ", ".join(layers[:6]),
+                       ", ..." if len(layers) > 6 else "", AVOID_ROUNDS)
+        return {"snip/plan_reverted": 1.0, "snip/spike_reverts": float(self.guard.num_reverts)}, revert.reason
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -405,6 +433,7 @@ class SNIPController:
             "pending": None if self.pending is None else [self.pending.stats_step, self.pending.apply_step],
             "first_order_history": [[fqn, fmt.value, values] for (fqn, fmt), values in self.first_order_history.items()],
             "num_consecutive_failures": self.num_consecutive_failures,
+            "spike_guard": self.guard.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -422,6 +451,8 @@ class SNIPController:
         self.first_order_history = {(fqn, Format(fmt)): [float(v) for v in values]
                                     for fqn, fmt, values in state_dict.get("first_order_history", [])}
         self.num_consecutive_failures = int(state_dict.get("num_consecutive_failures", 0))
+        if state_dict.get("spike_guard"):
+            self.guard.load_state_dict(state_dict["spike_guard"])
 
 
 class RoundSchedule:

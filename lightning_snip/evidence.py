@@ -185,26 +185,30 @@ def check_reachable(layers: Mapping[str, SNIPLinear], config: SNIPConfig) -> Non
 
 
 def solve_guarded(candidates: list[LayerCandidates], guarded: Mapping[str, frozenset[Format]],
-                  config: SNIPConfig) -> Plan:
+                  config: SNIPConfig, avoided: Mapping[str, frozenset[str]] | None = None) -> Plan:
     """The plan for ``candidates`` under ``config``'s target, with ``guarded`` (fqn -> FP4 formats the
     gradient-noise guard keeps out of the layer's backward GEMMs; out of the whole layer at granularity
-    layer). Where that makes the FP4 fraction or the cost budget unreachable, the plan takes the
-    nearest reachable target instead, with a warning (the guard wins over the target)."""
+    layer) and ``avoided`` (plan key -> format names the spike guard reverted lately). Where that makes
+    the FP4 fraction or the cost budget unreachable, the plan takes the nearest reachable target instead,
+    with a warning (the guards win over the target)."""
     cfg = config
     if Granularity(cfg.granularity) is Granularity.GEMM:
         items = gemm_items(candidates, guarded)
     else:
         items = [keep_out_of_fp4(c, guarded[c.fqn]) if c.fqn in guarded else c for c in candidates]
+    avoided = avoided or {}
+    items = [keep_out_of_fp4(c, {Format(f) for f in avoided[c.fqn]}) if c.fqn in avoided else c for c in items]
     relative_cost = cfg.cost_model.relative_cost
     fraction, budget = model_target(candidates, cfg)
-    why = f"SNIP noise guard: {len(guarded)} layers keep FP4 formats out of their backward (gradient/noise ratio < " \
-          f"{cfg.noise_guard_threshold or 0:.3g}); "
-    reachable = max_fp4_fraction(items) if guarded and fraction is not None else 1.0
+    why = (f"SNIP noise guard: {len(guarded)} layers keep FP4 formats out of their backward (gradient/noise ratio < "
+           f"{cfg.noise_guard_threshold or 0:.3g}); " if guarded else "") + (
+           f"SNIP spike guard: {len(avoided)} GEMMs avoid the formats of a reverted plan; " if avoided else "")
+    reachable = max_fp4_fraction(items) if why and fraction is not None else 1.0
     if fraction is not None and reachable < fraction:
         logger.warning("%sthe largest reachable FP4 fraction of the model's FLOPs, %.3f, is used instead of %.3f "
                        "(fp4_fraction=%s)", why, reachable, fraction, cfg.fp4_fraction)
         fraction = reachable * (1 - 1e-9)
-    cheapest = min_relative_cost(items, relative_cost) if guarded and budget is not None else 0.0
+    cheapest = min_relative_cost(items, relative_cost) if why and budget is not None else 0.0
     if budget is not None and cheapest > budget:
         logger.warning("%sthe lowest reachable relative GEMM cost of the model, %.3f, is used instead of %.3f "
                        "(cost_budget=%s)", why, cheapest, budget, cfg.cost_budget)

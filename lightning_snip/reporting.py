@@ -70,12 +70,17 @@ def plan_markdown(plan: Plan) -> str:
     return f"```\n{plan.table()}\n```\n\nImage colors: {legend}"
 
 
-def log_to_loggers(loggers: Sequence, step: int, scalars: dict[str, float], plan: Plan | None = None) -> None:
-    """Scalars to every Lightning logger; the plan image and table to TensorBoard loggers."""
+def log_to_loggers(loggers: Sequence, step: int, scalars: dict[str, float], plan: Plan | None = None,
+                   text: dict[str, str] | None = None) -> None:
+    """Scalars to every Lightning logger; the plan image and table, and ``text`` (tag -> markdown), to
+    TensorBoard loggers."""
     for logger in loggers:
         if scalars:
             logger.log_metrics(scalars, step=step)
         experiment = getattr(logger, "experiment", None)
+        if text and hasattr(experiment, "add_text"):
+            for tag, value in text.items():
+                experiment.add_text(tag, value, global_step=step)
         if plan is not None and hasattr(experiment, "add_image") and hasattr(experiment, "add_text"):
             experiment.add_image("snip/plan", plan_image(plan), global_step=step)
             experiment.add_text("snip/plan_table", plan_markdown(plan), global_step=step)

@@ -320,6 +320,8 @@ def run(config: TrainConfig, *, output_folder: str | None = None, quiet: bool = 
         "fp4_fraction_switchable": snip.switchable_fp4_fraction,
         "plans_applied": snip.num_plans_applied,
         "stats_rounds": snip.num_stats_rounds,
+        "plans_watched": snip.controller.guard.num_watched,
+        "plans_reverted": snip.controller.guard.num_reverts,
         "invalid_formats": len(snip.invalid_formats),
         "log_dir": tb.log_dir,
         "checkpoint": str(final_ckpt),
@@ -408,7 +410,8 @@ def _print_summary(summary: dict, config: TrainConfig, snip, progress, *, model_
              f" (high precision; {_fmt(summary['val_loss_plan'])} in the plan's formats)"))
     print(f"FP4 FLOPs fraction {summary['fp4_fraction_switchable']:.3f} of the switchable layers "
           f"({summary['fp4_fraction']:.3f} of the model); plans applied {summary['plans_applied']}; "
-          f"statistics rounds {summary['stats_rounds']}")
+          f"statistics rounds {summary['stats_rounds']}; spike guard: {summary['plans_watched']} plans watched, "
+          f"{summary['plans_reverted']} reverted")
     if summary["invalid_formats"]:
         print(f"WARNING: the last statistics round found {summary['invalid_formats']} (layer, format) candidates "
               "non-finite and left them out of the plan (snip/invalid_formats; the log names them)")

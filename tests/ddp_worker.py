@@ -31,6 +31,42 @@ def _record_reductions() -> None:
     ctl.reduce_result = recording
 
 
+def spike(out_dir: str) -> None:
+    """The spike guard under DDP: rank 0's MXFP4 forwards are broken (its loss spikes, rank 1's does not);
+    both ranks must revert at the same step (the guard reads the losses averaged over ranks)."""
+    import lightning_snip.linear as linear
+    from faults import broken_fp4_forward
+    from lightning_snip.formats import Format
+
+    torch.set_num_threads(1)
+    pl.seed_everything(0)
+    module = DemoLM(LlamaConfig(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=160))
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    data = ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1, seed=rank)
+    snip = SNIPCallback(SNIPConfig(warmup_steps=10, interval=100, apply_delay=1, fp4_fraction=0.6, max_rows=128,
+                                   noise_draws=1))
+    reverts = []
+
+    class Fault(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            if trainer.global_rank == 0:
+                linear.quantized_matmul = broken_fp4_forward(list(snip.layers.values()), Format.MXFP4, mode="noise")
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if snip.controller.guard.num_reverts > len(reverts):
+                reverts.append(trainer.global_step - 1)
+
+    trainer = pl.Trainer(
+        max_steps=16, accelerator="cpu", devices=2, strategy="ddp", callbacks=[snip, Fault()], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    )
+    trainer.fit(module, datamodule=data)
+    weights = {n: float(p.detach().double().sum()) for n, p in module.named_parameters()}
+    with open(os.path.join(out_dir, f"spike{trainer.global_rank}.json"), "w") as f:
+        json.dump({"reverts": reverts, "plan": {k: v.value for k, v in snip.plan.items()}, "weights": weights,
+                   "avoid": sorted(map(list, snip.controller.guard.avoid)), "guard": snip.controller.guard.state_dict()}, f)
+
+
 def main(out_dir: str) -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0)
@@ -56,4 +92,4 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    (spike if sys.argv[2:] == ["spike"] else main)(sys.argv[1])

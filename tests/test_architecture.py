@@ -59,7 +59,7 @@ def test_no_import_circle_in_the_package():
 
 
 def test_formats_and_the_planner_import_no_torch():
-    for name in ("formats", "plan", "planner", "baselines", "aggregate", "config"):
+    for name in ("formats", "plan", "planner", "baselines", "aggregate", "config", "spike_guard"):
         modules = {a.name.split(".")[0] for n in _imports(PACKAGE / f"{name}.py") if isinstance(n, ast.Import)
                    for a in n.names}
         modules |= {n.module.split(".")[0] for n in _imports(PACKAGE / f"{name}.py")

@@ -1,0 +1,169 @@
+"""The loss-spike guard (lightning_snip.spike_guard): the rule on hand-made losses, then on a real Trainer with a
+layer whose FP4 forward is broken on purpose, healthy runs, and a resumed run."""
+
+import glob
+import math
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_snip.callback import SNIPCallback
+from lightning_snip.config import SNIPConfig
+from lightning_snip.formats import Format
+from lightning_snip.spike_guard import AVOID_ROUNDS, MIN_HISTORY, PATIENCE, WINDOW, SpikeGuard
+
+from test_callback import _fit
+
+
+def _guard(losses, threshold=6.0):
+    guard = SpikeGuard(threshold)
+    for step, loss in enumerate(losses):
+        assert guard.observe(step, loss) is None
+    return guard
+
+
+def test_a_spike_of_patience_steps_reverts_and_one_unlucky_step_does_not():
+    g = torch.Generator().manual_seed(0)
+    before = [3.0 - 0.01 * i + 0.02 * float(torch.randn((), generator=g)) for i in range(20)]
+    guard = _guard(before)
+    guard.on_switch(20, {"a:forward": "fp8", "a:backward": "fp8"})
+    assert guard.watching and guard.num_watched == 1
+    assert guard.observe(20, 4.0) is None  # one strike
+    assert guard.observe(21, 2.9) is None  # reset
+    assert guard.observe(22, 4.0) is None
+    revert = guard.observe(23, 4.0)
+    assert revert is not None and revert.step == 23 and revert.formats == {"a:forward": "fp8", "a:backward": "fp8"}
+    assert "for 2 steps" in revert.reason and PATIENCE == 2
+    assert not guard.watching and guard.num_reverts == 1
+    guard.mark(revert, {"a:forward": "mxfp4", "a:backward": "fp8"})
+    assert guard.avoided() == {"a:forward": frozenset({"mxfp4"}), "a:backward": frozenset({"fp8"})}
+    for _ in range(AVOID_ROUNDS):
+        assert guard.avoided()
+        guard.count_solve()
+    assert guard.avoided() == {}
+
+
+def test_a_non_finite_loss_or_gradient_reverts_at_once_and_a_plan_that_holds_is_accepted():
+    for bad in ({"loss": math.nan}, {"loss": 2.5, "finite_grads": False}):
+        guard = _guard([2.5] * 10)
+        guard.on_switch(10, {"a": "fp8"})
+        revert = guard.observe(10, bad["loss"], finite_grads=bad.get("finite_grads", True))
+        assert revert is not None and "non-finite" in revert.reason
+    guard = _guard([2.5 + 0.01 * (i % 3) for i in range(10)])
+    guard.on_switch(10, {"a": "fp8"})
+    for step in range(10, 10 + WINDOW):
+        assert guard.observe(step, 2.6) is None
+    assert guard.observe(10 + WINDOW, 100.0) is None and not guard.watching  # after its window: not the plan's
+    short = _guard([2.5] * (MIN_HISTORY - 1))
+    short.on_switch(MIN_HISTORY, {"a": "fp8"})
+    assert not short.watching  # too little history to judge by
+
+
+def test_the_guard_is_checked_and_can_be_off():
+    with pytest.raises(ValueError, match=r"^spike_threshold: invalid value 0; allowed: a finite number > 0"):
+        SNIPConfig(spike_threshold=0)
+    guard = SpikeGuard(None)
+    guard.on_switch(10, {"a": "fp8"})
+    assert not guard.enabled and guard.observe(10, math.nan) is None
+
+
+class _LossRecorder(Callback):
+    def __init__(self):
+        self.losses = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses[trainer.global_step - 1] = float(outputs["loss"])
+
+
+def _broken_run(tmp_path, monkeypatch, mode, **kw):
+    """A run whose plan (at step 11) meets every layer's MXFP4 forward broken on purpose."""
+    import lightning_snip.linear as linear
+    from faults import broken_fp4_forward
+
+    snip = SNIPCallback(SNIPConfig(warmup_steps=10, interval=100, apply_delay=1, fp4_fraction=0.6, max_rows=128,
+                                   noise_draws=1, **kw))
+
+    class InjectFault(Callback):  # the fault comes with the layers (converted at fit start)
+        def on_fit_start(self, trainer, pl_module):
+            monkeypatch.setattr(linear, "quantized_matmul", broken_fp4_forward(list(snip.layers.values()), Format.MXFP4,
+                                                                               mode=mode))
+
+    losses = _LossRecorder()
+    _fit(tmp_path, snip, max_steps=24, callbacks=[InjectFault(), losses])
+    monkeypatch.undo()
+    return snip, losses.losses
+
+
+@pytest.mark.parametrize("mode", ["nan", "noise"])
+def test_a_plan_onto_a_broken_fp4_forward_is_reverted_and_the_loss_comes_back(tmp_path, monkeypatch, mode):
+    snip, losses = _broken_run(tmp_path, monkeypatch, mode)
+    guard = snip.controller.guard
+    assert snip.num_plans_applied == 1 and guard.num_watched == 1 and guard.num_reverts == 1
+    events = EventAccumulator(glob.glob(str(tmp_path / "tb" / "version_0"))[0])
+    events.Reload()
+    reverted = events.Scalars("snip/plan_reverted")
+    # the plan applies at step 11; a NaN reverts after that step, a finite spike after PATIENCE steps
+    assert [e.step for e in reverted] == [11 if mode == "nan" else 10 + PATIENCE]
+    assert "snip/plan_reverted_reason/text_summary" in events.Tags()["tensors"]
+    # every layer back in its format from before the plan (fp8), and its FP4 choices avoided
+    assert all(layer.format is Format.FP8 and layer.backward_format in (None, Format.FP8)
+               for layer in snip.layers.values() if layer.pinned is None)
+    assert all(fmt is not Format.MXFP4 for fmt in snip.plan.values()) and guard.avoided()
+    # the loss comes back: the last steps near the steps before the switch, all finite
+    before = sum(losses[s] for s in range(5, 10)) / 5
+    after = [losses[s] for s in range(19, 24)]
+    assert all(math.isfinite(v) for v in after) and max(after) < before
+
+
+def test_healthy_runs_are_never_reverted(tmp_path):
+    """Plans applied with the guard on, two seeds: watched, never reverted (benchmarks/spike_guard.py
+    counts 5 demo seeds and SmolLM2 at the defaults)."""
+    import lightning.pytorch as pl
+
+    watched = 0
+    for seed in (0, 1):
+        snip = SNIPCallback(SNIPConfig(warmup_steps=10, interval=8, apply_delay=1, fp4_fraction=0.75, max_rows=128,
+                                       noise_draws=1))
+        pl.seed_everything(seed)
+        _fit(tmp_path / str(seed), snip, max_steps=36)
+        assert snip.num_plans_applied == 4 and snip.controller.guard.num_reverts == 0
+        watched += snip.controller.guard.num_watched
+    assert watched >= 2
+
+
+def test_a_resumed_run_reverts_as_the_uninterrupted_one(tmp_path, monkeypatch):
+    """A checkpoint written while the guard watches a plan (one strike counted) resumes watching: the revert
+    comes at the same step, and the avoided formats and the guard's counts are the uninterrupted run's."""
+    import lightning.pytorch as pl
+
+    import lightning_snip.linear as linear
+    from faults import broken_fp4_forward
+
+    def run(path, max_steps, ckpt_path=None, save_every=None):
+        snip = SNIPCallback(SNIPConfig(warmup_steps=10, interval=100, apply_delay=1, fp4_fraction=0.6, max_rows=128,
+                                       noise_draws=1))
+
+        class InjectFault(Callback):
+            def on_fit_start(self, trainer, pl_module):
+                monkeypatch.setattr(linear, "quantized_matmul",
+                                    broken_fp4_forward(list(snip.layers.values()), Format.MXFP4, mode="noise"))
+
+        callbacks = [InjectFault()]
+        if save_every:
+            callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=path / "ckpt", every_n_train_steps=save_every,
+                                                          save_top_k=-1))
+        _fit(path, snip, max_steps=max_steps, ckpt_path=ckpt_path, callbacks=callbacks,
+             enable_checkpointing=bool(save_every))
+        monkeypatch.undo()
+        return snip
+
+    full = run(tmp_path / "full", 20)
+    first = run(tmp_path / "first", 12, save_every=12)
+    assert first.controller.guard.watching and first.controller.guard.watch["strikes"] == 1
+    resumed = run(tmp_path / "resumed", 20, ckpt_path=glob.glob(str(tmp_path / "first" / "ckpt" / "*.ckpt"))[0])
+    for snip in (full, resumed):
+        assert snip.controller.guard.num_reverts == 1 and not snip.controller.guard.watching
+    assert resumed.controller.guard.avoid == full.controller.guard.avoid
+    assert dict(resumed.plan) == dict(full.plan)
