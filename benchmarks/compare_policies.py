@@ -470,18 +470,20 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
     max_rows = next((int(m[len("rows"):]) for m in modifiers if m.startswith("rows")), s.max_rows)
     granularity = "gemm" if base.endswith("_gemm") or base == "backward_only" else "layer"
     # Every config sets its granularity and target_scope=model: the fractions are shares of the whole model's
-    # linear FLOPs (the pinned head's included), as the committed results were measured.
+    # linear FLOPs (the pinned head's included), as the committed results were measured; and the spike guard
+    # off (spike_threshold=None), as it did not exist then: a revert would make a run incomparable.
     if base in ("snip", "snip_gemm"):
         # The first round runs at the checkpoint (no first-order history yet), then every interval.
         config = SNIPConfig(warmup_steps=s.pretrain_steps, interval=s.snip_interval, apply_delay=1, fp4_fraction=fraction,
                             target_scope="model", candidate_formats=s.candidates, initial_format="fp8", pins=PINS,
                             granularity=granularity, first_order_steps=min(s.first_order_steps, s.snip_interval - 1),
-                            max_rows=max_rows, first_order_rows=s.first_order_rows,
+                            max_rows=max_rows, first_order_rows=s.first_order_rows, spike_threshold=None,
                             **({"weight_divergence_weight": float(lam)} if lam else {}))
         callback = SNIPCallback(config)
     else:
         plan = fixed_plan(policy, fraction, seed, _module(s), s, measured)
         callback = SNIPCallback(SNIPConfig(replan=False, fp4_fraction=fraction or 0.0, target_scope="model", pins=PINS,
+                                           spike_threshold=None,
                                            granularity=granularity, candidate_formats=s.candidates), plan=plan)
     data = _data(s, seed)
     start = time.perf_counter()

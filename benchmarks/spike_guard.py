@@ -51,10 +51,12 @@ def healthy_run(out: Path, seed: int, model: str = "tiny") -> dict:
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
-    guard = re.search(r"spike guard: (\d+) plans watched, (\d+) reverted", proc.stdout)
+    guard = re.search(r"spike guard: (\d+) plans watched, (\d+) reverted(?: \(largest loss rise (-?[\d.]+) sigma\))?",
+                      proc.stdout)
     losses = re.search(r"train loss ([\d.]+); val loss ([\d.]+)", proc.stdout)
     plans = re.search(r"plans applied (\d+)", proc.stdout)
     return {"seed": seed, "model": model, "watched": int(guard.group(1)), "reverted": int(guard.group(2)),
+            "largest_rise": float(guard.group(3)) if guard.group(3) else None,
             "plans": int(plans.group(1)), "train_loss": float(losses.group(1)), "val_loss": float(losses.group(2)),
             "seconds": time.perf_counter() - start}
 
@@ -98,6 +100,7 @@ def fault_run(seed: int, replan: bool, max_steps: int = 60) -> dict:
     finally:
         linear.quantized_matmul = real
     return {"seed": seed, "replan": replan, "reverts": snip.controller.guard.num_reverts,
+            "largest_rise": snip.controller.guard.max_rise,
             "plans": snip.num_plans_applied, "val_loss": float(trainer.callback_metrics["val/loss"])}
 
 
@@ -146,10 +149,11 @@ def main() -> None:
             runs.append(_cached(args.out / "healthy_smollm2_0.json",
                                 lambda: healthy_run(args.out / "smollm2", 0, "smollm2")))
         lines += ["## Healthy runs (the app at its defaults)", "",
-                  "| model | seed | plans applied | watched | reverted | train loss | val loss | seconds |",
-                  "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['model']} | {r['seed']} | {r['plans']} | {r['watched']} | {r['reverted']} | {r['train_loss']:.4f} "
-                  f"| {r['val_loss']:.4f} | {r['seconds']:.0f} |" for r in runs]
+                  "| model | seed | plans applied | watched | reverted | largest loss rise (sigma) | train loss | val loss "
+                  "| seconds |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['seed']} | {r['plans']} | {r['watched']} | {r['reverted']} | "
+                  f"{r['largest_rise'] if r['largest_rise'] is None else format(r['largest_rise'], '.1f')} | "
+                  f"{r['train_loss']:.4f} | {r['val_loss']:.4f} | {r['seconds']:.0f} |" for r in runs]
         lines += ["", f"Reverts: {sum(r['reverted'] for r in runs)} in {sum(r['watched'] for r in runs)} watched plans "
                   f"over {len(runs)} runs.", ""]
     if "fault" in args.parts:

@@ -139,7 +139,8 @@ class SNIPCallback(Callback):
             observed = self._step_loss.end(trainer, outputs, self._collective)
             if observed is not None:  # the optimizer stepped: a step boundary, the same on every rank
                 step, loss, finite_grads = observed
-                reverted = self.controller.observe_step(pl_module, step, loss, finite_grads=finite_grads)
+                reverted = self.controller.observe_step(pl_module, step, loss, finite_grads=finite_grads,
+                                                        collective=self._collective)
                 if reverted is not None:
                     log_to_loggers(trainer.loggers, step, reverted[0], text={"snip/plan_reverted_reason": reverted[1]})
 
@@ -245,6 +246,7 @@ class _StepLoss:
 
     def __init__(self) -> None:
         self.step, self.total, self.finite_grads = -1, None, True
+        self.warned = False
 
     def begin(self, step: int) -> None:
         if step != self.step:
@@ -256,6 +258,10 @@ class _StepLoss:
         if isinstance(loss, torch.Tensor):
             loss = loss.detach().float().reshape(())
             self.total = loss if self.total is None else self.total + loss
+        elif not self.warned:  # (manual optimization may return nothing)
+            self.warned = True
+            logger.warning("SNIP spike guard: the training step returned no loss (a tensor, or a dict with 'loss'); "
+                           "the guard watches nothing in this run (snip.spike_threshold=null silences this)")
         if trainer.global_step == self.step or self.total is None:
             return None
         values = collective.all_sum(torch.stack([self.total.cpu(), torch.tensor(float(not self.finite_grads))]))

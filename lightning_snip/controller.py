@@ -19,6 +19,7 @@ is the Lightning adapter over it; a plain PyTorch loop or a benchmark can drive 
             controller.start_first_order(step)  # samples LD's first-order term on this step
         loss = model.loss(batch); loss.backward(); opt.step(); opt.zero_grad()
         controller.end_batch()
+        controller.observe_step(model, step, loss.item())  # the spike guard (reverts a plan that hurts)
 """
 
 from __future__ import annotations
@@ -244,7 +245,7 @@ class SNIPController:
             # the restored aggregate, so solving it again gives the plan the uninterrupted run applies.
             stats_step, apply_step = self.restored_pending
             self.restored_pending = None
-            self.start_solve(stats_step, apply_step, collective)
+            self.start_solve(stats_step, apply_step, collective, count=False)  # (counted before the checkpoint)
 
     # ------------------------------------------------------------------ schedule
 
@@ -356,12 +357,15 @@ class SNIPController:
         return guarded_formats(self.layers, self.config.formats, self.aggregate.values("rel_error_wgrad"),
                                self.config.noise_guard_threshold)
 
-    def start_solve(self, stats_step: int, apply_step: int, collective: Collective = SINGLE_PROCESS) -> None:
-        """Rank 0 solves the plan on the current aggregate in a background thread."""
+    def start_solve(self, stats_step: int, apply_step: int, collective: Collective = SINGLE_PROCESS, *,
+                    count: bool = True) -> None:
+        """Rank 0 solves the plan on the current aggregate in a background thread; ``count``: the solve uses up
+        one of the spike guard's avoided solves (not when it repeats one already counted)."""
         self.pending = PendingSolve(stats_step=stats_step, apply_step=apply_step)
         if collective.is_rank_zero:
             self.pending.start(self.candidates(), self.guarded(), self.config, self.guard.avoided())
-        self.guard.count_solve()  # (on every rank: the guard's state is the same everywhere)
+        if count:
+            self.guard.count_solve()  # (on every rank: the guard's state is the same everywhere)
 
     def apply_due(self, model: torch.nn.Module, step: int,
                   collective: Collective = SINGLE_PROCESS) -> tuple[dict[str, float], Plan] | None:
@@ -400,12 +404,13 @@ class SNIPController:
                         num_changed, len(self.layers), status)
         return scalars, plan
 
-    def observe_step(self, model: torch.nn.Module, step: int, loss: float, *, finite_grads: bool = True
-                     ) -> tuple[dict[str, float], str] | None:
+    def observe_step(self, model: torch.nn.Module, step: int, loss: float, *, finite_grads: bool = True,
+                     collective: Collective = SINGLE_PROCESS) -> tuple[dict[str, float], str] | None:
         """One optimizer step's loss (the same on every rank: averaged over micro-batches and ranks) and
         whether its gradients were finite, for the spike guard. When the guard reverts the last plan's
-        changes, every rank applies the formats from before it here (call at a step boundary); returns the
-        scalars and the reason to log, else None."""
+        changes, every rank applies the formats from before it here (call at a step boundary), and a solve
+        still pending is started again with the reverted formats avoided; returns the scalars and the reason
+        to log, else None."""
         revert = self.guard.observe(step, loss, finite_grads=finite_grads)
         if revert is None:
             return None
@@ -415,10 +420,13 @@ class SNIPController:
         if self.plan is not None:
             self.plan = dataclasses.replace(self.plan, formats={**self.plan.formats, **{
                 key: Format(fmt) for key, fmt in revert.formats.items() if key in self.plan.formats}})
+        if self.pending is not None:  # solved without the avoided formats: solve it again (its thread's answer is dropped)
+            self.start_solve(self.pending.stats_step, self.pending.apply_step, collective, count=False)
         layers = sorted({split_key(key)[0] for key in revert.formats})
-        logger.warning("SNIP spike guard at step %d: %s; the last plan's changes to %d layer(s) reverted (%s%s), their "
-                       "formats avoided for the next %d solves", step, revert.reason, len(layers), ", ".join(layers[:6]),
-                       ", ..." if len(layers) > 6 else "", AVOID_ROUNDS)
+        if collective.is_rank_zero:
+                logger.warning("SNIP spike guard at step %d: %s; the last plan's changes to %d layer(s) reverted (%s%s), "
+                           "their formats avoided for the next %d solves", step, revert.reason, len(layers),
+                           ", ".join(layers[:6]), ", ..." if len(layers) > 6 else "", AVOID_ROUNDS)
         return {"snip/plan_reverted": 1.0, "snip/spike_reverts": float(self.guard.num_reverts)}, revert.reason
 
     # ------------------------------------------------------------------ checkpoint
@@ -513,8 +521,8 @@ def log_setup(config: SNIPConfig, layers: Mapping[str, SNIPLinear], device, max_
     """The run's setup lines: layers, GEMM kernels, settings that have no effect (call on one rank)."""
     cfg = config
     num_pinned = sum(1 for layer in layers.values() if layer.pinned is not None)
-    logger.info("SNIP: %d switchable layers (%d pinned), initial format %s", len(layers), num_pinned,
-                cfg.initial_format)
+    logger.info("SNIP: %d converted layers (%d pinned, %d switchable), initial format %s", len(layers), num_pinned,
+                len(layers) - num_pinned, cfg.initial_format)
     formats = sorted({Format.parse(f) for f in (cfg.initial_format, *cfg.formats, *cfg.pin_formats.values())},
                      key=lambda f: f.value)
     logger.info("SNIP: GEMM kernels: %s", describe_kernels(formats, device))

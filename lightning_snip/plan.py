@@ -53,7 +53,7 @@ class Plan(Mapping[str, Format]):
         policy: who made it ("snip", "random", ...).
         status, objective, solve_seconds: what the solver reported.
         noise_guarded: fqn -> the FP4 formats the gradient-noise guard kept out of the layer's
-            backward (SNIPConfig.noise_guard; at granularity layer, out of the whole layer); the table
+            backward (SNIPConfig.noise_guard_threshold; at granularity layer, out of the whole layer); the table
             marks these layers.
     """
 

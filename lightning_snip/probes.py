@@ -140,7 +140,7 @@ def forward_mode_pass(model, loss_fn, layers, owner_names, rng_states, tangent_o
                 raise
             raise ForwardModeUnsupportedError(
                 f"statistics: the model runs an operation without a forward-mode derivative ({str(err).splitlines()[0]}); "
-                "WD's probes cannot run on it (wd_propagation=exact can)") from err
+                "WD's probes cannot run on it (exact propagation can)") from err
         finally:
             for module in owners:  # a module whose forward raised
                 hooks.restore(module)

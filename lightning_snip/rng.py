@@ -32,7 +32,7 @@ _TOKENS: dict[int, weakref.ref] = {}
 # Keys unique to this process (its pid in the high bits): a token unpickled in another process never
 # names an unrelated generator there.
 _KEYS = itertools.count((os.getpid() << 32) + 1)
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # (re-entered: a collection inside token_for may run _forget)
 _DEFAULT_TOKEN = torch.zeros(2, dtype=torch.int64, device="cpu")  # key 0: torch's default generator
 
 

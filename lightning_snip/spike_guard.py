@@ -63,6 +63,7 @@ class SpikeGuard:
         self.avoid: dict[tuple[str, str], int] = {}  # (plan key, format name) -> solves left
         self.num_reverts = 0
         self.num_watched = 0  # switches watched (a switch with too short a history before it is not)
+        self.max_rise = -math.inf  # the largest (loss - level) / noise seen while watching: the margin kept
 
     @property
     def enabled(self) -> bool:
@@ -74,7 +75,9 @@ class SpikeGuard:
 
     def on_switch(self, step: int, previous: Mapping[str, str]) -> None:
         """A plan was applied before ``step``; ``previous``: the format (name) each key it changed had."""
-        if not self.enabled or not previous or len(self.losses) < MIN_HISTORY:
+        if not previous:  # a plan that changed nothing: the watch of the last change goes on
+            return
+        if not self.enabled or len(self.losses) < MIN_HISTORY:
             self.watch = None
             return
         mu, sigma = baseline(list(self.losses))
@@ -96,9 +99,10 @@ class SpikeGuard:
         if not finite_grads or not math.isfinite(loss):
             return self._revert(step, "non-finite gradients" if not finite_grads else f"non-finite loss ({loss})")
         limit = watch["mu"] + self.threshold * watch["sigma"]
+        self.max_rise = max(self.max_rise, (loss - watch["mu"]) / watch["sigma"])
         watch["strikes"] = watch["strikes"] + 1 if loss > limit else 0
         if watch["strikes"] >= PATIENCE:
-            return self._revert(step, f"loss {loss:.4g} > {limit:.4g} (mean {watch['mu']:.4g} + {self.threshold:g} x "
+            return self._revert(step, f"loss {loss:.4g} > {limit:.4g} (level {watch['mu']:.4g} + {self.threshold:g} x "
                                       f"{watch['sigma']:.3g}, the level and noise before the switch) for "
                                       f"{PATIENCE} steps")
         self.losses.append(loss)
@@ -111,9 +115,10 @@ class SpikeGuard:
         return Revert(step=step, reason=reason, formats=previous)
 
     def mark(self, revert: Revert, applied: Mapping[str, str]) -> None:
-        """Keep the (key, format) pairs the reverted plan had chosen (``applied``) out of the next solves."""
-        for key in revert.formats:
-            if key in applied:
+        """Keep the (key, format) pairs the reverted plan had changed to (``applied``, where it differs from the
+        format restored) out of the next solves; a direction the plan left as it was is not held against it."""
+        for key, before in revert.formats.items():
+            if key in applied and applied[key] != before:
                 self.avoid[key, applied[key]] = AVOID_ROUNDS
 
     def avoided(self) -> dict[str, frozenset[str]]:
@@ -129,7 +134,7 @@ class SpikeGuard:
 
     def state_dict(self) -> dict:
         return {"losses": list(self.losses), "watch": self.watch, "num_reverts": self.num_reverts,
-                "num_watched": self.num_watched,
+                "num_watched": self.num_watched, "max_rise": self.max_rise,
                 "avoid": [[key, fmt, left] for (key, fmt), left in self.avoid.items()]}
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -137,4 +142,5 @@ class SpikeGuard:
         self.watch = dict(state["watch"]) if state.get("watch") else None
         self.num_reverts = int(state.get("num_reverts", 0))
         self.num_watched = int(state.get("num_watched", 0))
+        self.max_rise = float(state.get("max_rise", -math.inf))
         self.avoid = {(key, fmt): int(left) for key, fmt, left in state.get("avoid", [])}

@@ -283,7 +283,7 @@ def collect_stats(
     p = _ParameterMaps.of(model)
     sharded = any(is_sharded(t) for t in p.params.values())
     if sharded and propagation is Propagation.EXACT:
-        raise ValueError("wd_propagation: exact is not supported with sharded (FSDP2) parameters; allowed: probe")
+        raise ValueError("propagation: exact is not supported with sharded (FSDP2) parameters; allowed: probe")
     # Each layer's weight by its registered name: a DTensor under FSDP2 (all-gathered where needed,
     # sharding.dense), the Parameter otherwise.
     weight_names = {fqn: p.owner_names.get((id(layer), "weight"), fqn + ".weight") for fqn, layer in layers.items()}

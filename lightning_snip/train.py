@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
 import shutil
@@ -322,6 +323,7 @@ def run(config: TrainConfig, *, output_folder: str | None = None, quiet: bool = 
         "stats_rounds": snip.num_stats_rounds,
         "plans_watched": snip.controller.guard.num_watched,
         "plans_reverted": snip.controller.guard.num_reverts,
+        "largest_rise": snip.controller.guard.max_rise,
         "invalid_formats": len(snip.invalid_formats),
         "log_dir": tb.log_dir,
         "checkpoint": str(final_ckpt),
@@ -408,10 +410,11 @@ def _print_summary(summary: dict, config: TrainConfig, snip, progress, *, model_
           f"train loss {_fmt(summary['train_loss'])}; val loss {_fmt(summary['val_loss'])}"
           + ("" if summary["val_loss_plan"] is None else
              f" (high precision; {_fmt(summary['val_loss_plan'])} in the plan's formats)"))
+    rise = summary["largest_rise"]
     print(f"FP4 FLOPs fraction {summary['fp4_fraction_switchable']:.3f} of the switchable layers "
           f"({summary['fp4_fraction']:.3f} of the model); plans applied {summary['plans_applied']}; "
           f"statistics rounds {summary['stats_rounds']}; spike guard: {summary['plans_watched']} plans watched, "
-          f"{summary['plans_reverted']} reverted")
+          f"{summary['plans_reverted']} reverted" + (f" (largest loss rise {rise:.1f} sigma)" if math.isfinite(rise) else ""))
     if summary["invalid_formats"]:
         print(f"WARNING: the last statistics round found {summary['invalid_formats']} (layer, format) candidates "
               "non-finite and left them out of the plan (snip/invalid_formats; the log names them)")

@@ -170,3 +170,30 @@ def test_close_joins_a_solve_still_running_within_its_bound(monkeypatch, caplog)
     release.set()
     controller.close()
     assert not thread.is_alive() and controller.pending is None
+
+
+def test_model_target_adds_the_pinned_layers_back_in_their_own_formats():
+    """fp4_fraction f of the switchable FLOPs is (pinned FP4 FLOPs + f x switchable FLOPs) / all of them over the
+    model, a cost budget b likewise with each pin's relative cost: hand-checked on a pin to bf16 and one to
+    mxfp4; switchable_share inverts it."""
+    import pytest
+
+    from lightning_snip.convert import convert_linears
+    from lightning_snip.evidence import layer_candidates, model_target, switchable_share
+
+    model = TinyLlama(LlamaConfig(dim=64, num_layers=1, num_heads=4, num_kv_heads=2, hidden_dim=160))
+    pins = {"lm_head": "bf16", "layers.0.mlp.up": "mxfp4"}
+    layers = convert_linears(model, pins=pins)
+    flops = {fqn: layer.in_features * layer.out_features for fqn, layer in layers.items()}
+    total, head, up = sum(flops.values()), flops["lm_head"], flops["layers.0.mlp.up"]
+    free = total - head - up
+    candidates = layer_candidates(layers, [Format.FP8, Format.MXFP4])
+    config = SNIPConfig(fp4_fraction=0.5, pins=pins)
+    fraction, _ = model_target(candidates, config)
+    assert fraction == pytest.approx((up + 0.5 * free) / total)
+    assert switchable_share(fraction, candidates, config) == pytest.approx(0.5)
+    budget_config = SNIPConfig(fp4_fraction=None, cost_budget=0.4, pins=pins, relative_cost={"mxfp4": 0.3})
+    _, budget = model_target(candidates, budget_config)
+    assert budget == pytest.approx((head * 1.0 + up * 0.3 + 0.4 * free) / total)
+    assert switchable_share(budget, candidates, budget_config, cost=True) == pytest.approx(0.4)
+    assert model_target(candidates, SNIPConfig(fp4_fraction=0.5, pins=pins, target_scope="model")) == (0.5, None)

@@ -40,7 +40,8 @@ def test_two_process_ddp_ranks_revert_a_spiking_plan_at_the_same_step(tmp_path):
     """Only rank 0's FP4 forwards are broken: the guard reads the loss averaged over ranks, so both ranks
     revert at the same step, to the same formats, and their weights stay equal."""
     env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), str(Path(__file__).parent)])}
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), str(Path(__file__).parent),
+                                          str(Path(__file__).resolve().parent.parent / "benchmarks")])}
     worker = Path(__file__).with_name("ddp_worker.py")
     proc = subprocess.run([sys.executable, str(worker), str(tmp_path), "spike"], env=env, capture_output=True, text=True,
                           timeout=600)

@@ -48,7 +48,7 @@ def test_a_library_user_sees_snips_lines_and_not_torchaos_notices(tmp_path):
         proc = subprocess.run([sys.executable, "-c", script, mode], cwd=tmp_path, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         log = proc.stderr + proc.stdout
-        setup = [line for line in log.splitlines() if "SNIP: 15 switchable layers (1 pinned)" in line]
+        setup = [line for line in log.splitlines() if "SNIP: 15 converted layers (1 pinned, 14 switchable)" in line]
         applied = [line for line in log.splitlines() if "SNIP plan applied at step 3: FP4 FLOPs fraction" in line]
         assert len(setup) == 1 and len(applied) == 1, log[-3000:]
         assert applied[0].startswith("ROOT lightning_snip.controller: " if mode == "configured" else "SNIP plan"), applied

@@ -38,7 +38,8 @@ def test_a_spike_of_patience_steps_reverts_and_one_unlucky_step_does_not():
     assert "for 2 steps" in revert.reason and PATIENCE == 2
     assert not guard.watching and guard.num_reverts == 1
     guard.mark(revert, {"a:forward": "mxfp4", "a:backward": "fp8"})
-    assert guard.avoided() == {"a:forward": frozenset({"mxfp4"}), "a:backward": frozenset({"fp8"})}
+    # the direction the plan changed is avoided; the one it left in fp8 is not held against fp8
+    assert guard.avoided() == {"a:forward": frozenset({"mxfp4"})}
     for _ in range(AVOID_ROUNDS):
         assert guard.avoided()
         guard.count_solve()
@@ -59,6 +60,22 @@ def test_a_non_finite_loss_or_gradient_reverts_at_once_and_a_plan_that_holds_is_
     short = _guard([2.5] * (MIN_HISTORY - 1))
     short.on_switch(MIN_HISTORY, {"a": "fp8"})
     assert not short.watching  # too little history to judge by
+
+
+def test_the_baseline_is_where_the_trend_ends_and_its_noise_around_it():
+    """A loss falling along a line with noise: the level is the line's end (a plain mean would sit half the
+    fall above it), the noise the residuals' spread (the fall itself is not noise)."""
+    from lightning_snip.spike_guard import baseline
+
+    g = torch.Generator().manual_seed(0)
+    noise = [0.01 * float(torch.randn((), generator=g)) for _ in range(32)]
+    level, sigma = baseline([5.0 - 0.05 * t + e for t, e in enumerate(noise)])
+    assert level == pytest.approx(5.0 - 0.05 * 31, abs=0.02)
+    assert 0.005 < sigma < 0.02
+    # so a rise of 0.3 after a fall of 1.55 is 20 sigma, not inside the history's spread
+    guard = _guard([5.0 - 0.05 * t + e for t, e in enumerate(noise)])
+    guard.on_switch(32, {"a": "fp8"})
+    assert guard.observe(32, level + 0.3) is None and guard.observe(33, level + 0.3) is not None
 
 
 def test_the_guard_is_checked_and_can_be_off():
@@ -82,8 +99,8 @@ def _broken_run(tmp_path, monkeypatch, mode, **kw):
     import lightning_snip.linear as linear
     from faults import broken_fp4_forward
 
-    snip = SNIPCallback(SNIPConfig(warmup_steps=10, interval=100, apply_delay=1, fp4_fraction=0.6, max_rows=128,
-                                   noise_draws=1, **kw))
+    settings = dict(warmup_steps=10, interval=100, apply_delay=1, fp4_fraction=0.6, max_rows=128, noise_draws=1)
+    snip = SNIPCallback(SNIPConfig(**{**settings, **kw}))
 
     class InjectFault(Callback):  # the fault comes with the layers (converted at fit start)
         def on_fit_start(self, trainer, pl_module):
@@ -167,3 +184,16 @@ def test_a_resumed_run_reverts_as_the_uninterrupted_one(tmp_path, monkeypatch):
         assert snip.controller.guard.num_reverts == 1 and not snip.controller.guard.watching
     assert resumed.controller.guard.avoid == full.controller.guard.avoid
     assert dict(resumed.plan) == dict(full.plan)
+
+
+def test_a_solve_pending_at_a_revert_is_solved_again_without_the_reverted_formats(tmp_path, monkeypatch):
+    """A round every 2 steps: the solve started in the step the guard reverts (12) was priced without the
+    avoided formats; it is started again with them avoided, so the plans of the next solves do not put the
+    reverted (GEMM direction, format) pairs back."""
+    snip, _ = _broken_run(tmp_path, monkeypatch, "noise", interval=2)
+    assert snip.controller.guard.num_reverts >= 1
+    plans = {entry["step"]: entry["plan"]["formats"] for entry in snip.history if entry.get("plan")}
+    reverted = {(key, fmt) for key, fmt in plans[10].items() if fmt != "fp8" and not key.startswith("model.lm_head")}
+    assert reverted  # the plan of step 10 (applied at 11) moved directions off fp8; the guard reverted it at 12
+    for stats_step in (12, 14):  # solves within the avoided ones
+        assert not reverted & set(plans[stats_step].items()), stats_step
