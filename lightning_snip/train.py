@@ -399,7 +399,9 @@ def _print_summary(summary: dict, config: TrainConfig, snip, progress, *, model_
                    output_folder: str | None) -> None:
     seconds, t = summary["seconds"], config.trainer
     print("\n=== SNIP summary ===")
-    print(f"model: {model_name}, {num_parameters / 1e6:.1f} M parameters, {len(snip.layers)} switchable linear layers")
+    num_pinned = sum(layer.pinned is not None for layer in snip.layers.values())
+    print(f"model: {model_name}, {num_parameters / 1e6:.1f} M parameters, {len(snip.layers)} converted linear layers "
+          f"({num_pinned} pinned)")
     if snip.plan is not None:
         print(snip.plan.table(max_rows=48))
     else:

@@ -110,7 +110,7 @@ def test_app_trains_smollm2_with_a_plan_and_resumes(smollm2, tmp_path, monkeypat
     summary = run(config)
     out = capsys.readouterr().out
     assert summary["model"] == "smollm2" and summary["plans_applied"] == 1 and summary["steps"] == 4
-    assert "model: smollm2 (SmolLM2-135M-Instruct" in out and "134.5 M parameters, 21 switchable linear layers" in out
+    assert "model: smollm2 (SmolLM2-135M-Instruct" in out and "134.5 M parameters, 21 converted linear layers" in out
     assert math.isfinite(summary["val_loss"]) and math.isfinite(summary["val_loss_plan"])
     assert summary["val_loss"] != summary["val_loss_plan"]  # high precision vs the plan's FP4/FP8 formats
     assert "in the plan's formats" in out

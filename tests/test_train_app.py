@@ -118,10 +118,11 @@ def test_progress_plan_lines_clean_output_and_summary(tmp_path):
     logged = re.compile(r"^\[[\d\- :,]+\]\[(lightning_snip|lightning\.pytorch)[\w.]*\]\[(INFO|WARNING)\] - ")
     assert all(logged.match(line) for line in lines), [line for line in lines if not logged.match(line)]
     assert [line.split("] - ", 1)[1][:22] for line in lines[:4]] == [
-        "GPU available: False, ", "TPU available: False, ", "SNIP: 15 switchable la", "SNIP: GEMM kernels: fp"]
+        "GPU available: False, ", "TPU available: False, ", "SNIP: 15 converted lay", "SNIP: GEMM kernels: fp"]
     summary = proc.stdout.split("=== SNIP summary ===", 1)[1]
     assert f"checkpoint: {tmp_path}/runs/checkpoints/last.ckpt" in summary
-    assert "plans applied 2; statistics rounds 2" in summary and "non-finite" not in summary
+    assert "plans applied 2; statistics rounds 2; spike guard: 0 plans watched, 0 reverted" in summary  # (< 8 steps before)
+    assert "non-finite" not in summary
     assert f"output folder: {tmp_path}/hydra" in summary
     assert f"--logdir {tmp_path}/runs" in summary
     assert (tmp_path / "runs" / "checkpoints" / "last.ckpt").is_file()
