@@ -197,3 +197,19 @@ def test_a_solve_pending_at_a_revert_is_solved_again_without_the_reverted_format
     assert reverted  # the plan of step 10 (applied at 11) moved directions off fp8; the guard reverted it at 12
     for stats_step in (12, 14):  # solves within the avoided ones
         assert not reverted & set(plans[stats_step].items()), stats_step
+
+
+def test_the_guard_watches_a_hugging_face_llama_under_bf16_mixed_and_accumulation(tmp_path):
+    """Where users train: a module we did not write, bf16-mixed, 2 micro-batches per step. Each step's loss is
+    the micro-batches' mean; the plan is watched (and its gradients checked) and a healthy run never reverts."""
+    pytest.importorskip("transformers")
+    from test_training_setups import _HFLlamaLM
+
+    snip = SNIPCallback(SNIPConfig(warmup_steps=10, interval=100, apply_delay=1, fp4_fraction=0.6, max_rows=128,
+                                   noise_draws=1))
+    _fit(tmp_path, snip, max_steps=16, module=_HFLlamaLM(), precision="bf16-mixed", accumulate_grad_batches=2)
+    guard = snip.controller.guard
+    assert snip.num_plans_applied == 1 and guard.num_watched == 1 and guard.num_reverts == 0
+    # every step observed, each the mean of its 2 micro-batches (about ln 256 here, not half or twice it)
+    assert len(guard.losses) == 16 and 5 < guard.losses[0] < 6 and all(1 < v < 7 for v in guard.losses)
+    assert -math.inf < guard.max_rise < 6
