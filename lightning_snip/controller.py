@@ -178,7 +178,8 @@ class SNIPController:
         self.num_consecutive_failures = 0  # statistics rounds or solves in a row that gave no plan
         self.grad_noise_ratios: dict[str, float] = {}  # the last round's, per switchable layer
         self.invalid_formats: list[tuple[str, Format]] = []  # the last round's non-finite candidates
-        self.guard = SpikeGuard(self.config.spike_threshold)
+        # (without replanning nothing switches: no guard, and nothing read per step)
+        self.guard = SpikeGuard(self.config.spike_threshold if self.config.replan else None)
 
     @property
     def fp4_fraction(self) -> float:
