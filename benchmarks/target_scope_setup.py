@@ -19,7 +19,8 @@ def main() -> None:
     import transformers
 
     from lightning_snip.config import SNIPConfig
-    from lightning_snip.controller import SNIPController, describe_target
+    from lightning_snip.controller import SNIPController
+    from lightning_snip.evidence import describe_target
 
     logging.getLogger("lightning_snip").setLevel(logging.WARNING)
     config = transformers.Gemma3TextConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048,

@@ -36,20 +36,19 @@ from dataclasses import dataclass
 import torch
 
 from lightning_snip.aggregate import METRICS, DivergenceAggregate
-from lightning_snip.config import SNIPConfig, TargetScope
+from lightning_snip.config import SNIPConfig
 from lightning_snip.convert import UnmatchedPinsError, apply_plan, convert_linears, glob_filter, layer_assignment
 from lightning_snip.divergence import DivergenceResult, LayerDivergence
-from lightning_snip.evidence import (aggregate_candidates, check_reachable, grad_noise_ratios, guarded_formats,
-                                     invalid_formats, layer_candidates, layer_flops, model_target, solve_guarded)
+from lightning_snip.evidence import (aggregate_candidates, check_reachable, current_fp4_fraction, describe_target,
+                                     grad_noise_ratios, guarded_formats, invalid_formats, layer_flops, solve_guarded)
 from lightning_snip.first_order import FirstOrderRecorder
 from lightning_snip.formats import Format
 from lightning_snip.gemm import describe_kernels, emulated_layers
 from lightning_snip.linear import SNIPLinear
 from lightning_snip.plan import Granularity, Plan, SolveStatus, split_key
-from lightning_snip.planner import FORWARD_SHARE
 from lightning_snip.reporting import divergence_scalars, plan_scalars
 from lightning_snip.stats import Propagation, slice_batch
-from lightning_snip.spike_guard import AVOID_ROUNDS, SpikeGuard
+from lightning_snip.spike_guard import AVOID_ROUNDS, Revert, SpikeGuard
 from lightning_snip.statistics_round import probe_rel_stderr, round_generator, run_statistics_round
 
 logger = logging.getLogger(__name__)
@@ -418,16 +417,11 @@ class SNIPController:
         applied = {key: self.plan[key].value for key in revert.formats if self.plan is not None and key in self.plan}
         apply_plan(model, revert.formats)
         self.guard.mark(revert, applied)
-        if self.plan is not None:
-            self.plan = dataclasses.replace(self.plan, formats={**self.plan.formats, **{
-                key: Format(fmt) for key, fmt in revert.formats.items() if key in self.plan.formats}})
+        self.plan = reverted_plan(self.plan, revert)
         if self.pending is not None:  # solved without the avoided formats: solve it again (its thread's answer is dropped)
             self.start_solve(self.pending.stats_step, self.pending.apply_step, collective, count=False)
-        layers = sorted({split_key(key)[0] for key in revert.formats})
         if collective.is_rank_zero:
-                logger.warning("SNIP spike guard at step %d: %s; the last plan's changes to %d layer(s) reverted (%s%s), "
-                           "their formats avoided for the next %d solves", step, revert.reason, len(layers),
-                           ", ".join(layers[:6]), ", ..." if len(layers) > 6 else "", AVOID_ROUNDS)
+            log_revert(revert)
         return {"snip/plan_reverted": 1.0, "snip/spike_reverts": float(self.guard.num_reverts)}, revert.reason
 
     # ------------------------------------------------------------------ checkpoint
@@ -485,31 +479,20 @@ class RoundSchedule:
         return 1 <= next_round - step <= cfg.first_order_steps
 
 
-def current_fp4_fraction(layers: Mapping[str, SNIPLinear], flops: Mapping[str, float], *, unpinned: bool = False) -> float:
-    """FP4 share of ``layers``' linear FLOPs (of the unpinned ones' with ``unpinned``) in their current formats."""
-    chosen = [fqn for fqn, layer in layers.items() if not (unpinned and layer.pinned is not None)]
-    total = sum(flops[fqn] for fqn in chosen)
-    if not total:
-        return 0.0
-    share = FORWARD_SHARE  # of a layer's GEMM FLOPs: the forward; dgrad + wgrad the rest
-    return sum(flops[fqn] * (share * layers[fqn].format.is_fp4 + (1 - share) * (
-        layers[fqn].backward_format or layers[fqn].format).is_fp4) for fqn in chosen) / total
+def reverted_plan(plan: Plan | None, revert: Revert) -> Plan | None:
+    """``plan`` with the formats the spike guard restored (its other keys as they were)."""
+    if plan is None:
+        return None
+    return dataclasses.replace(plan, formats={**plan.formats, **{
+        key: Format(fmt) for key, fmt in revert.formats.items() if key in plan.formats}})
 
 
-def describe_target(layers: Mapping[str, SNIPLinear], config: SNIPConfig) -> str:
-    """The target in one line, in the config's scope and the model's, e.g. "fp4_fraction 0.75 of the
-    switchable layers' linear FLOPs (0.281 of the model's; pinned layers hold 62.5% of them)"."""
-    cfg = config
-    candidates = layer_candidates(layers, cfg.formats)
-    fraction, budget = model_target(candidates, cfg)
-    total = sum(c.flops for c in candidates) or 1.0
-    pinned = sum(c.flops for c in candidates if c.pinned is not None) / total
-    name, value, model_value = (("fp4_fraction", cfg.fp4_fraction, fraction) if cfg.fp4_fraction is not None
-                                else ("cost_budget", cfg.cost_budget, budget))
-    if TargetScope(cfg.target_scope) is TargetScope.MODEL:
-        return f"{name} {value:g} of the converted layers' linear FLOPs (pinned layers hold {pinned:.1%} of them)"
-    return (f"{name} {value:g} of the switchable layers' linear FLOPs ({model_value:.3f} of the model's; pinned "
-            f"layers hold {pinned:.1%} of them)")
+def log_revert(revert: Revert) -> None:
+    """The warning naming the layers a revert put back (call on one rank)."""
+    layers = sorted({split_key(key)[0] for key in revert.formats})
+    logger.warning("SNIP spike guard at step %d: %s; the last plan's changes to %d layer(s) reverted (%s%s), their "
+                   "formats avoided for the next %d solves", revert.step, revert.reason, len(layers),
+                   ", ".join(layers[:6]), ", ..." if len(layers) > 6 else "", AVOID_ROUNDS)
 
 
 def applied_plan_scalars(plan: Plan, num_changed: int, agreement: float) -> dict[str, float]:

@@ -18,7 +18,8 @@ from lightning_snip.divergence import DivergenceResult
 from lightning_snip.formats import Format
 from lightning_snip.linear import SNIPLinear
 from lightning_snip.plan import Granularity, Plan
-from lightning_snip.planner import (LayerCandidates, PlanInfeasibleError, check_target, gemm_items, keep_out_of_fp4,
+from lightning_snip.planner import (FORWARD_SHARE, LayerCandidates, PlanInfeasibleError, check_target, gemm_items,
+                                    keep_out_of_fp4,
                                     max_fp4_fraction, min_relative_cost, solve_plan)
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,13 @@ def guarded_formats(layers: Mapping[str, SNIPLinear], formats: Sequence[Format],
     return out
 
 
+def _pinned_split(candidates: Sequence[LayerCandidates]) -> tuple[float, list[LayerCandidates], float]:
+    """(every candidate's FLOPs, the pinned candidates, the unpinned ones' FLOPs)."""
+    total = sum(c.flops for c in candidates)
+    pinned = [c for c in candidates if c.pinned is not None]
+    return total, pinned, total - sum(c.flops for c in pinned)
+
+
 def model_target(candidates: Sequence[LayerCandidates], config: SNIPConfig) -> tuple[float | None, float | None]:
     """``config``'s (fp4_fraction, cost_budget) as shares of every candidate layer's FLOPs, what the planner
     constrains: under target_scope=switchable the pinned layers' FLOPs (and their pins' FP4 FLOPs or GEMM
@@ -129,9 +137,7 @@ def model_target(candidates: Sequence[LayerCandidates], config: SNIPConfig) -> t
     fraction, budget = config.fp4_fraction, config.cost_budget
     if TargetScope(config.target_scope) is TargetScope.MODEL:
         return fraction, budget
-    total = sum(c.flops for c in candidates)
-    pinned = [c for c in candidates if c.pinned is not None]
-    free = total - sum(c.flops for c in pinned)
+    total, pinned, free = _pinned_split(candidates)
     if not total or not pinned:
         return fraction, budget
     if fraction is not None:
@@ -146,9 +152,7 @@ def switchable_share(model_share: float, candidates: Sequence[LayerCandidates], 
                      *, cost: bool = False) -> float:
     """The inverse of model_target for one share of the model's FLOPs (an FP4 fraction, or a relative GEMM
     cost with ``cost``): the unpinned layers' part of it. NaN where no layer is unpinned."""
-    total = sum(c.flops for c in candidates)
-    pinned = [c for c in candidates if c.pinned is not None]
-    free = total - sum(c.flops for c in pinned)
+    total, pinned, free = _pinned_split(candidates)
     if not free:
         return math.nan
     weight = config.cost_model.relative_cost if cost else {f: float(f.is_fp4) for f in Format}
@@ -217,3 +221,31 @@ def solve_guarded(candidates: list[LayerCandidates], guarded: Mapping[str, froze
                       weight_divergence_weight=cfg.weight_divergence_weight, relative_cost=relative_cost)
     return dataclasses.replace(plan, noise_guarded={fqn: tuple(sorted(f, key=lambda x: x.value))
                                                    for fqn, f in guarded.items()})
+
+
+def current_fp4_fraction(layers: Mapping[str, SNIPLinear], flops: Mapping[str, float], *, unpinned: bool = False) -> float:
+    """FP4 share of ``layers``' linear FLOPs (of the unpinned ones' with ``unpinned``) in their current formats."""
+    chosen = [fqn for fqn, layer in layers.items() if not (unpinned and layer.pinned is not None)]
+    total = sum(flops[fqn] for fqn in chosen)
+    if not total:
+        return 0.0
+    share = FORWARD_SHARE  # of a layer's GEMM FLOPs: the forward; dgrad + wgrad the rest
+    return sum(flops[fqn] * (share * layers[fqn].format.is_fp4 + (1 - share) * (
+        layers[fqn].backward_format or layers[fqn].format).is_fp4) for fqn in chosen) / total
+
+
+def describe_target(layers: Mapping[str, SNIPLinear], config: SNIPConfig) -> str:
+    """The target in one line, in the config's scope and the model's, e.g. "fp4_fraction 0.75 of the
+    switchable layers' linear FLOPs (0.281 of the model's; pinned layers hold 62.5% of them)"."""
+    cfg = config
+    candidates = layer_candidates(layers, cfg.formats)
+    fraction, budget = model_target(candidates, cfg)
+    total, _, free = _pinned_split(candidates)
+    pinned = 1.0 - free / total if total else 0.0
+    name, value, model_value = (("fp4_fraction", cfg.fp4_fraction, fraction) if cfg.fp4_fraction is not None
+                                else ("cost_budget", cfg.cost_budget, budget))
+    if TargetScope(cfg.target_scope) is TargetScope.MODEL:
+        return f"{name} {value:g} of the converted layers' linear FLOPs (pinned layers hold {pinned:.1%} of them)"
+    return (f"{name} {value:g} of the switchable layers' linear FLOPs ({model_value:.3f} of the model's; pinned "
+            f"layers hold {pinned:.1%} of them)")
+

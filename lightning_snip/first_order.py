@@ -110,7 +110,6 @@ class FirstOrderTerms:
         return values
 
 
-
 class FirstOrderRecorder:
     """LD's first-order term sampled on live training steps: FirstOrderSampler's hooks on the
     unpinned layers (pinned ones never change format, so their LD is never used), measuring into

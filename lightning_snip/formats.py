@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 
-
 class _ByNameOrValue(enum.EnumMeta):
     """OmegaConf (Hydra) reads an enum-typed config field by member name (``Granularity["GEMM"]``);
     configs and command lines write the value (``snip.granularity=gemm``). Both are accepted: the
@@ -81,7 +80,6 @@ class Format(Choice):
     def block_size(self) -> int | None:
         """Elements per shared scale along the contraction axis, or None for per-row/tensor scaling."""
         return _BLOCK_SIZES.get(self)
-
 
 
 _BLOCK_SIZES = {Format.MXFP8: 32, Format.MXFP4: 32, Format.NVFP4: 16}

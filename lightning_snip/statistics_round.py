@@ -32,7 +32,6 @@ def measured_formats(layers: Mapping[str, SNIPLinear]) -> dict[str, frozenset[Fo
             for fqn, layer in layers.items()}
 
 
-
 def run_statistics_round(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], layers: Mapping[str, SNIPLinear],
                          config: SNIPConfig, *, optimizer=None, loss_scale: float = 1.0,
                          propagation: Propagation | None = None, first_order_history=None,
@@ -77,7 +76,6 @@ def run_statistics_round(model: torch.nn.Module, loss_fn: Callable[[], torch.Ten
         loss=result.loss, used_adam=result.used_adam)
 
 
-
 def _collect(model, loss_fn, layers, optimizer, loss_scale: float, propagation: Propagation):
     while True:
         stats = collect_stats(model, loss_fn, layers=layers, optimizer=optimizer, loss_scale=loss_scale,
@@ -87,7 +85,6 @@ def _collect(model, loss_fn, layers, optimizer, loss_scale: float, propagation: 
             return stats
         stats.release()
         loss_scale = max(1.0, loss_scale / 256.0)
-
 
 
 @contextlib.contextmanager
@@ -103,7 +100,6 @@ def buffers_restored(module: torch.nn.Module):
                 buffer.copy_(value)
 
 
-
 def probe_rel_stderr(result: DivergenceResult) -> float | None:
     """Median relative standard error of the probed propagated term over (layer, format); None when
     the round computed it exactly (no spread) or nothing was probed."""
@@ -113,7 +109,6 @@ def probe_rel_stderr(result: DivergenceResult) -> float | None:
     if not ratios or ratios[-1] == 0:
         return None
     return ratios[len(ratios) // 2]
-
 
 
 def round_generator(device: torch.device, step: int, rank: int) -> torch.Generator:

@@ -448,7 +448,6 @@ class _Passes:
         return hook
 
 
-
 def _reshard(model: nn.Module) -> None:
     """Reshard every FSDP2 module of ``model`` (nothing without FSDP2)."""
     try:
@@ -460,14 +459,7 @@ def _reshard(model: nn.Module) -> None:
             module.reshard()
 
 
-
-
 # Models whose probes failed to run batched (an operation without a vmap rule): one pass per probe.
-
-
-
-
-
 
 
 @dataclass(frozen=True)
@@ -491,7 +483,6 @@ class _RandomStreams:
             for device, state in zip(self.cuda_devices, self.cuda):
                 torch.cuda.set_rng_state(state, device)
             yield
-
 
 
 def slice_batch(batch, max_rows: int, *, tokens_per_sample: int | None = None):

@@ -213,3 +213,29 @@ def test_the_guard_watches_a_hugging_face_llama_under_bf16_mixed_and_accumulatio
     # every step observed, each the mean of its 2 micro-batches (about ln 256 here, not half or twice it)
     assert len(guard.losses) == 16 and 5 < guard.losses[0] < 6 and all(1 < v < 7 for v in guard.losses)
     assert -math.inf < guard.max_rise < 6
+
+
+def test_under_torch_compile_a_revert_returns_to_a_compiled_assignment(tmp_path, monkeypatch):
+    """A compiled model: the broken plan is reverted as in eager mode, and the formats it returns to are the ones
+    the steps before the plan ran, so the revert compiles nothing new."""
+    import lightning_snip.linear as linear
+    from faults import broken_fp4_forward
+    from test_callback import SMALL
+    from test_training_setups import _CompileCounter, _CompiledLM
+
+    torch._dynamo.reset()
+    snip = SNIPCallback(SNIPConfig(warmup_steps=10, interval=100, apply_delay=1, fp4_fraction=0.6, max_rows=128,
+                                   noise_draws=1))
+    counter = _CompileCounter(snip)
+
+    class InjectFault(Callback):
+        def on_fit_start(self, trainer, pl_module):
+            monkeypatch.setattr(linear, "quantized_matmul",
+                                broken_fp4_forward(list(snip.layers.values()), Format.MXFP4, mode="noise"))
+
+    _fit(tmp_path, snip, max_steps=16, module=_CompiledLM(SMALL), callbacks=[InjectFault(), counter])
+    monkeypatch.undo()
+    assert snip.controller.guard.num_reverts == 1
+    formats = [f for f, _ in counter.rows]
+    assert formats[-1] == formats[0]  # back to the formats before the plan
+    assert sum(frames for f, frames in counter.rows[PATIENCE + 11:]) == 0  # nothing compiled after the revert
