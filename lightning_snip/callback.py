@@ -43,7 +43,7 @@ class SNIPCallback(Callback):
     lightning_snip.divergence); others fail at setup. Every ``interval`` steps from
     ``warmup_steps`` on, a statistics round runs on the first ``max_rows`` token rows of the batch
     (high precision, see lightning_snip.stats). In the ``first_order_steps`` training steps before
-    it, hooks sample LD's first-order term on the live steps (FirstOrderSampler, ``first_order_rows``
+    it, LD's first-order term is sampled on the live steps (FirstOrderSampler, ``first_order_rows``
     rows each), which the ``accumulated`` estimator averages with the round's own. The round's
     divergences are averaged over data-parallel ranks (unclamped), and folded into an exponential moving average over rounds (``aggregate_decay``; see
     lightning_snip.aggregate), and rank 0 solves the ILP on that aggregate in a background thread.

@@ -191,7 +191,7 @@ class SNIPController:
         return current_fp4_fraction(self.layers, self.flops, unpinned=True)
 
     def close(self, timeout: float = SOLVE_JOIN_SECONDS) -> None:
-        """Remove the sampler's hooks and wait (at most ``timeout`` seconds) for a solve still running: at fit
+        """Stop the first-order sampling and wait (at most ``timeout`` seconds) for a solve still running: at fit
         end, a process that exits while the solver's thread runs native code can abort ("terminate called
         without an active exception"). A solve that outlives the wait is left to its daemon thread, said."""
         self.stop_recording()
@@ -278,7 +278,7 @@ class SNIPController:
             self.first_order_history.setdefault(key, []).extend(values)
 
     def stop_recording(self) -> None:
-        """Remove the sampler's hooks from the model (also on an exception or at teardown)."""
+        """Stop the first-order sampling (also on an exception or at teardown)."""
         if self.recorder is not None:
             self.recorder.stop()
 

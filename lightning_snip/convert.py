@@ -183,12 +183,14 @@ def layer_assignment(layers: Mapping[str, SNIPLinear], granularity: Granularity)
 
 @contextlib.contextmanager
 def high_precision(layers: Mapping[str, SNIPLinear]):
-    """Run ``layers`` in bf16 (the run's own precision) inside the block; restore formats after."""
-    saved = {fqn: (layer.format, layer.backward_format) for fqn, layer in layers.items()}
+    """Run ``layers`` in bf16 (the run's own precision) inside the block; restore formats after. Their
+    first-order taps are off in the block: torch's own linear runs (the round's batched and forward-mode
+    derivatives go through it, not through the tap's operator)."""
+    saved = {fqn: (layer.format, layer.backward_format, layer.first_order_tap) for fqn, layer in layers.items()}
     try:
         for layer in layers.values():
-            layer.format, layer.backward_format = Format.BF16, None
+            layer.format, layer.backward_format, layer.first_order_tap = Format.BF16, None, None
         yield
     finally:
         for fqn, layer in layers.items():
-            layer.format, layer.backward_format = saved[fqn]
+            layer.format, layer.backward_format, layer.first_order_tap = saved[fqn]

@@ -2,7 +2,7 @@
 
 One batch's first-order term is mostly that batch's noise (signed, its sampling error larger than its mean); the
 ``first_order_steps`` training steps before each statistics round also measure it, on ``first_order_rows`` token
-rows of each step's batch, while their own backward pass runs: FirstOrderSampler's hooks hand the rows to
+rows of each step's batch, while their own backward pass runs: FirstOrderSampler (through each layer's first-order tap) hands the rows to
 FirstOrderTerms, and FirstOrderRecorder is the controller's switch for it. Written here: no library samples a
 layer's input and output gradient on a training step.
 """
@@ -18,18 +18,20 @@ import torch
 from lightning_snip.config import SNIPConfig
 from lightning_snip.formats import Format, QuantRecipe
 from lightning_snip.gemm import mm_fp32, quantized_matmul
-from lightning_snip.linear import SNIPLinear
+from lightning_snip.linear import SNIPLinear, new_tap, set_tap_receiver
 
 
 class FirstOrderSampler:
-    """Hooks on ordinary training steps that hand each layer's input rows X and output-gradient rows G
-    (``max_rows`` token rows spread over the step's batch) to ``measure`` while the backward pass
-    runs, so LD's first-order term <G, dY> can be averaged over many batches instead of one
-    (FirstOrderTerms). ``measure(fqn, x, g, weight, total_rows)`` sees the
-    weight the forward pass used: the optimizer has not stepped yet.
+    """Each layer's input rows X and output-gradient rows G of ordinary training steps (``max_rows`` token
+    rows spread over the step's batch), handed to ``measure`` while the backward pass runs, so LD's
+    first-order term <G, dY> can be averaged over many batches instead of one (FirstOrderTerms).
+    ``measure(fqn, x, g, weight, total_rows)`` sees the weight the forward pass used: the optimizer has not
+    stepped yet.
 
-    Use as ``with sampler.recording(offset): <one training step's forward and backward>``. The step
-    runs in the layers' current formats: G is the gradient at the point training is at.
+    The operands come through each layer's first-order tap (lightning_snip.linear.first_order_tap), given
+    here: a compiled model samples in its compiled graph. Use as ``with sampler.recording(offset): <one
+    training step's forward and backward>``. The step runs in the layers' current formats: G is the
+    gradient at the point training is at.
     """
 
     def __init__(self, layers: Mapping[str, SNIPLinear], max_rows: int,
@@ -37,42 +39,34 @@ class FirstOrderSampler:
         self.layers = layers
         self.max_rows = max_rows
         self.measure = measure
+        for layer in layers.values():  # (before a compile: a tap given later would recompile once)
+            if layer.first_order_tap is None:
+                layer.first_order_tap = new_tap()
 
     @contextlib.contextmanager
     def recording(self, offset: int = 0):
-        """Hooks for the steps inside the block. ``offset`` shifts the rows sampled (a stride's phase),
-        so successive steps sample all token positions, not every stride-th one alone."""
-        handles = [layer.register_forward_hook(self._make_hook(fqn, offset)) for fqn, layer in self.layers.items()]
+        """Sample the steps inside the block. ``offset`` shifts the rows sampled (a stride's phase), so
+        successive steps sample all token positions, not every stride-th one alone."""
+        taps = [(layer.first_order_tap, self._receiver(fqn, offset)) for fqn, layer in self.layers.items()]
+        for tap, receive in taps:
+            set_tap_receiver(tap, receive)
         try:
-            # A compiled model runs these steps eagerly: traced, each hook (eager code) broke the graph
-            # at every layer, and the pieces became a frame per layer, past dynamo's recompile limit.
-            with torch.compiler.set_stance("force_eager"):
-                yield self
+            yield self
         finally:
-            for handle in handles:
-                handle.remove()
+            for tap, _ in taps:
+                set_tap_receiver(tap, None)
 
-    def _make_hook(self, fqn: str, offset: int):
-        def hook(module, args, output):
-            if not (torch.is_grad_enabled() and output.requires_grad):
-                return None
-            x = args[0].detach().reshape(-1, module.in_features)
+    def _receiver(self, fqn: str, offset: int):
+        def receive(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor) -> None:
             total_rows = x.shape[0]
             stride = max(1, -(-total_rows // self.max_rows))  # ceil: the samples cover the whole batch
             rows = slice(offset % stride, None, stride)
-            # Autograd keeps X unmodified until this backward (the linear saved it). The rows are kept
-            # in the dtype of the round's GEMM operands (RoundPrecision.TRAINING: bf16 where the layer's
-            # GEMM ran in bf16), so this term and the round's own are measured on the same operands.
-            sampled_x = x[rows].to(torch.bfloat16 if output.dtype == torch.bfloat16 else torch.float32)
+            # The rows in the dtype of the round's GEMM operands (RoundPrecision.TRAINING: bf16 where the
+            # layer's GEMM ran in bf16), so this term and the round's own are measured on the same operands.
+            sampled_x = x[rows].to(torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
+            self.measure(fqn, sampled_x, g[rows].float(), weight.detach(), total_rows)
 
-            def grad_hook(grad):
-                g = grad.detach().reshape(-1, module.out_features)[rows].float()
-                self.measure(fqn, sampled_x, g, module.weight.detach(), total_rows)
-
-            output.register_hook(grad_hook)
-            return None
-
-        return hook
+        return receive
 
 
 class FirstOrderTerms:
@@ -111,7 +105,7 @@ class FirstOrderTerms:
 
 
 class FirstOrderRecorder:
-    """LD's first-order term sampled on live training steps: FirstOrderSampler's hooks on the
+    """LD's first-order term sampled on live training steps: FirstOrderSampler's taps on the
     unpinned layers (pinned ones never change format, so their LD is never used), measuring into
     FirstOrderTerms."""
 

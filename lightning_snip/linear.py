@@ -13,8 +13,10 @@ Every GEMM is ``gemm.quantized_matmul(a, b)`` = a @ b^T with the contraction alo
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Iterable
+import os
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -29,11 +31,11 @@ logger = logging.getLogger(__name__)
 
 class _SNIPLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, fmt: Format, backward_fmt: Format, recipe: QuantRecipe, generator):
+    def forward(ctx, x, weight, bias, fmt: Format, backward_fmt: Format, recipe: QuantRecipe, generator, tap=None):
         x2d = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x2d, weight)
         ctx.fmt, ctx.recipe, ctx.x_shape, ctx.has_bias = backward_fmt, recipe, x.shape, bias is not None
-        ctx.generator = generator
+        ctx.generator, ctx.tap = generator, tap
         y = quantized_matmul(x2d, weight, fmt, recipe=recipe)
         if bias is not None:
             y = y + bias
@@ -44,6 +46,8 @@ class _SNIPLinearFunction(torch.autograd.Function):
         x2d, weight = ctx.saved_tensors
         fmt, recipe, generator = ctx.fmt, ctx.recipe, ctx.generator
         g = grad_out.reshape(-1, grad_out.shape[-1])
+        if ctx.tap is not None:  # (a no-op unless a first-order sampler records this step)
+            first_order_tap(x2d, g, weight, ctx.tap)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             # dX (N x k) = G (N x m) @ W (m x k): contraction over m.
@@ -57,7 +61,7 @@ class _SNIPLinearFunction(torch.autograd.Function):
             grad_w = wgrad(g.t(), x2d.t(), fmt, recipe=recipe, a_is_grad=True, generator=generator).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 class SNIPLinear(nn.Linear):
@@ -95,6 +99,8 @@ class SNIPLinear(nn.Linear):
         # Random source of the stochastic rounding of gradient operands; None: torch's global one.
         # SNIPCallback gives every layer one generator per rank, seeded per step from the run's seed.
         self.generator = None
+        # The layer's first-order tap (new_tap): its backward hands X and G to the sampler that records it.
+        self.first_order_tap: torch.Tensor | None = None
         self._format = Format.BF16
         self.format = format
 
@@ -195,7 +201,8 @@ class SNIPLinear(nn.Linear):
         # Traced by torch.compile into the model's graph in every format (no graph break; the GEMMs'
         # quantizers fuse with their neighbours), guarded on the formats (_update_gemm_formats).
         forward_format, backward_format, recipe = _GEMM_FORMATS[self._gemm_formats]
-        if forward_format is Format.BF16 and backward_format is Format.BF16:
+        tap = self.first_order_tap
+        if forward_format is Format.BF16 and backward_format is Format.BF16 and tap is None:
             return F.linear(x, self.weight, self.bias)
         weight, bias = self.weight, self.bias
         device_type = x.device.type
@@ -206,12 +213,51 @@ class SNIPLinear(nn.Linear):
             x, weight = x.to(dtype), weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
             with torch.autocast(device_type, enabled=False):
-                return _SNIPLinearFunction.apply(x, weight, bias, forward_format, backward_format, recipe, self._rng_token)
-        return _SNIPLinearFunction.apply(x, weight, bias, forward_format, backward_format, recipe, self._rng_token)
+                return _SNIPLinearFunction.apply(x, weight, bias, forward_format, backward_format, recipe, self._rng_token,
+                                                 tap)
+        return _SNIPLinearFunction.apply(x, weight, bias, forward_format, backward_format, recipe, self._rng_token, tap)
 
     def extra_repr(self) -> str:
         backward = "" if self._backward_format is None else f", backward_format={self._backward_format.value}"
         return f"{super().extra_repr()}, format={self._format.value}{backward}"
+
+
+# First-order taps. LD's first-order term is sampled on live training steps from each layer's X and G
+# (lightning_snip.first_order). Hooks broke a compiled graph at every layer (those steps had to run eagerly);
+# what torch lacks, written here by hand: a tap, a CPU int64 tensor [key] a layer holds, and one custom
+# operator its backward calls with X and G, opaque to torch.compile (one node in the compiled backward, no
+# graph break, no recompile to start or stop sampling). Declared to mutate the tap, so no compiled graph
+# drops the call. It hands the operands to the receiver registered under the tap's key, if any: a no-op
+# on steps that are not sampled.
+_TAP_KEYS = itertools.count((os.getpid() << 32) + 1)  # (as rng.py's keys: unique to this process)
+_TAP_RECEIVERS: dict[int, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]] = {}
+
+
+def new_tap() -> torch.Tensor:
+    """A fresh first-order tap, to assign to a layer's ``first_order_tap``."""
+    return torch.tensor([next(_TAP_KEYS)], dtype=torch.int64, device="cpu")
+
+
+def set_tap_receiver(tap: torch.Tensor, receive: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None) -> None:
+    """``receive(x2d, g, weight)`` gets the layer's GEMM operands in each backward until set to None:
+    X (tokens x in_features) in the GEMM's operand dtype, G (tokens x out_features) and the weight the
+    forward used."""
+    if receive is None:
+        _TAP_RECEIVERS.pop(int(tap[0]), None)
+    else:
+        _TAP_RECEIVERS[int(tap[0])] = receive
+
+
+@torch.library.custom_op("lightning_snip::first_order_tap", mutates_args=("tap",))
+def first_order_tap(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, tap: torch.Tensor) -> None:
+    receive = _TAP_RECEIVERS.get(int(tap[0]))
+    if receive is not None:
+        receive(x, g, weight)
+
+
+@first_order_tap.register_fake
+def _first_order_tap_fake(x, g, weight, tap) -> None:
+    return None
 
 
 _RECIPES = {r.key: r for r in (QuantRecipe(fp8_scaling=a, fp8_grad_dtype=b, fp4_grad_rounding=c)

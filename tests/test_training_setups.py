@@ -12,6 +12,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
 import lightning_snip.controller as ctl
+import lightning_snip.first_order as first_order
 import lightning_snip.evidence as evidence_mod
 import lightning_snip.statistics_round as statistics_round
 from lightning_snip.controller import SNIPController
@@ -204,11 +205,32 @@ def test_accumulate_4_runs_one_round_and_one_solve_per_optimizer_step(tmp_path, 
     assert snip.num_stats_rounds == 2 and solves == [2, 6] and snip.num_plans_applied == 2
 
 
+def _counting_aot_eager(calls: list):
+    """dynamo's aot_eager backend, counting the calls of the graphs it compiled into ``calls[0]``."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    def backend(gm, example_inputs):
+        compiled = aot_eager(gm, example_inputs)
+
+        def run(*args):
+            calls[0] += 1
+            return compiled(*args)
+
+        return run
+
+    return backend
+
+
 class _CompiledLM(DemoLM):
-    """The pattern torchtitan and Lightning's docs use: compile the model in configure_model."""
+    """The pattern torchtitan and Lightning's docs use: compile the model in configure_model. ``graph_calls[0]``
+    counts the calls of its compiled graphs (a step that ran eagerly made none)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.graph_calls = [0]
 
     def configure_model(self):
-        self.model = torch.compile(self.model, backend="aot_eager")
+        self.model = torch.compile(self.model, backend=_counting_aot_eager(self.graph_calls))
 
     def _loss(self, batch):
         inputs, targets = batch
@@ -224,29 +246,43 @@ class _CompiledLM(DemoLM):
 
 
 class _CompileCounter(pl.Callback):
-    """Frames dynamo compiled during each step, with the format assignment the step ran."""
+    """Frames dynamo compiled during each step, with the format assignment the step ran; and the steps whose
+    training forward ran eagerly (no compiled graph called after SNIP's hooks: its statistics round, in
+    on_train_batch_start, runs eagerly on purpose). Put it after the SNIPCallback."""
 
     def __init__(self, snip):
-        self.snip, self.rows = snip, []
+        self.snip, self.rows, self.eager_steps = snip, [], []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         from torch._dynamo.utils import counters
 
+        self.step = trainer.global_step
         self.before = counters["frames"]["total"]
+        self.calls_before = pl_module.graph_calls[0]
         self.formats = tuple((layer.format, layer.backward_format) for layer in self.snip.layers.values())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         from torch._dynamo.utils import counters
 
         self.rows.append((self.formats, counters["frames"]["total"] - self.before))
+        if pl_module.graph_calls[0] == self.calls_before:
+            self.eager_steps.append(self.step)
 
 
 @pytest.mark.compiled_quantizers
-def test_compiled_model_trains_gets_plans_and_recompiles_only_for_new_plans(tmp_path):
+def test_compiled_model_trains_gets_plans_and_recompiles_only_for_new_plans(tmp_path, monkeypatch):
     # (the error probe's curvature passes run the compiled model too)
     torch._dynamo.reset()
     snip = SNIPCallback(_snip(first_order_steps=2))
     counter = _CompileCounter(snip)
+    sampled = {}  # step -> layers whose first-order term was sampled in it
+    real_add = first_order.FirstOrderTerms.add
+
+    def add(self, fqn, *args):
+        sampled.setdefault(counter.step, set()).add(fqn)
+        return real_add(self, fqn, *args)
+
+    monkeypatch.setattr(first_order.FirstOrderTerms, "add", add)
     # Hitting the limit would silently fall back to eager (and make "no recompiles" trivially true).
     # (dynamo's own patch: monkeypatch's undo deletes the config entry, which breaks the next test)
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
@@ -256,7 +292,7 @@ def test_compiled_model_trains_gets_plans_and_recompiles_only_for_new_plans(tmp_
     assert _finite_round(snip)
     # The SNIPLinear layers are traced into the model's graph (no graph break): one frame per compile.
     # A step compiles only under a format assignment no compiled step ran before (a new plan: once,
-    # for all its changed layers); statistics rounds and first-order steps run eagerly.
+    # for all its changed layers); sampling the first-order term compiles nothing (its taps are in the graph).
     compiled = [formats for formats, frames in counter.rows if frames]
     assert all(frames <= 1 for _, frames in counter.rows), counter.rows
     assert len(compiled) == len(set(compiled)) >= 2, counter.rows  # never twice for one assignment
@@ -267,7 +303,10 @@ def test_compiled_model_trains_gets_plans_and_recompiles_only_for_new_plans(tmp_
         if frames:
             assert formats not in seen
             seen.add(formats)
-    # The first-order sampler's hooks fired (those steps ran eagerly).
+    # No training step ran eagerly: the first-order steps sampled every switchable layer inside the compiled graph.
+    assert counter.eager_steps == []
+    switchable = {fqn for fqn, layer in snip.layers.items() if layer.pinned is None}
+    assert sampled == {step: switchable for step in (0, 1, 4, 5, 8, 9)}, sorted(sampled)  # (rounds at 2, 6, 10)
     assert snip.history[-1]["divergence"]["layers"]
 
 
