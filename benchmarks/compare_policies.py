@@ -468,16 +468,20 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
     base, _, lam = policy.partition("@")  # "snip_gemm@0.3": SNIP with weight_divergence_weight 0.3
     base, *modifiers = base.split("+")  # "snip_gemm+rows2048": SNIP with max_rows 2048
     max_rows = next((int(m[len("rows"):]) for m in modifiers if m.startswith("rows")), s.max_rows)
+    # "snip_gemm+every60": rounds every 60 steps instead of the setting's snip_interval (fewer rounds: issue 50)
+    interval = next((int(m[len("every"):]) for m in modifiers if m.startswith("every")), s.snip_interval)
     granularity = "gemm" if base.endswith("_gemm") or base == "backward_only" else "layer"
     # Every config sets its granularity and target_scope=model: the fractions are shares of the whole model's
     # linear FLOPs (the pinned head's included), as the committed results were measured; and the spike guard
-    # off (spike_threshold=None), as it did not exist then: a revert would make a run incomparable.
+    # off (spike_threshold=None), as it did not exist then: a revert would make a run incomparable; and the fixed
+    # schedule (overhead_budget=None): the protocol's rounds every snip_interval steps, as the results were measured.
     if base in ("snip", "snip_gemm"):
         # The first round runs at the checkpoint (no first-order history yet), then every interval.
-        config = SNIPConfig(warmup_steps=s.pretrain_steps, interval=s.snip_interval, apply_delay=1, fp4_fraction=fraction,
+        config = SNIPConfig(warmup_steps=s.pretrain_steps, interval=interval, apply_delay=1, fp4_fraction=fraction,
                             target_scope="model", candidate_formats=s.candidates, initial_format="fp8", pins=PINS,
                             granularity=granularity, first_order_steps=min(s.first_order_steps, s.snip_interval - 1),
                             max_rows=max_rows, first_order_rows=s.first_order_rows, spike_threshold=None,
+                            overhead_budget=None,
                             **({"weight_divergence_weight": float(lam)} if lam else {}))
         callback = SNIPCallback(config)
     else:

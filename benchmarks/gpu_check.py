@@ -27,6 +27,9 @@
    forward and backward under bf16 autocast, timed in bf16, torchao's Float8Linear (compiled) and
    SNIPLinear fp8 (compiled, and eager as before issue 36); with ``round_cost``, issue 36's GPU check:
    ``python benchmarks/gpu_check.py --parts block round_cost --repeats 10``.
+``overhead`` (not in the default parts; issue 50): benchmarks/overhead.py's A/B of SNIP at its defaults (the
+   overhead budget on) against its plans frozen, width 1024 x 4 blocks, bf16-mixed, eager and compiled, within
+   --quality-budget seconds: ``python benchmarks/gpu_check.py --parts overhead --steps 400 --quality-budget 330``.
 5. ``quality`` (not in the default parts; issue 32's GPU protocol, one run of ~8 minutes):
    compare_policies --setting smollm2_gpu, SmolLM2-135M continued under every policy at FP4 fraction
    0.75 at 10x the CPU protocol's tokens, cut at --quality-budget seconds and reported from its cached
@@ -448,6 +451,36 @@ def demo_run(device, steps, lines):
                  f"fp4_fraction {callback.fp4_fraction:.3f}")
 
 
+def overhead_ab(device, lines, steps, budget_s=420.0):
+    """Issue 50's GPU check: benchmarks/overhead.py's A/B (SNIP at its defaults, the overhead budget on, against
+    its plans replayed frozen) on a demo model of width 1024 x 4 blocks under bf16-mixed, eager at 2048 tokens per
+    step (2 pairs), compiled at 2048 and eager at 8192 (1 pair each); pairs are run while ``budget_s`` lasts, each
+    printed as it ends."""
+    from argparse import Namespace
+
+    import overhead as ab
+    from lightning_snip.config import SNIPConfig
+
+    cuda = device.type == "cuda"
+    start = time.perf_counter()
+    for compiled, batch, repeats in ((False, 16, 2), (True, 16, 1), (False, 64, 1)):
+        args = Namespace(model="demo", steps=steps if cuda else 30, dim=1024 if cuda else 64, layers=4 if cuda else 2,
+                         hidden_dim=2816 if cuda else 160, seq_len=128, compile=compiled, device=device.type,
+                         precision="bf16-mixed" if cuda else "32-true", quick=False)
+        for _ in range(repeats):
+            if time.perf_counter() - start > budget_s:
+                lines.append(f"overhead: budget {budget_s:.0f} s spent, pairs left out")
+                return
+            config = SNIPConfig() if cuda else SNIPConfig(warmup_steps=5, interval=10)
+            r = ab.pair(args, config, batch)
+            lines.append(f"overhead compile {compiled} tokens/step {batch * 128} steps {args.steps}: A {r['a_seconds']:.1f} s "
+                         f"B {r['b_seconds']:.1f} s A/B-1 {r['ratio']:+.2%} self-measured {r['self_measured']:.2%} "
+                         f"rounds {r['rounds']} first_order_steps {r['first_order_steps']} round cost "
+                         f"{[round(c, 1) for c in r['round_steps']]} B steps, B {r['step_b_ms']:.1f} ms/step, snip seconds "
+                         f"{ {k: round(v, 2) for k, v in r['snip_seconds'].items()} }")
+            print(lines[-1], flush=True)
+
+
 def quality(device, lines, out, budget_s):
     """Issue 32's GPU protocol: benchmarks/compare_policies.py --setting smollm2_gpu (SmolLM2 continued at
     10x the CPU protocol's tokens, every policy at FP4 fraction 0.75, 2 seeds, one worker), given
@@ -496,7 +529,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--parts", nargs="+", default=["fused_vs_reference", "numerics", "speed", "round_cost", "demo"],
                         choices=["fused_vs_reference", "numerics", "speed", "round_cost", "round_profile", "train_fp4",
-                                 "demo", "quality", "block"])
+                                 "demo", "quality", "block", "overhead"])
     parser.add_argument("--quality-budget", type=float, default=420.0,
                         help="seconds the quality part's benchmark may run before its finished runs are reported")
     args = parser.parse_args()
@@ -513,6 +546,7 @@ def main() -> None:
              "block": lambda: block_speed(device, lines, *((4096, (2, 2048), args.repeats) if device.type == "cuda"
                                                            else (256, (2, 128), 3))),
              "quality": lambda: quality(device, lines, args.out, args.quality_budget),
+             "overhead": lambda: overhead_ab(device, lines, args.steps, args.quality_budget),
              "round_profile": lambda: round_profile(device, lines, *((4096, 4) if device.type == "cuda" else (128, 2)))}
     for part_name in args.parts:
         part = parts[part_name]

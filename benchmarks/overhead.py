@@ -1,12 +1,15 @@
-"""Overhead of SNIPCallback at its default interval, measured side by side in one process.
+"""SNIPCallback's overhead at its defaults, measured side by side in one process (an A/B of whole runs).
 
-Run A trains the demo model with SNIPCallback (default SNIPConfig: interval 100, warmup 50). Run B
-trains the same model, data and seed with the same layers converted and the same formats at the same
-steps (A's plans replayed at A's apply steps) but no statistics rounds and no solver: the plan frozen.
-A and B alternate ``--repeats`` times; the ratio of median wall times is the amortized overhead. Also
-reports a statistics round's cost in training steps (its seconds over B's mean step time).
+Run A trains a model with SNIPCallback (SNIPConfig() unless told otherwise: the overhead budget on). Run B trains
+the same model, data and seed with the same layers converted and the same formats at the same steps (A's plans
+replayed at A's apply steps, and A's reverts), but no statistics round, no first-order sample, no solver and no
+per-step guard: the plan frozen. A and B alternate ``--repeats`` times; reported: each pair's ratio A/B - 1, their
+mean and std, SNIP's own measured share (controller.overhead, what the budget steers by) beside it, and a
+round's cost in B's steps. ``--batch-sizes`` repeats the A/B per tokens per step (the round's cost is fixed by
+max_rows; a step grows with its tokens). Writes a JSON of every run with ``--json``.
 
-    python benchmarks/overhead.py [--steps 350] [--repeats 2] [--quick]
+    python benchmarks/overhead.py [--model demo|smollm2] [--steps 350] [--repeats 2] [--compile]
+        [--batch-sizes 16] [--budget 0.02|none] [--device cpu|cuda] [--precision 32-true|bf16-mixed] [--quick]
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import os
 import platform
 import statistics
@@ -25,24 +29,42 @@ import torch
 from lightning_snip.callback import SNIPCallback
 from lightning_snip.config import SNIPConfig
 from lightning_snip.convert import apply_plan
-from lightning_snip.demo.lightning import ByteTextDataModule, DemoLM
+from lightning_snip.demo.lightning import ByteTextDataModule, CausalLM, DemoLM
 from lightning_snip.demo.model import LlamaConfig
-from lightning_snip.plan import Plan
 
 
-class PlanReplay(pl.Callback):
-    """Applies recorded plans at their steps (run B)."""
+class FormatRecord(pl.Callback):
+    """Run A: every step's format assignment as it starts (after SNIP's hooks: put it after the callback)."""
 
-    def __init__(self, schedule: dict[int, Plan]):
-        self.schedule = schedule
+    def __init__(self, snip: SNIPCallback):
+        self.snip, self.assignments = snip, {}
+        self._last = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        plan = self.schedule.get(trainer.global_step)
-        if plan is not None:
-            apply_plan(pl_module, plan)
+        formats = {fqn: (layer.format.value, None if layer.backward_format is None else layer.backward_format.value)
+                   for fqn, layer in self.snip.layers.items()}
+        if formats != self._last:
+            self.assignments[trainer.global_step] = formats
+            self._last = formats
+
+
+class FormatReplay(pl.Callback):
+    """Run B: A's format assignments at A's steps (before the step's forward)."""
+
+    def __init__(self, snip: SNIPCallback, assignments: dict):
+        self.snip, self.assignments = snip, assignments
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        formats = self.assignments.get(trainer.global_step)
+        if formats is not None:
+            for fqn, (forward, backward) in formats.items():
+                layer = self.snip.layers[fqn]
+                layer.format, layer.backward_format = forward, backward
 
 
 class StepTimer(pl.Callback):
+    """Each step's wall time from its first hook to its last (put it first: a round's step includes the round)."""
+
     def __init__(self):
         self.times: list[float] = []
         self._start = 0.0
@@ -54,60 +76,119 @@ class StepTimer(pl.Callback):
         self.times.append(time.perf_counter() - self._start)
 
 
-def train(model_cfg, steps: int, callbacks) -> float:
+class CompiledDemoLM(DemoLM):
+    def configure_model(self):
+        self.model = torch.compile(self.model)
+
+
+class CompiledCausalLM(CausalLM):
+    def configure_model(self):
+        self.model = torch.compile(self.model)
+
+
+def build(args, batch_size: int):
+    """(module, datamodule) for one run, the same weights and data every time."""
     pl.seed_everything(0)
-    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, callbacks=callbacks, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0)
+    if args.model == "smollm2":
+        from lightning_snip.hf import load_smollm2
+
+        model, tokenizer = load_smollm2(progress=False)
+        module = (CompiledCausalLM if args.compile else CausalLM)(model, lr=3e-4)
+        return module, ByteTextDataModule(seq_len=args.seq_len, batch_size=batch_size, tokenizer=tokenizer)
+    model_cfg = LlamaConfig(dim=64, num_layers=2, hidden_dim=160) if args.quick else LlamaConfig(
+        dim=args.dim, num_layers=args.layers, hidden_dim=args.hidden_dim or LlamaConfig().hidden_dim * args.dim // 128)
+    module = (CompiledDemoLM if args.compile else DemoLM)(model_cfg)
+    return module, ByteTextDataModule(seq_len=args.seq_len, batch_size=batch_size)
+
+
+def train(args, batch_size: int, callbacks) -> float:
+    module, data = build(args, batch_size)
+    trainer = pl.Trainer(max_steps=args.steps, accelerator=args.device, devices=1, precision=args.precision,
+                         callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0)
     start = time.perf_counter()
-    trainer.fit(DemoLM(model_cfg), datamodule=ByteTextDataModule(seq_len=128, batch_size=16))
+    trainer.fit(module, datamodule=data)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
+def pair(args, config: SNIPConfig, batch_size: int) -> dict:
+    """One A run and its B run."""
+    snip = SNIPCallback(config)
+    timer_a, record = StepTimer(), FormatRecord(snip)
+    seconds_a = train(args, batch_size, [timer_a, snip, record])
+    frozen = SNIPCallback(dataclasses.replace(config, replan=False))
+    timer_b = StepTimer()
+    seconds_b = train(args, batch_size, [timer_b, frozen, FormatReplay(frozen, record.assignments)])
+    step_b = statistics.median(timer_b.times)
+    rounds = [h["step"] for h in snip.history]
+    return {"batch_size": batch_size, "a_seconds": seconds_a, "b_seconds": seconds_b, "ratio": seconds_a / seconds_b - 1,
+            "self_measured": snip.controller.overhead, "rounds": rounds, "plans_applied": snip.num_plans_applied,
+            "first_order_steps": snip.controller.schedule.num_first_order,
+            "snip_seconds": dict(snip.controller.schedule.snip_seconds),
+            "round_steps": [(timer_a.times[r] - step_b) / step_b for r in rounds if r < len(timer_a.times)],
+            "step_b_ms": 1000 * step_b}
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["demo", "smollm2"], default="demo")
     parser.add_argument("--steps", type=int, default=350)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default: 16 (demo), 4 (smollm2)")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--dim", type=int, default=LlamaConfig().dim)
+    parser.add_argument("--layers", type=int, default=LlamaConfig().num_layers)
+    parser.add_argument("--hidden-dim", type=int, default=None)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--budget", default="default", help="overhead_budget: a number, none, or default (SNIPConfig's)")
+    parser.add_argument("--smollm2-preset", action="store_true", help="the app's model=smollm2 snip values")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    config = SNIPConfig()
-    steps = args.steps
-    model_cfg = LlamaConfig()
+    torch.set_num_threads(args.threads)
+    settings = {}
+    if args.budget != "default":
+        settings["overhead_budget"] = None if args.budget == "none" else float(args.budget)
+    if args.model == "smollm2" or args.smollm2_preset:
+        settings.update(warmup_steps=10, interval=10, max_rows=256, first_order_steps=4, first_order_rows=256)
     if args.quick:
-        config = SNIPConfig(warmup_steps=5, interval=10)
-        steps, model_cfg = 25, LlamaConfig(dim=64, num_layers=2, hidden_dim=160)
-    times_a, times_b, stats_seconds, step_b = [], [], [], []
-    for _ in range(args.repeats):
-        snip = SNIPCallback(config)
-        history: dict[int, Plan] = {}
-
-        class Record(pl.Callback):
-            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-                if snip.plan is not None and (not history or history[max(history)] is not snip.plan):
-                    history[trainer.global_step] = snip.plan
-
-        timer_a = StepTimer()
-        # The timer's hook runs first, so a statistics step's time includes the statistics round.
-        times_a.append(train(model_cfg, steps, [timer_a, snip, Record()]))
-        rounds = [timer_a.times[h["step"]] for h in snip.history]
-        frozen = SNIPCallback(dataclasses.replace(config, replan=False))
-        timer_b = StepTimer()
-        times_b.append(train(model_cfg, steps, [timer_b, frozen, PlanReplay(history)]))
-        stats_seconds += [r - statistics.median(timer_b.times) for r in rounds]
-        step_b.append(statistics.mean(timer_b.times))
-    a, b = statistics.median(times_a), statistics.median(times_b)
-    step = statistics.mean(step_b)
+        settings.update(warmup_steps=5, interval=10)
+        args.steps = min(args.steps, 25)
+    config = SNIPConfig(**settings)
+    batch_sizes = args.batch_sizes or ([4] if args.model == "smollm2" else [16])
+    runs = []
+    for batch_size in batch_sizes:
+        for repeat in range(args.repeats):
+            runs.append(pair(args, config, batch_size))
+            r = runs[-1]
+            print(f"batch {batch_size} repeat {repeat}: A {r['a_seconds']:.1f} s, B {r['b_seconds']:.1f} s, "
+                  f"A/B - 1 = {r['ratio']:+.2%}, self-measured {r['self_measured']:.2%}, rounds {r['rounds']}", flush=True)
     print(f"# overhead — {datetime.date.today().isoformat()}")
-    print(f"# command: python benchmarks/overhead.py {' '.join(os.sys.argv[1:])}; seed 0; {args.repeats} repeats, A and B alternated")
-    print(f"# machine: {platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}, 1 thread; FP4/FP8 emulated")
-    print(f"# {steps} steps, interval {config.interval}, warmup {config.warmup_steps}, max_rows {config.max_rows}, "
-          f"candidates {[f.value for f in config.candidate_formats]}")
-    print(f"run A (SNIP) wall seconds: {[round(t, 1) for t in times_a]}")
-    print(f"run B (frozen plan) wall seconds: {[round(t, 1) for t in times_b]}")
-    print(f"amortized overhead A/B - 1 = {a / b - 1:+.2%} (target <= 2%)")
-    print(f"statistics round (extra time of a statistics step) = {statistics.mean(stats_seconds):.2f} s "
-          f"= {statistics.mean(stats_seconds) / step:.1f} training steps of run B ({step * 1000:.0f} ms/step)")
+    print(f"# command: python benchmarks/overhead.py {' '.join(os.sys.argv[1:])}; seed 0; A and B alternated")
+    print(f"# machine: {platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}, {args.threads} thread(s), "
+          f"device {args.device}, precision {args.precision}, compile {args.compile}")
+    print(f"# model {args.model}, {args.steps} steps, seq_len {args.seq_len}; SNIPConfig: overhead_budget "
+          f"{config.overhead_budget}, interval {config.interval}, warmup {config.warmup_steps}, max_rows {config.max_rows}, "
+          f"first_order_steps {config.first_order_steps} x {config.first_order_rows} rows")
+    print("| tokens/step | pairs | A/B - 1 (mean ± std) | self-measured | rounds | round cost (B steps) | B ms/step |")
+    print("|---|---|---|---|---|---|---|")
+    for batch_size in batch_sizes:
+        rs = [r for r in runs if r["batch_size"] == batch_size]
+        ratios = [r["ratio"] for r in rs]
+        std = statistics.stdev(ratios) if len(ratios) > 1 else float("nan")
+        cost = [c for r in rs for c in r["round_steps"]]
+        print(f"| {batch_size * args.seq_len} | {len(rs)} | {statistics.mean(ratios):+.2%} ± {std:.2%} | "
+              f"{statistics.mean(r['self_measured'] for r in rs):.2%} | {rs[0]['rounds']} | "
+              f"{statistics.mean(cost) if cost else float('nan'):.1f} | {statistics.mean(r['step_b_ms'] for r in rs):.0f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "config": {k: str(v) for k, v in dataclasses.asdict(config).items()},
+                       "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ def seeded_run(granularity: str) -> dict:
                     fp4_fraction=0.6, granularity=granularity)
     if "target_scope" in SNIPConfig.__dataclass_fields__:  # (the field since 2026-12-04; its absence is "model")
         settings["target_scope"] = "model"
+    if "overhead_budget" in SNIPConfig.__dataclass_fields__:  # (since 2026-12-04; its absence is the fixed schedule)
+        settings["overhead_budget"] = None
     controller = SNIPController(SNIPConfig(**settings))
     controller.attach(model)
     generator = torch.Generator().manual_seed(1)

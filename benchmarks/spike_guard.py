@@ -85,7 +85,7 @@ def fault_run(seed: int, replan: bool, max_steps: int = 60) -> dict:
 
     module, data = _module_and_data(seed)
     snip = SNIPCallback(SNIPConfig(warmup_steps=10, interval=100, fp4_fraction=0.6, max_rows=128, noise_draws=1,
-                                   replan=replan))
+                                   replan=replan, overhead_budget=None))
     real = linear.quantized_matmul
 
     class Fault(pl.Callback):

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import fnmatch
 import logging
+import math
 
 import lightning.pytorch as pl
 import torch
@@ -61,6 +62,8 @@ class SNIPCallback(Callback):
             per layer/format, before the clamp at 0 that planning applies.
         ``snip/wd/<fqn>/<format>``: backward weight divergence (relative update deviation).
         ``snip/stats_seconds``: wall time of the statistics round (statistics step).
+        ``snip/overhead``: SNIP's measured time over training's so far (statistics and apply steps; see
+            lightning_snip.budget: the steps it worked in, their excess over its recent steps without).
         ``snip/invalid_formats``: (layer, format) candidates the round found non-finite (left out of
             its evidence; one warning per round names them). Non-zero is a fault to look into.
         ``snip/wd_probe_rel_stderr``: (WD's probes, not the exact fallback) the median over layers and formats of
@@ -113,6 +116,8 @@ class SNIPCallback(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        steps = trainer.estimated_stepping_batches  # (max_steps, or what max_epochs comes to; inf if unbounded)
+        self.controller.set_horizon(int(steps) if isinstance(steps, (int, float)) and math.isfinite(steps) else None)
         self.controller.resume(pl_module, self._collective)
 
     @override

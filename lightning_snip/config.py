@@ -99,8 +99,10 @@ class SNIPConfig:
     """SNIPCallback settings, by group; docs/configuration.md gives each one's meaning and the study behind
     its default.
 
-    Schedule: a statistics round every ``interval`` steps from ``warmup_steps`` on, its plan applied
-        ``apply_delay`` steps later; ``replan=False`` freezes the initial plan (no rounds).
+    Schedule: the first statistics round at ``warmup_steps``, its plan applied ``apply_delay`` steps later; the
+        next rounds at least ``interval`` steps apart and as far apart as keeps SNIP's measured time within
+        ``overhead_budget`` of training's (null: every ``interval`` steps; lightning_snip.budget);
+        ``replan=False`` freezes the initial plan (no rounds).
     Target: ``fp4_fraction`` of the linear FLOPs in FP4 (or a relative GEMM ``cost_budget``, all-bf16 = 1,
         with per-format ``relative_cost`` overrides), as a share of the switchable (unpinned) layers' FLOPs
         (``target_scope=switchable``) or of every converted layer's (``model``); ``granularity``: a format
@@ -111,7 +113,7 @@ class SNIPConfig:
         scaling (``rowwise``, ``tensorwise`` or ``auto``: the faster on the run's GPU).
     Estimator: ``max_rows`` token rows per round, ``noise_draws`` curvature passes per FP4 format,
         ``wd_probes`` forward-mode probes, LD's first-order term also sampled on ``first_order_rows`` rows
-        of the ``first_order_steps`` steps before each round, rounds averaged with ``aggregate_decay``, the
+        of up to ``first_order_steps`` steps before each round (fewer as the budget requires), rounds averaged with ``aggregate_decay``, the
         objective LD + ``weight_divergence_weight`` x WD.
     Guard: ``spike_threshold`` (null: off) reverts a plan whose loss, in the steps after it, rises that
         many standard deviations above the steps before it (or goes non-finite; lightning_snip.spike_guard);
@@ -125,6 +127,7 @@ class SNIPConfig:
     warmup_steps: int = 50
     apply_delay: int = 1
     replan: bool = True
+    overhead_budget: float | None = 0.02
     # target
     fp4_fraction: float | None = 0.75
     cost_budget: float | None = None
@@ -164,6 +167,10 @@ class SNIPConfig:
             and 0 < self.noise_guard_threshold < math.inf), "noise_guard_threshold", self.noise_guard_threshold,
             "a finite number > 0 (1.732, sqrt(3), is the rule's), or null (the guard off)")
         check_field(isinstance(self.replan, bool), "replan", self.replan, "true or false")
+        check_field(self.overhead_budget is None or (
+            isinstance(self.overhead_budget, (int, float)) and not isinstance(self.overhead_budget, bool)
+            and 0 < self.overhead_budget < 1), "overhead_budget", self.overhead_budget,
+            "a number in (0, 1) (a share of training time, 0.02 = 2%), or null (rounds every interval steps)")
         check_field(self.spike_threshold is None or (
             isinstance(self.spike_threshold, (int, float)) and not isinstance(self.spike_threshold, bool)
             and 0 < self.spike_threshold < math.inf), "spike_threshold", self.spike_threshold,

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_snip.aggregate import METRICS, DivergenceAggregate
+from lightning_snip.budget import OverheadBudget
 from lightning_snip.config import SNIPConfig
 from lightning_snip.convert import UnmatchedPinsError, apply_plan, convert_linears, glob_filter, layer_assignment
 from lightning_snip.divergence import DivergenceResult, LayerDivergence
@@ -166,7 +167,8 @@ class SNIPController:
         self.restored_pending: tuple[int, int] | None = None  # (stats_step, apply_step) from a checkpoint
         self.propagation = Propagation.PROBE  # exact after probes proved unsupported
         self.flops: dict[str, float] = {}
-        self.schedule = RoundSchedule(self.config)
+        self.schedule = OverheadBudget(self.config)  # when rounds run, and what SNIP's work costs
+        self._switched = False  # a revert at the last step's end: this step's forward runs the formats it restored
         self.recorder: FirstOrderRecorder | None = None
         self.last_round_step: int | None = None  # one round per optimizer step (not per micro-batch)
         # (fqn, format) -> first-order terms of the batches sampled since the last round.
@@ -250,11 +252,11 @@ class SNIPController:
     # ------------------------------------------------------------------ schedule
 
     def is_stats_step(self, step: int) -> bool:
-        return self.schedule.is_stats_step(step)
+        return self.schedule.is_round(step)
 
     def is_first_order_step(self, step: int) -> bool:
-        """Whether ``step`` is one of the ``first_order_steps`` steps before a statistics round."""
-        return self.schedule.is_first_order_step(step)
+        """Whether ``step`` is one of the steps before a statistics round that sample LD's first-order term."""
+        return self.schedule.is_first_order(step)
 
     def is_round_due(self, step: int) -> bool:
         """A statistics step whose round has not run yet (with gradient accumulation, only the
@@ -262,16 +264,33 @@ class SNIPController:
         return self.is_stats_step(step) and step != self.last_round_step
 
     def begin_batch(self, step: int, batch_idx: int = 0, rank: int = 0) -> None:
-        """Reseed stochastic rounding for this (rank, step, micro-batch)."""
+        """Time the steps (a new step closes the last one), and reseed stochastic rounding for this (rank, step,
+        micro-batch)."""
+        self.schedule.step_started(step, time.perf_counter())
+        if self._switched:
+            self._switched = False
+            self.schedule.mark("switch")
         self.sr_generator.manual_seed(stream_seed(self.sr_seed, rank, step, batch_idx))
+
+    def set_horizon(self, max_steps: int | None) -> None:
+        """The run's number of optimizer steps (None: unknown): under a budget, no round is scheduled whose
+        plan would come after the run's end."""
+        self.schedule.set_horizon(max_steps)
+
+    @property
+    def overhead(self) -> float:
+        """SNIP's measured time over training's so far (lightning_snip.budget)."""
+        return self.schedule.share
 
     def start_first_order(self, step: int, grad_scale: float = 1.0) -> None:
         """Sample the first-order term on this training step's forward and backward (until
         end_batch); ``grad_scale``: the factor the step's gradients carry (accumulation, loss scale)."""
         self.recorder.start(step, grad_scale)
+        self.schedule.mark("first_order")
 
     def end_batch(self) -> None:
-        """Stop sampling and keep what this micro-batch's steps sampled."""
+        """Stop sampling and keep what this micro-batch's steps sampled; the micro-batch's time ends."""
+        self.schedule.batch_ended(time.perf_counter())
         if self.recorder is None:
             return
         for key, values in self.recorder.stop_and_take().items():
@@ -291,6 +310,7 @@ class SNIPController:
         loss), then the solve. Returns the round's scalars to log, or None when it failed (on any rank)."""
         cfg = self.config
         self.last_round_step = step
+        self.schedule.mark("round")
         start = time.perf_counter()
         result = None
         try:
@@ -311,13 +331,15 @@ class SNIPController:
         result = reduce_result(result, list(self.layers), self.config.formats, collective)
         self.num_stats_rounds += 1
         seconds = time.perf_counter() - start
+        # when the next round comes (one decision for every rank: rank 0's times decide)
+        self.schedule.follow(collective.broadcast(self.schedule.decide(step, seconds)))
         if result is None:
             self.count_failure(cause)
             return None
         self.grad_noise_ratios = grad_noise_ratios(self.layers, cfg.formats, result)
         self.invalid_formats = invalid_formats(self.layers, cfg.formats, result)
         scalars = {} if probe_noise is None else {"snip/wd_probe_rel_stderr": probe_noise}
-        scalars.update({**divergence_scalars(result), "snip/stats_seconds": seconds,
+        scalars.update({**divergence_scalars(result), "snip/stats_seconds": seconds, "snip/overhead": self.overhead,
                         "snip/invalid_formats": float(len(self.invalid_formats)),
                         **{f"snip/grad_noise_ratio/{fqn}": r for fqn, r in self.grad_noise_ratios.items()}})
         self.history.append({"step": step, "divergence": result.as_dict()})
@@ -389,6 +411,7 @@ class SNIPController:
         self.num_consecutive_failures = 0
         self.plan = plan
         self.num_plans_applied += 1
+        self.schedule.mark("switch")
         if self.history and self.history[-1]["step"] == pending.stats_step:
             self.history[-1]["plan"] = json.loads(message)
         # Layers with a changed format (in a per-GEMM plan: in either direction).
@@ -397,6 +420,7 @@ class SNIPController:
         self.guard.on_switch(step, {key: fmt.value for key, fmt in before.items() if split_key(key)[0] in changed})
         scalars = applied_plan_scalars(plan, num_changed, plan_agreement(plan, before, self.layers))
         scalars["snip/fp4_fraction_switchable"] = self.switchable_fp4_fraction
+        scalars["snip/overhead"] = self.overhead
         status = "" if plan.status is SolveStatus.OPTIMAL else f" ({plan.status.value})"
         if collective.is_rank_zero:  # every rank applied it; one line for the run
             logger.info("SNIP plan applied at step %d: FP4 FLOPs fraction %.3f of the switchable layers (%.3f of the "
@@ -416,6 +440,7 @@ class SNIPController:
             return None
         applied = {key: self.plan[key].value for key in revert.formats if self.plan is not None and key in self.plan}
         apply_plan(model, revert.formats)
+        self._switched = True
         self.guard.mark(revert, applied)
         self.plan = reverted_plan(self.plan, revert)
         if self.pending is not None:  # solved without the avoided formats: solve it again (its thread's answer is dropped)
@@ -437,6 +462,7 @@ class SNIPController:
             "first_order_history": [[fqn, fmt.value, values] for (fqn, fmt), values in self.first_order_history.items()],
             "num_consecutive_failures": self.num_consecutive_failures,
             "spike_guard": self.guard.state_dict(),
+            "schedule": self.schedule.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -456,27 +482,8 @@ class SNIPController:
         self.num_consecutive_failures = int(state_dict.get("num_consecutive_failures", 0))
         if state_dict.get("spike_guard"):
             self.guard.load_state_dict(state_dict["spike_guard"])
-
-
-class RoundSchedule:
-    """Which steps run a statistics round (every ``interval`` from ``warmup_steps``) and which sample
-    LD's first-order term (the ``first_order_steps`` before each round)."""
-
-    def __init__(self, config: SNIPConfig) -> None:
-        self.config = config
-
-    def is_stats_step(self, step: int) -> bool:
-        cfg = self.config
-        return cfg.replan and step >= cfg.warmup_steps and (step - cfg.warmup_steps) % cfg.interval == 0
-
-    def is_first_order_step(self, step: int) -> bool:
-        """Whether ``step`` is one of the ``first_order_steps`` steps before a statistics round."""
-        cfg = self.config
-        if not cfg.replan or cfg.first_order_steps == 0:
-            return False
-        next_round = cfg.warmup_steps if step < cfg.warmup_steps else (
-            cfg.warmup_steps + ((step - cfg.warmup_steps) // cfg.interval + 1) * cfg.interval)
-        return 1 <= next_round - step <= cfg.first_order_steps
+        if state_dict.get("schedule"):
+            self.schedule.load_state_dict(state_dict["schedule"])
 
 
 def reverted_plan(plan: Plan | None, revert: Revert) -> Plan | None:

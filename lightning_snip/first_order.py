@@ -84,6 +84,9 @@ class FirstOrderTerms:
         self.recipe = recipe
         self.grad_scale = 1.0
         self.values: dict[tuple[str, Format], list[float]] = {}
+        # (key, the sum <G, dY> as a device scalar, total_rows, rows, grad_scale): read in one transfer by take(),
+        # not one per layer and format (each a device sync in the middle of the backward pass)
+        self._pending: list[tuple[tuple[str, Format], torch.Tensor, int, int, float]] = []
 
     def add(self, fqn: str, x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, total_rows: int) -> None:
         """``x`` in the dtype of the round's GEMM operands (FirstOrderSampler: bf16 where the layer's
@@ -94,12 +97,17 @@ class FirstOrderTerms:
             g = g.float()
             for fmt in self.formats:
                 dy = quantized_matmul(x, w, fmt, recipe=self.recipe, out_dtype=torch.float32) - y
-                value = float((g * dy).sum()) * total_rows / x.shape[0] / self.grad_scale
-                if math.isfinite(value):
-                    self.values.setdefault((fqn, fmt), []).append(value)
+                self._pending.append(((fqn, fmt), (g * dy).sum(), total_rows, x.shape[0], self.grad_scale))
 
     def take(self) -> dict[tuple[str, Format], list[float]]:
         """The values collected so far, and a fresh start."""
+        if self._pending:
+            sums = torch.stack([p[1] for p in self._pending]).tolist()
+            for (key, _, total_rows, rows, grad_scale), total in zip(self._pending, sums):
+                value = total * total_rows / rows / grad_scale
+                if math.isfinite(value):
+                    self.values.setdefault(key, []).append(value)
+            self._pending = []
         values, self.values = self.values, {}
         return values
 

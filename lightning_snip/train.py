@@ -324,6 +324,7 @@ def run(config: TrainConfig, *, output_folder: str | None = None, quiet: bool = 
         "plans_watched": snip.controller.guard.num_watched,
         "plans_reverted": snip.controller.guard.num_reverts,
         "largest_rise": snip.controller.guard.max_rise,
+        "overhead": snip.controller.overhead,
         "invalid_formats": len(snip.invalid_formats),
         "log_dir": tb.log_dir,
         "checkpoint": str(final_ckpt),
@@ -417,6 +418,9 @@ def _print_summary(summary: dict, config: TrainConfig, snip, progress, *, model_
           f"({summary['fp4_fraction']:.3f} of the model); plans applied {summary['plans_applied']}; "
           f"statistics rounds {summary['stats_rounds']}; spike guard: {summary['plans_watched']} plans watched, "
           f"{summary['plans_reverted']} reverted" + (f" (largest loss rise {rise:.1f} sigma)" if math.isfinite(rise) else ""))
+    budget = snip.config.overhead_budget
+    print(f"SNIP's own time: {summary['overhead']:.2%} of training's"
+          + (f" (budget {budget:.0%})" if budget is not None else " (no budget: a round every interval steps)"))
     if summary["invalid_formats"]:
         print(f"WARNING: the last statistics round found {summary['invalid_formats']} (layer, format) candidates "
               "non-finite and left them out of the plan (snip/invalid_formats; the log names them)")

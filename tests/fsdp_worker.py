@@ -112,7 +112,7 @@ def main(out_dir: str, mode: str) -> None:
         # GEMM paths (~1% apart, tests/test_probes.py): compare the same arithmetic.
         unbatch_probes(module)
     data = ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1, seed=0)  # the same data on both ranks
-    snip = SNIPCallback(SNIPConfig(warmup_steps=2, interval=3, apply_delay=1, fp4_fraction=0.6, max_rows=128,
+    snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=2, interval=3, apply_delay=1, fp4_fraction=0.6, max_rows=128,
                                    noise_draws=1, wd_probes=4, initial_format="fp8", granularity="layer",
                                    target_scope="model"))
     restored = _RestoredPlan(snip)

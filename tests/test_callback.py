@@ -25,7 +25,7 @@ def _snip(**kw):
     # granularity and target scope as the defaults were until 2026-12-04: these tests check plans by layer,
     # against whole-model FP4 fractions; the new defaults have tests of their own (test_default_*)
     base = dict(warmup_steps=2, interval=4, apply_delay=1, fp4_fraction=0.6, max_rows=128, noise_draws=1,
-                granularity="layer", target_scope="model")
+                granularity="layer", target_scope="model", overhead_budget=None)
     return SNIPConfig(**{**base, **kw})
 
 

@@ -18,7 +18,7 @@ def _loss(model, batch):
 def test_a_plain_pytorch_loop_samples_plans_and_switches():
     model = TinyLlama(LlamaConfig(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=160))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    controller = SNIPController(SNIPConfig(warmup_steps=2, interval=3, first_order_steps=1, first_order_rows=64,
+    controller = SNIPController(SNIPConfig(overhead_budget=None, warmup_steps=2, interval=3, first_order_steps=1, first_order_rows=64,
                                            max_rows=128, noise_draws=1, fp4_fraction=0.6, pins=["lm_head=bf16"],
                                            granularity="layer", target_scope="model"))
     controller.attach(model)

@@ -121,7 +121,9 @@ def test_progress_plan_lines_clean_output_and_summary(tmp_path):
         "GPU available: False, ", "TPU available: False, ", "SNIP: 15 converted lay", "SNIP: GEMM kernels: fp"]
     summary = proc.stdout.split("=== SNIP summary ===", 1)[1]
     assert f"checkpoint: {tmp_path}/runs/checkpoints/last.ckpt" in summary
-    assert "plans applied 2; statistics rounds 2; spike guard: 0 plans watched, 0 reverted" in summary  # (< 8 steps before)
+    # At the default overhead budget (2%) the first round costs more than the run's 8 steps allow for a second.
+    assert "plans applied 1; statistics rounds 1; spike guard: 0 plans watched, 0 reverted" in summary  # (< 8 steps before)
+    assert re.search(r"SNIP's own time: \d+\.\d\d% of training's \(budget 2%\)", summary), summary
     assert "non-finite" not in summary
     assert f"output folder: {tmp_path}/hydra" in summary
     assert f"--logdir {tmp_path}/runs" in summary

@@ -1,0 +1,175 @@
+"""SNIP's own cost against training's, and the round schedule that keeps its share within a budget.
+
+OverheadBudget times every optimizer step on the training thread (the wall time of its micro-batches, from each
+one's start, before SNIP's work in it, to its end; what runs between steps, such as validation, is not counted). A step in which SNIP worked (a statistics round, a first-order sample, a plan switch and the
+recompile its new formats cause) costs its excess over the median of the recent steps in which it did not;
+the rest is training's. With ``overhead_budget`` set, each round decides when the next one comes and how many
+steps its first-order sample takes, so that SNIP's measured seconds stay within that share of training's over
+the run: the next round comes at least ``interval`` steps later, and later still while the share spent so far
+and the next cycle's predicted cost (the last round's, the last switch's, and the sample's) would exceed the
+budget; the sample takes at most ``first_order_steps`` steps and at most as much time as a round. Rounds stop
+where the next one would fall past the run's last step. Without a budget the schedule is fixed (every
+``interval`` steps, ``first_order_steps`` sampled before each). Written by hand: no library schedules a
+callback's work against a time budget. Pure Python; the controller feeds it times and broadcasts its decisions.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping
+
+from lightning_snip.config import SNIPConfig
+
+RECENT_STEPS = 32  # plain steps whose median is a step's cost without SNIP
+FIRST_SAMPLE_STEPS = 8  # a first round's first-order sample under a budget: nothing is timed before it
+WORK_KINDS = ("round", "first_order", "switch")
+
+
+class OverheadBudget:
+    """Times steps, adds up SNIP's share, and schedules rounds (``next_round``, ``num_first_order``).
+
+    Feed it ``step_started(step, now)`` at each micro-batch's start (a new step closes the last one),
+    ``batch_ended(now)`` at its end, and ``mark(kind)`` when SNIP works in the current step (``round``, ``first_order``, ``switch``). Public:
+    ``train_seconds``, ``snip_seconds`` (per kind), ``share`` (SNIP's over training's), ``next_round`` (None:
+    no round left) and ``num_first_order`` (its sample's steps).
+    """
+
+    def __init__(self, config: SNIPConfig) -> None:
+        self.budget = config.overhead_budget if config.replan else None
+        self.replan, self.warmup_steps, self.apply_delay = config.replan, config.warmup_steps, config.apply_delay
+        self.interval, self.max_first_order = config.interval, config.first_order_steps
+        self.horizon: int | None = None  # the run's last step + 1, when known (set_horizon)
+        self.next_round: int | None = config.warmup_steps if config.replan else None
+        # under a budget the first sample is small (nothing is timed before it) and leaves half the warmup unsampled
+        self.num_first_order = self.max_first_order if self.budget is None else min(
+            self.max_first_order, FIRST_SAMPLE_STEPS, config.warmup_steps // 2)
+        self.train_seconds = 0.0
+        self.snip_seconds = {kind: 0.0 for kind in WORK_KINDS}
+        self.recent: deque[float] = deque(maxlen=RECENT_STEPS)
+        # the last cycle's costs: a round's seconds, a switch's, and a first-order step's (None: not timed yet)
+        self.costs: dict[str, float | None] = {kind: None for kind in WORK_KINDS}
+        self._sampled: list[float] = []  # this cycle's first-order steps' excess seconds
+        self._unresolved: list[tuple[str, float]] = []  # (kind, seconds) of steps closed before any plain step
+        self._step: int | None = None
+        self._start: float | None = None  # the running micro-batch's start
+        self._seconds = 0.0  # the current step's micro-batches so far
+        self._work: set[str] = set()
+
+    # ------------------------------------------------------------------ timing
+
+    def set_horizon(self, max_steps: int | None) -> None:
+        self.horizon = max_steps if max_steps is not None and max_steps > 0 else None
+
+    def step_started(self, step: int, now: float) -> None:
+        """A micro-batch of ``step`` starts at ``now`` (seconds): a new step closes the last one."""
+        if step != self._step:
+            if self._step is not None and self._seconds > 0:
+                self._close(self._seconds)
+            self._step, self._seconds, self._work = step, 0.0, set()
+        self._start = now
+
+    def batch_ended(self, now: float) -> None:
+        """The running micro-batch ends at ``now``."""
+        if self._start is not None:
+            self._seconds += now - self._start
+            self._start = None
+
+    def mark(self, kind: str) -> None:
+        """SNIP works in the current step (one of WORK_KINDS)."""
+        self._work.add(kind)
+
+    def _close(self, seconds: float) -> None:
+        if not self._work:
+            self.recent.append(seconds)
+            self.train_seconds += seconds
+            for kind, unresolved in self._unresolved:  # steps SNIP worked in before any plain step: priced now
+                self._account(kind, unresolved)
+            self._unresolved = []
+            return
+        kind = next(k for k in WORK_KINDS if k in self._work)  # a round's step: its round (and what else ran)
+        if self.recent:
+            self._account(kind, seconds)
+        else:
+            self._unresolved.append((kind, seconds))
+
+    def _account(self, kind: str, seconds: float) -> None:
+        excess = seconds - statistics.median(self.recent)  # (a noisy step may be negative: the sum stays unbiased)
+        self.train_seconds += seconds - excess
+        self.snip_seconds[kind] += excess
+        if kind == "first_order":
+            self._sampled.append(excess)
+        elif kind == "switch":
+            self.costs["switch"] = max(excess, 0.0)
+
+    @property
+    def step_seconds(self) -> float | None:
+        """The median recent step without SNIP's work (None before any)."""
+        return statistics.median(self.recent) if self.recent else None
+
+    @property
+    def share(self) -> float:
+        """SNIP's seconds over training's, so far."""
+        return sum(self.snip_seconds.values()) / self.train_seconds if self.train_seconds > 0 else 0.0
+
+    # ------------------------------------------------------------------ schedule
+
+    def is_round(self, step: int) -> bool:
+        if self.budget is None:  # the fixed schedule: every interval steps from warmup_steps
+            return self.replan and step >= self.warmup_steps and (step - self.warmup_steps) % self.interval == 0
+        return self.next_round is not None and step == self.next_round
+
+    def is_first_order(self, step: int) -> bool:
+        """One of the ``num_first_order`` steps before the next round."""
+        if self.budget is None:
+            if not self.replan:
+                return False
+            next_round = self.warmup_steps if step < self.warmup_steps else (
+                self.warmup_steps + ((step - self.warmup_steps) // self.interval + 1) * self.interval)
+            return 1 <= next_round - step <= self.max_first_order
+        return self.next_round is not None and 1 <= self.next_round - step <= self.num_first_order
+
+    def decide(self, step: int, round_seconds: float) -> tuple[int | None, int]:
+        """After the round at ``step`` (``round_seconds`` long): the next round's step (None: none left) and
+        its sample's steps. Rank 0 decides; apply the answer with ``follow`` on every rank."""
+        self.costs["round"] = round_seconds
+        if self._sampled:
+            self.costs["first_order"] = max(statistics.mean(self._sampled), 0.0)
+        self._sampled = []
+        if self.budget is None:
+            return step + self.interval, self.max_first_order
+        next_round, num_first_order = self._budgeted(step, round_seconds)
+        if self.horizon is not None and next_round + self.apply_delay >= self.horizon:  # its plan would never apply
+            return None, 0
+        return next_round, num_first_order
+
+    def _budgeted(self, step: int, round_seconds: float) -> tuple[int, int]:
+        per_sample = self.costs["first_order"]
+        num = self.max_first_order if not per_sample else min(self.max_first_order,
+                                                              int(round_seconds / per_sample))
+        cycle = round_seconds + (self.costs["switch"] or 0.0) + num * (per_sample or 0.0)
+        # this round's seconds are not in snip_seconds until its step closes: counted here
+        spent = sum(self.snip_seconds.values()) + round_seconds
+        step_seconds = self.step_seconds
+        if not step_seconds:
+            return step + self.interval, num
+        gap = max(self.interval, math.ceil((spent + cycle - self.budget * self.train_seconds) / (self.budget * step_seconds)))
+        return step + gap, min(num, gap // 2)  # (half the cycle's steps at least run plain: they price the rest)
+
+    def follow(self, decision: tuple[int | None, int]) -> None:
+        self.next_round, self.num_first_order = decision
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict:
+        return {"next_round": self.next_round, "num_first_order": self.num_first_order,
+                "train_seconds": self.train_seconds, "snip_seconds": dict(self.snip_seconds),
+                "costs": dict(self.costs)}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.next_round = state["next_round"]
+        self.num_first_order = int(state["num_first_order"])
+        self.train_seconds = float(state["train_seconds"])
+        self.snip_seconds.update({k: float(v) for k, v in state["snip_seconds"].items()})
+        self.costs.update(state["costs"])

@@ -1,0 +1,171 @@
+"""The overhead budget (lightning_snip.budget): SNIP's time accounted from step times, the schedule that keeps its
+share within the budget, and the controller and callback that feed it."""
+
+from __future__ import annotations
+
+import glob
+import math
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_snip.budget import FIRST_SAMPLE_STEPS, OverheadBudget
+from lightning_snip.callback import SNIPCallback
+from lightning_snip.config import SNIPConfig
+from lightning_snip.controller import Collective, SNIPController
+
+STEP, ROUND, SAMPLE, SWITCH = 1.0, 4.0, 0.25, 0.5  # seconds: a plain step, and what SNIP's work adds to one
+
+
+def _simulate(budget: OverheadBudget, num_steps: int, *, round_cost=ROUND, sample_cost=SAMPLE, switch_cost=SWITCH,
+              apply_delay=1) -> list[int]:
+    """Drive ``budget`` as the controller does, on a clock where each kind of work adds its cost to a step; the
+    steps that ran a round."""
+    now, rounds, apply_at = 0.0, [], None
+    for step in range(num_steps):
+        budget.step_started(step, now)
+        seconds = STEP
+        if apply_at == step:
+            budget.mark("switch")
+            seconds += switch_cost
+        if budget.is_round(step):
+            budget.mark("round")
+            rounds.append(step)
+            seconds += round_cost
+            budget.follow(budget.decide(step, round_cost))
+            apply_at = step + apply_delay
+        elif budget.is_first_order(step):
+            budget.mark("first_order")
+            seconds += sample_cost
+        now += seconds
+        budget.batch_ended(now)
+    budget.step_started(num_steps, now)  # (closes the last step)
+    return rounds
+
+
+def test_steps_snip_worked_in_cost_their_excess_over_the_recent_plain_steps():
+    budget = OverheadBudget(SNIPConfig(warmup_steps=20, interval=10, first_order_steps=4, overhead_budget=None))
+    rounds = _simulate(budget, 35)
+    assert rounds == [20, 30]
+    # 4 sampled steps before each round (16-19, 26-29), a round at 20 and 30, a switch at 21 and 31
+    assert budget.snip_seconds == pytest.approx({"round": 2 * ROUND, "first_order": 8 * SAMPLE, "switch": 2 * SWITCH})
+    assert budget.train_seconds == pytest.approx(35 * STEP)
+    assert budget.share == pytest.approx((2 * ROUND + 8 * SAMPLE + 2 * SWITCH) / 35)
+    assert budget.costs == pytest.approx({"round": ROUND, "first_order": SAMPLE, "switch": SWITCH})
+
+
+def test_without_a_budget_rounds_come_every_interval_as_before():
+    cfg = SNIPConfig(warmup_steps=5, interval=7, first_order_steps=3, overhead_budget=None)
+    budget = OverheadBudget(cfg)
+    assert _simulate(budget, 60) == [5, 12, 19, 26, 33, 40, 47, 54]
+    sampled = [s for s in range(60) if budget.is_first_order(s)]
+    assert sampled == [s for r in (5, 12, 19, 26, 33, 40, 47, 54, 61) for s in range(r - 3, r) if s < 60]
+
+
+def test_the_next_round_comes_as_late_as_the_budget_requires():
+    cfg = SNIPConfig(warmup_steps=20, interval=10, first_order_steps=32, overhead_budget=0.02)
+    budget = OverheadBudget(cfg)
+    assert budget.num_first_order == FIRST_SAMPLE_STEPS  # nothing timed yet: a small first sample
+    rounds = _simulate(budget, 21)
+    assert rounds == [20]
+    # The rule by hand: the next cycle costs a round, a switch and a sample of at most a round's time
+    # (32 steps, capped at ROUND / SAMPLE = 16); the spent seconds are the first sample's and this round's.
+    num = min(32, int(ROUND / SAMPLE))
+    assert budget.num_first_order == num
+    spent = FIRST_SAMPLE_STEPS * SAMPLE + ROUND
+    cycle = ROUND + 0 + num * SAMPLE  # (no switch timed yet)
+    train = 20 * STEP
+    assert budget.next_round == 20 + math.ceil((spent + cycle - 0.02 * train) / (0.02 * STEP))
+
+
+def test_over_a_long_run_the_measured_share_stays_within_the_budget():
+    cfg = SNIPConfig(warmup_steps=50, interval=100, first_order_steps=32, overhead_budget=0.02)
+    budget = OverheadBudget(cfg)
+    rounds = _simulate(budget, 20_000)
+    assert rounds[0] == 50 and len(rounds) >= 10
+    assert all(b - a >= 100 for a, b in zip(rounds, rounds[1:]))
+    assert 0.015 < budget.share <= 0.02 * 1.02  # spent, not left unused: close to the budget from below
+    # A budget 4x larger buys rounds about 4x as often.
+    more = OverheadBudget(SNIPConfig(warmup_steps=50, interval=100, first_order_steps=32, overhead_budget=0.08))
+    assert len(_simulate(more, 20_000)) > 3 * len(rounds)
+
+
+def test_the_interval_is_the_shortest_spacing_when_snip_is_cheap():
+    budget = OverheadBudget(SNIPConfig(warmup_steps=10, interval=25, first_order_steps=4, overhead_budget=0.5))
+    assert _simulate(budget, 200) == list(range(10, 200, 25))
+
+
+def test_no_round_is_scheduled_whose_plan_would_come_after_the_run():
+    budget = OverheadBudget(SNIPConfig(warmup_steps=20, interval=10, first_order_steps=8, overhead_budget=0.02))
+    budget.set_horizon(400)
+    rounds = _simulate(budget, 400)
+    assert rounds == [20] and budget.next_round is None
+    assert not any(budget.is_first_order(s) for s in range(400))  # nor samples for it
+    assert budget.share <= 0.02  # the first cycle's cost amortized over the whole run
+
+
+def test_the_schedule_survives_a_checkpoint():
+    cfg = SNIPConfig(warmup_steps=20, interval=10, first_order_steps=8, overhead_budget=0.02)
+    budget = OverheadBudget(cfg)
+    _simulate(budget, 25)
+    restored = OverheadBudget(cfg)
+    restored.load_state_dict(budget.state_dict())
+    assert (restored.next_round, restored.num_first_order) == (budget.next_round, budget.num_first_order)
+    assert restored.share == pytest.approx(budget.share) and restored.costs == budget.costs
+
+
+@pytest.mark.parametrize("value", [0, 1, 1.5, -0.1, True, float("nan")])
+def test_a_bad_overhead_budget_names_the_field(value):
+    with pytest.raises(ValueError, match=r"overhead_budget: invalid value .*allowed: a number in \(0, 1\)"):
+        SNIPConfig(overhead_budget=value)
+
+
+def test_every_rank_follows_rank_zeros_schedule():
+    """Rank 1 times its own steps, but the round's decision it follows is the one rank 0 broadcast."""
+    from lightning_snip.demo.model import LlamaConfig, TinyLlama
+
+    torch.manual_seed(0)
+    model = TinyLlama(LlamaConfig(dim=32, num_layers=1, num_heads=2, num_kv_heads=1, hidden_dim=64))
+    controller = SNIPController(SNIPConfig(warmup_steps=2, interval=3, max_rows=32, noise_draws=1, wd_probes=1,
+                                           first_order_steps=1, overhead_budget=0.02))
+    controller.attach(model)
+    rank_one = Collective(rank=1, world_size=1, broadcast=lambda obj: (123, 5))  # rank 0's answer
+    tokens = torch.randint(0, 256, (2, 17))
+
+    def loss_of(batch):
+        logits = model(batch[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    for step in range(3):
+        controller.begin_batch(step)
+        if controller.is_round_due(step):
+            controller.statistics_round(model, tokens, loss_of, step=step, collective=rank_one)
+        controller.end_batch()
+    assert (controller.schedule.next_round, controller.schedule.num_first_order) == (123, 5)
+    assert controller.is_stats_step(123) and controller.is_first_order_step(118) and not controller.is_first_order_step(117)
+    controller.close()
+
+
+def test_a_budgeted_run_logs_its_overhead_and_stops_rounds_at_its_horizon(tmp_path):
+    from test_callback import _fit, _snip
+
+    snip = SNIPCallback(_snip(overhead_budget=0.02, warmup_steps=3, interval=2, first_order_steps=2))
+    _fit(tmp_path, snip, max_steps=12)
+    # A round costs several of these small steps: at 2%, the next one would come after the run's 12 steps.
+    assert snip.num_stats_rounds == 1 and snip.num_plans_applied == 1
+    assert snip.controller.schedule.next_round is None
+    assert 0 < snip.controller.overhead == snip.controller.schedule.share
+    events = EventAccumulator(glob.glob(str(tmp_path / "tb" / "*"))[0]).Reload()
+    overhead = events.Scalars("snip/overhead")
+    assert [e.step for e in overhead] == [3, 4]  # the round's step and the apply step
+    state = snip.state_dict()["schedule"]
+    assert state["next_round"] is None and state["train_seconds"] > 0 and state["costs"]["round"] > 0
+
+
+def test_work_before_any_plain_step_is_priced_once_one_comes():
+    # warmup 0: step 0 is the round, 1 the switch, 2 the first plain step
+    budget = OverheadBudget(SNIPConfig(warmup_steps=0, interval=50, first_order_steps=32, overhead_budget=0.02))
+    _simulate(budget, 10)
+    assert budget.snip_seconds == pytest.approx({"round": ROUND, "first_order": 0, "switch": SWITCH})
+    assert budget.train_seconds == pytest.approx(10 * STEP)
