@@ -1069,8 +1069,9 @@ def main() -> None:
             jobs = jobs_for(args.fractions, 1 if args.quick else args.seeds, natural=natural, natural_seeds=args.natural_seeds)
             jobs += [(f"{p}@{lam:g}", f, seed) for seed in range(1 if args.quick else args.seeds)
                      for f in args.fractions for lam in args.lambdas for p in ("snip", "snip_gemm", "oracle", "oracle_gemm")]
-            # SNIP with max_rows=<n> ("snip_gemm+rows2048"), only where --policies names it
-            named = [p for p in args.policies or () if re.fullmatch(r"snip(_gemm)?\+rows[1-9]\d*", p)]
+            # SNIP with max_rows=<n> ("snip_gemm+rows2048") or rounds every <n> steps ("snip_gemm+every60"), only
+            # where --policies names it
+            named = [p for p in args.policies or () if re.fullmatch(r"snip(_gemm)?\+(rows|every)[1-9]\d*", p)]
             jobs += [(p, f, seed) for p in named
                      for seed in range(1 if args.quick else args.seeds) for f in args.fractions]
         if args.policies:

@@ -114,12 +114,18 @@ def train(args, batch_size: int, callbacks) -> float:
 
 
 def pair(args, config: SNIPConfig, batch_size: int) -> dict:
-    """One A run and its B run."""
+    """One A run and its B run. Under --compile each run starts from dynamo's reset with inductor's caches off
+    (TORCHINDUCTOR_FX_GRAPH_CACHE=0, TORCHINDUCTOR_AUTOGRAD_CACHE=0, set by main): B would otherwise reuse the
+    graphs A compiled (on 2026-12-04 a first, cached run made SmolLM2's B 6x faster than its A)."""
     snip = SNIPCallback(config)
     timer_a, record = StepTimer(), FormatRecord(snip)
+    if args.compile:
+        torch._dynamo.reset()
     seconds_a = train(args, batch_size, [timer_a, snip, record])
     frozen = SNIPCallback(dataclasses.replace(config, replan=False))
     timer_b = StepTimer()
+    if args.compile:
+        torch._dynamo.reset()
     seconds_b = train(args, batch_size, [timer_b, frozen, FormatReplay(frozen, record.assignments)])
     step_b = statistics.median(timer_b.times)
     rounds = [h["step"] for h in snip.history]
@@ -150,6 +156,9 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
+    if args.compile:  # (read by inductor when it compiles: before the first run)
+        os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
+        os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "0"
     torch.set_num_threads(args.threads)
     settings = {}
     if args.budget != "default":
