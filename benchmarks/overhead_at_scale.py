@@ -18,6 +18,7 @@ spacing a 2% budget sets. Calibrated against the H200's measured round at width 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import platform
 
@@ -61,18 +62,22 @@ def count(fn, inner_flops=None) -> tuple[float, int]:
     return flops, count_kernel_ops(fn)
 
 
-def measure(width: int, blocks: int) -> dict:
+def _workload(width: int, blocks: int, tokens: int, device: str = "cpu", autocast: bool = False):
+    """A Llama-shaped demo model under SNIPController (SNIPConfig() defaults, fixed schedule) and three callables
+    on one batch of ``tokens`` tokens: a training step, a step that samples the first-order term, a round."""
     torch.manual_seed(0)
-    model = TinyLlama(llama_like(width, blocks))
+    model = TinyLlama(llama_like(width, blocks)).to(device)
     controller = SNIPController(SNIPConfig(overhead_budget=None))
     controller.attach(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, 256, (TOKENS // 128, 129))
-    batch = (tokens[:, :-1], tokens[:, 1:])
+    batch_tokens = torch.randint(0, 256, (tokens // 128, 129), device=device)
+    batch = (batch_tokens[:, :-1], batch_tokens[:, 1:])
+    context = torch.autocast(device, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
 
     def loss_of(b):
-        logits = model(b[0])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[1].reshape(-1))
+        with context:
+            logits = model(b[0])
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), b[1].reshape(-1))
 
     def step():
         loss_of(batch).backward()
@@ -84,7 +89,6 @@ def measure(width: int, blocks: int) -> dict:
         step()
         controller.end_batch()
 
-    step()
     round_step = [100]
 
     def statistics_round():
@@ -92,6 +96,12 @@ def measure(width: int, blocks: int) -> dict:
         round_step[0] += 1
         controller.pending.join(60)
 
+    return controller, step, sampled_step, statistics_round
+
+
+def measure(width: int, blocks: int) -> dict:
+    controller, step, sampled_step, statistics_round = _workload(width, blocks, TOKENS)
+    step()
     inner = []
     sampler = controller.recorder.sampler
     real_add = sampler.measure
@@ -121,33 +131,7 @@ def time_on_device(width: int, blocks: int, tokens: int, device: str = "cuda", r
     import statistics
     import time
 
-    torch.manual_seed(0)
-    model = TinyLlama(llama_like(width, blocks)).to(device)
-    controller = SNIPController(SNIPConfig(overhead_budget=None))
-    controller.attach(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batch_tokens = torch.randint(0, 256, (tokens // 128, 129), device=device)
-    batch = (batch_tokens[:, :-1], batch_tokens[:, 1:])
-    autocast = torch.autocast(device, dtype=torch.bfloat16)
-
-    def loss_of(b):
-        with autocast:
-            logits = model(b[0])
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), b[1].reshape(-1))
-
-    def step():
-        loss_of(batch).backward()
-        opt.step()
-        opt.zero_grad()
-
-    def sampled_step():
-        controller.start_first_order(0)
-        step()
-        controller.end_batch()
-
-    def statistics_round():
-        controller.statistics_round(model, batch, loss_of, step=100 + len(times["round"]), optimizer=opt)
-        controller.pending.join(60)
+    controller, step, sampled_step, statistics_round = _workload(width, blocks, tokens, device, autocast=True)
 
     def sync():
         if device == "cuda":
