@@ -2,7 +2,8 @@
 
 OverheadBudget times every optimizer step on the training thread (the wall time of its micro-batches, from each
 one's start, before SNIP's work in it, to its end; what runs between steps, such as validation, is not counted). A step in which SNIP worked (a statistics round, a first-order sample, a plan switch and the
-recompile its new formats cause) costs its excess over the median of the recent steps in which it did not;
+recompile its new formats cause) costs its excess over the median of the recent steps in which it did not (at
+least 3 of them: one slow first step, which compiles and allocates, does not move it);
 the rest is training's. With ``overhead_budget`` set, each round decides when the next one comes and how many
 steps its first-order sample takes, so that SNIP's measured seconds stay within that share of training's over
 the run: the next round comes at least ``interval`` steps later, and later still while the share spent so far
@@ -23,6 +24,8 @@ from collections.abc import Mapping
 from lightning_snip.config import SNIPConfig
 
 RECENT_STEPS = 32  # plain steps whose median is a step's cost without SNIP
+MIN_RECENT = 3  # plain steps before a step SNIP worked in is priced (it waits): their median ignores one outlier,
+# the process's first step (which compiles and allocates)
 FIRST_SAMPLE_STEPS = 8  # a first round's first-order sample under a budget: nothing is timed before it
 WORK_KINDS = ("round", "first_order", "switch")
 
@@ -51,7 +54,8 @@ class OverheadBudget:
         # the last cycle's costs: a round's seconds, a switch's, and a first-order step's (None: not timed yet)
         self.costs: dict[str, float | None] = {kind: None for kind in WORK_KINDS}
         self._sampled: list[float] = []  # this cycle's first-order steps' excess seconds
-        self._unresolved: list[tuple[str, float]] = []  # (kind, seconds) of steps closed before any plain step
+        self._unresolved: list[tuple[str, float]] = []  # (kind, seconds) of steps closed before MIN_RECENT plain ones
+        self._fastest = math.inf  # the shortest step closed: the step time until MIN_RECENT plain steps are timed
         self._step: int | None = None
         self._start: float | None = None  # the running micro-batch's start
         self._seconds = 0.0  # the current step's micro-batches so far
@@ -81,15 +85,17 @@ class OverheadBudget:
         self._work.add(kind)
 
     def _close(self, seconds: float) -> None:
+        self._fastest = min(self._fastest, seconds)
         if not self._work:
-            self.recent.append(seconds)
             self.train_seconds += seconds
-            for kind, unresolved in self._unresolved:  # steps SNIP worked in before any plain step: priced now
-                self._account(kind, unresolved)
-            self._unresolved = []
+            self.recent.append(seconds)
+            if len(self.recent) >= MIN_RECENT:
+                for kind, unresolved in self._unresolved:  # steps SNIP worked in before: priced now
+                    self._account(kind, unresolved)
+                self._unresolved = []
             return
         kind = next(k for k in WORK_KINDS if k in self._work)  # a round's step: its round (and what else ran)
-        if self.recent:
+        if len(self.recent) >= MIN_RECENT:
             self._account(kind, seconds)
         else:
             self._unresolved.append((kind, seconds))
@@ -105,8 +111,8 @@ class OverheadBudget:
 
     @property
     def step_seconds(self) -> float | None:
-        """The median recent step without SNIP's work (None before any)."""
-        return statistics.median(self.recent) if self.recent else None
+        """The median recent step without SNIP's work (None before MIN_RECENT of them)."""
+        return statistics.median(self.recent) if len(self.recent) >= MIN_RECENT else None
 
     @property
     def share(self) -> float:
@@ -151,8 +157,8 @@ class OverheadBudget:
         cycle = round_seconds + (self.costs["switch"] or 0.0) + num * (per_sample or 0.0)
         # this round's seconds are not in snip_seconds until its step closes: counted here
         spent = sum(self.snip_seconds.values()) + round_seconds
-        step_seconds = self.step_seconds
-        if not step_seconds:
+        step_seconds = self.step_seconds or (self._fastest if math.isfinite(self._fastest) else None)
+        if not step_seconds:  # nothing timed at all (a round at step 0): the shortest spacing
             return step + self.interval, num
         gap = max(self.interval, math.ceil((spent + cycle - self.budget * self.train_seconds) / (self.budget * step_seconds)))
         return step + gap, min(num, gap // 2)  # (half the cycle's steps at least run plain: they price the rest)
