@@ -179,3 +179,21 @@ def test_the_first_step_which_compiles_is_no_measure_of_a_step():
     assert budget.snip_seconds == pytest.approx({"round": ROUND, "first_order": 2 * SAMPLE, "switch": SWITCH})
     assert budget.train_seconds == pytest.approx(11 * STEP + 30 * STEP)
     assert budget.next_round is not None and budget.next_round > 4 + 10  # priced with the short steps
+
+
+def test_the_budget_on_a_hugging_face_llama_under_bf16_mixed_and_accumulation(tmp_path):
+    """Where users train: a module we did not write, bf16-mixed, 2 micro-batches per step. A step is timed over
+    both micro-batches (one close per optimizer step), the share is positive, and the horizon stops rounds."""
+    pytest.importorskip("transformers")
+    from test_callback import _fit, _snip
+    from test_training_setups import _HFLlamaLM
+
+    snip = SNIPCallback(_snip(pins={"*lm_head": "bf16"}, granularity="gemm", fp4_fraction=0.3,
+                              overhead_budget=0.02, warmup_steps=4, interval=2, first_order_steps=2))
+    closed = []
+    real_close = OverheadBudget._close
+    snip.controller.schedule._close = lambda seconds: (closed.append(seconds), real_close(snip.controller.schedule, seconds))
+    _fit(tmp_path, snip, module=_HFLlamaLM(), precision="bf16-mixed", accumulate_grad_batches=2, max_steps=10)
+    assert len(closed) == 9  # steps 0-8 closed by the next step's start (the last one never is)
+    assert snip.num_stats_rounds == 1 and snip.num_plans_applied == 1
+    assert snip.controller.schedule.next_round is None and snip.controller.overhead > 0
