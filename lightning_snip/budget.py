@@ -60,6 +60,7 @@ class OverheadBudget:
         self._start: float | None = None  # the running micro-batch's start
         self._seconds = 0.0  # the current step's micro-batches so far
         self._work: set[str] = set()
+        self._next_work: set[str] = set()
 
     # ------------------------------------------------------------------ timing
 
@@ -71,7 +72,7 @@ class OverheadBudget:
         if step != self._step:
             if self._step is not None and self._seconds > 0:
                 self._close(self._seconds)
-            self._step, self._seconds, self._work = step, 0.0, set()
+            self._step, self._seconds, self._work, self._next_work = step, 0.0, self._next_work, set()
         self._start = now
 
     def batch_ended(self, now: float) -> None:
@@ -80,9 +81,10 @@ class OverheadBudget:
             self._seconds += now - self._start
             self._start = None
 
-    def mark(self, kind: str) -> None:
-        """SNIP works in the current step (one of WORK_KINDS)."""
-        self._work.add(kind)
+    def mark(self, kind: str, *, next_step: bool = False) -> None:
+        """SNIP works in the current step (one of WORK_KINDS), or, ``next_step``, in the next one (a revert at a
+        step's end: the next forward runs, and may recompile, the formats it restored)."""
+        (self._next_work if next_step else self._work).add(kind)
 
     def _close(self, seconds: float) -> None:
         self._fastest = min(self._fastest, seconds)

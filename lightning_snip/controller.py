@@ -168,7 +168,6 @@ class SNIPController:
         self.propagation = Propagation.PROBE  # exact after probes proved unsupported
         self.flops: dict[str, float] = {}
         self.schedule = OverheadBudget(self.config)  # when rounds run, and what SNIP's work costs
-        self._switched = False  # a revert at the last step's end: this step's forward runs the formats it restored
         self.recorder: FirstOrderRecorder | None = None
         self.last_round_step: int | None = None  # one round per optimizer step (not per micro-batch)
         # (fqn, format) -> first-order terms of the batches sampled since the last round.
@@ -267,9 +266,6 @@ class SNIPController:
         """Time the steps (a new step closes the last one), and reseed stochastic rounding for this (rank, step,
         micro-batch)."""
         self.schedule.step_started(step, time.perf_counter())
-        if self._switched:
-            self._switched = False
-            self.schedule.mark("switch")
         self.sr_generator.manual_seed(stream_seed(self.sr_seed, rank, step, batch_idx))
 
     def set_horizon(self, max_steps: int | None) -> None:
@@ -440,7 +436,7 @@ class SNIPController:
             return None
         applied = {key: self.plan[key].value for key in revert.formats if self.plan is not None and key in self.plan}
         apply_plan(model, revert.formats)
-        self._switched = True
+        self.schedule.mark("switch", next_step=True)
         self.guard.mark(revert, applied)
         self.plan = reverted_plan(self.plan, revert)
         if self.pending is not None:  # solved without the avoided formats: solve it again (its thread's answer is dropped)

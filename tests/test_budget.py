@@ -197,3 +197,17 @@ def test_the_budget_on_a_hugging_face_llama_under_bf16_mixed_and_accumulation(tm
     assert len(closed) == 9  # steps 0-8 closed by the next step's start (the last one never is)
     assert snip.num_stats_rounds == 1 and snip.num_plans_applied == 1
     assert snip.controller.schedule.next_round is None and snip.controller.overhead > 0
+
+
+def test_a_switch_marked_for_the_next_step_is_priced_there():
+    """A revert happens at a step's end: its cost (a recompile) falls in the next step's forward."""
+    budget = OverheadBudget(SNIPConfig(warmup_steps=100, interval=10, overhead_budget=0.02))
+    now = 0.0
+    for step, seconds in enumerate([STEP] * 4 + [STEP, STEP + SWITCH, STEP]):
+        budget.step_started(step, now)
+        if step == 4:
+            budget.mark("switch", next_step=True)
+        now += seconds
+        budget.batch_ended(now)
+    budget.step_started(7, now)
+    assert budget.snip_seconds["switch"] == pytest.approx(SWITCH) and budget.train_seconds == pytest.approx(7 * STEP)
