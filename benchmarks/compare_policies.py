@@ -93,6 +93,7 @@ class Setup:
     first_order_rows: int = 1024
     accelerator: str = "cpu"  # the Trainer's (smollm2_gpu: "gpu", one device)
     precision: str = "32-true"
+    trajectory_every: int = 0  # > 0: also the held-out loss (high precision) every this many continuation steps
 
     def __post_init__(self):
         object.__setattr__(self, "candidates", tuple(self.candidates))  # from a JSON list
@@ -139,6 +140,11 @@ SETTINGS = {
                          snip_interval=20, low="mxfp4", candidates=("fp8", "mxfp4"), truth_batches=4, truth_sr_seeds=2,
                          eval_batches=10**6, max_rows=2048, first_order_steps=4, first_order_rows=2048,
                          accelerator="gpu", precision="bf16-mixed"),
+    # Issue 52 (quality v4, benchmarks/quality_long.py): the smollm2 protocol over 4x the horizon (64 steps of
+    # 4 x 128 tokens after the same checkpoint, so the same truths), the held-out loss every 16 steps.
+    "smollm2_long": Setup(model="smollm2", seq_len=128, batch_size=4, lr=3e-4, pretrain_steps=4, continue_steps=64,
+                          snip_interval=8, low="mxfp4", candidates=("fp8", "mxfp4"), truth_batches=4, truth_sr_seeds=1,
+                          eval_batches=16, max_rows=256, first_order_steps=4, first_order_rows=256, trajectory_every=16),
     "smollm2_quick": Setup(model="smollm2", seq_len=32, batch_size=2, lr=3e-4, pretrain_steps=2, continue_steps=3,
                            snip_interval=2, low="mxfp4", candidates=("fp8", "mxfp4"), truth_batches=2,
                            truth_sr_seeds=1, eval_batches=2, max_rows=64, first_order_steps=1, first_order_rows=64),
@@ -475,7 +481,15 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
     # linear FLOPs (the pinned head's included), as the committed results were measured; and the spike guard
     # off (spike_threshold=None), as it did not exist then: a revert would make a run incomparable; and the fixed
     # schedule (overhead_budget=None): the protocol's rounds every snip_interval steps, as the results were measured.
-    if base in ("snip", "snip_gemm"):
+    if base in ("snip", "snip_gemm") and "defaults" in modifiers:
+        # "snip_gemm+defaults": SNIP as it ships (issue 52): the library's defaults (its schedule, overhead budget,
+        # first-order sample, spike guard) but for the protocol's target (fraction of the whole model, its formats
+        # and pins), its CPU-sized rows, and the first round at the checkpoint, where every policy's plan starts.
+        config = SNIPConfig(warmup_steps=s.pretrain_steps, fp4_fraction=fraction, target_scope="model",
+                            candidate_formats=s.candidates, pins=PINS, granularity=granularity, max_rows=max_rows,
+                            first_order_rows=s.first_order_rows)
+        callback = SNIPCallback(config)
+    elif base in ("snip", "snip_gemm"):
         # The first round runs at the checkpoint (no first-order history yet), then every interval.
         config = SNIPConfig(warmup_steps=s.pretrain_steps, interval=interval, apply_delay=1, fp4_fraction=fraction,
                             target_scope="model", candidate_formats=s.candidates, initial_format="fp8", pins=PINS,
@@ -490,16 +504,23 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
                                            spike_threshold=None,
                                            granularity=granularity, candidate_formats=s.candidates), plan=plan)
     data = _data(s, seed)
+    trajectory = _Trajectory(s, callback, data) if s.trajectory_every else None
     start = time.perf_counter()
-    trainer = _trainer(s, s.pretrain_steps + s.continue_steps, [callback], Path(root))
+    trainer = _trainer(s, s.pretrain_steps + s.continue_steps, [callback] + ([trajectory] if trajectory else []),
+                       Path(root))
     trainer.fit(module, datamodule=data, ckpt_path=ckpt)
-    seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - start - (trajectory.seconds if trajectory else 0.0)
 
     with high_precision(callback.layers):
         eval_loss = held_out_loss(module, data)  # the trained weights, evaluated in high precision (the headline)
     eval_loss_plan = held_out_loss(module, data)  # ... and with every forward GEMM in its plan's format (serving in it)
     plan = callback.plan
     extra = {"oracle_lambda": _oracle_lambda(policy)} if base.startswith("oracle") else {}
+    if trajectory:  # [continuation step, high-precision held-out loss], the end's included
+        extra["trajectory"] = trajectory.points + [[s.continue_steps, eval_loss]]
+        extra["eval_seconds"] = trajectory.seconds
+        guard = callback.controller.guard
+        extra["reverts"] = guard.num_reverts if guard is not None else 0
     history = callback.controller.history
     if history:  # SNIP's estimates at its first round (the checkpoint): the objective study prices plans with them
         extra["estimates"] = {metric: {f"{fqn}|{fmt}": v for fqn, d in history[0]["divergence"]["layers"].items()
@@ -508,6 +529,30 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
     return {"policy": policy, "fraction": fraction, "seed": seed, "eval_loss": eval_loss, "eval_loss_plan": eval_loss_plan, **extra,
             "achieved_fraction": plan.fp4_fraction if plan else 0.0, "seconds": seconds,
             "plans": callback.num_plans_applied, "plan": {k: f.value for k, f in plan.items()} if plan else {}}
+
+
+def _Trajectory(s: Setup, snip, data):
+    """A callback (made in the worker: Lightning's base class is imported there) that evaluates the held-out loss in
+    high precision every ``s.trajectory_every`` continuation steps, after the step's callbacks (SNIP's timing has
+    closed the step: the evaluation is not SNIP's or training's time); its own seconds are kept apart."""
+    import lightning.pytorch as pl
+
+    from lightning_snip.convert import high_precision
+
+    class Trajectory(pl.Callback):
+        def __init__(self):
+            self.points, self.seconds = [], 0.0
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            step = trainer.global_step - s.pretrain_steps
+            if 0 < step < s.continue_steps and step % s.trajectory_every == 0 and (
+                    not self.points or self.points[-1][0] != step):
+                t = time.perf_counter()
+                with high_precision(snip.layers):
+                    self.points.append([step, held_out_loss(pl_module, data)])
+                self.seconds += time.perf_counter() - t
+
+    return Trajectory()
 
 
 def jobs_for(fractions, seeds: int, policies=FRACTION_POLICIES, uniform=True, natural: dict | None = None,
@@ -929,7 +974,10 @@ def _structural_headroom(runs: list[dict], gaps, coef, offset: float, flops: dic
 
 
 def _setting(s: Setup) -> dict:
-    return json.loads(json.dumps(asdict(s)))  # as the JSON cache holds it (tuples as lists)
+    out = json.loads(json.dumps(asdict(s)))  # as the JSON cache holds it (tuples as lists)
+    if not out["trajectory_every"]:
+        del out["trajectory_every"]  # the settings cached before the field existed stay the same setting
+    return out
 
 
 def _prefix(name: str) -> str:

@@ -171,21 +171,29 @@ def first_last_plan(layers: Sequence[LayerCandidates], *, fp4_fraction: float, *
 
 
 def industry_tail_plan(layers: Sequence[LayerCandidates], *, fp4_fraction: float, first_blocks: int = 2,
-                       tail_share: float = 0.15, **kw) -> Plan:
+                       tail_share: float = 0.15, granularity: Granularity | str = Granularity.LAYER, **kw) -> Plan:
     """The industry's default rule (NVIDIA's NVFP4 pretraining recipe, which keeps the first two and
     the last ~15% of blocks in high precision; torchtitan's tail rule): FP4 fills the unprotected
     blocks first, from the middle of that range outwards; past the rule's natural fraction, the first
     ``first_blocks`` blocks next (the last first), then the last ceil(``tail_share`` * blocks) blocks
     (the earliest first: the final blocks stay high longest); layers outside any block (embeddings,
     heads) last. ``natural_fp4_fraction`` gives the fraction the rule reaches without the extension.
+    Granularity gemm (policy "industry_tail_gemm"): every backward GEMM first (in the rule's order),
+    then the forwards in the rule's order: forwards stay in FP8 as long as the target allows.
     """
     if not (isinstance(first_blocks, int) and first_blocks >= 0):
         raise ValueError(f"first_blocks: must be an integer >= 0, got {first_blocks!r}")
     if not (isinstance(tail_share, (int, float)) and 0 <= tail_share <= 1):
         raise ValueError(f"tail_share: must be a number in [0, 1], got {tail_share!r}")
     rank = _industry_tail_rank(layers, first_blocks, tail_share)
-    order = sorted((layer.fqn for layer in layers), key=lambda fqn: rank[fqn])
-    return ordered_plan(layers, order, fp4_fraction=fp4_fraction, policy="industry_tail", **kw)
+
+    def key(item_fqn: str):
+        fqn, direction = split_key(item_fqn)
+        return (direction == FORWARD, rank[fqn])
+
+    items = _items(layers, granularity)
+    order = sorted((item.fqn for item in items), key=key)
+    return ordered_plan(items, order, fp4_fraction=fp4_fraction, policy=_policy("industry_tail", granularity), **kw)
 
 
 def natural_fp4_fraction(layers: Sequence[LayerCandidates], *, first_blocks: int = 2, tail_share: float = 0.15) -> float:
@@ -282,6 +290,7 @@ BASELINES: Mapping[str, Baseline] = {
     "layer_type_edges_gemm": _ordered(layer_type_plan, granularity=Granularity.GEMM, edges_last=True),
     "first_last": _ordered(first_last_plan),
     "industry_tail": _ordered(industry_tail_plan),
+    "industry_tail_gemm": _ordered(industry_tail_plan, granularity=Granularity.GEMM),
     "backward_only": lambda layers, ctx: backward_only_plan(layers, low=ctx.low, high=ctx.high),
 }
 

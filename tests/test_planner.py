@@ -498,3 +498,20 @@ def test_industry_tail_keeps_the_first_two_and_the_last_blocks_high():
         industry_tail_plan(layers, fp4_fraction=0.5, tail_share=1.5)
     with pytest.raises(ValueError, match="first_blocks"):
         industry_tail_plan(layers, fp4_fraction=0.5, first_blocks=-1)
+
+
+def test_industry_tail_per_gemm_puts_every_backward_in_fp4_before_any_forward():
+    layers = _llama_layers(blocks=8)
+    unpinned = sum(l.flops for l in layers if l.pinned is None) / sum(l.flops for l in layers)
+    # Under the backward share (2/3 of the unpinned FLOPs) no forward is FP4; the backwards follow the rule.
+    low = industry_tail_plan(layers, fp4_fraction=0.5 * unpinned, granularity="gemm")
+    assert low.policy == "industry_tail_gemm"
+    assert not any(f.is_fp4 for key, f in low.items() if key.endswith(":forward"))
+    fp4_blocks = {int(key.split(".")[1]) for key, f in low.items() if f.is_fp4}
+    assert 7 not in fp4_blocks and {3, 4} <= fp4_blocks  # from the unprotected middle, the last block last
+    # Above it every backward is FP4, and the forwards fill by the rule: the tail's last block stays high.
+    high = industry_tail_plan(layers, fp4_fraction=0.85 * unpinned, granularity="gemm")
+    assert all(f.is_fp4 for key, f in high.items() if key.endswith(":backward") and not key.startswith("lm_head"))
+    forward_fp4 = {int(key.split(".")[1]) for key, f in high.items() if key.endswith(":forward") and f.is_fp4}
+    assert {3, 4} <= forward_fp4 and 7 not in forward_fp4
+    assert high.fp4_fraction == pytest.approx(0.85 * unpinned, abs=0.01)

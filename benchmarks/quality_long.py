@@ -1,0 +1,224 @@
+"""Quality v4 (issue 52): the SmolLM2 protocol over 4x the horizon, SNIP as it ships, and the gap's trajectory.
+
+The setting is compare_policies' ``smollm2_long``: SmolLM2-135M-Instruct continued for 64 steps of 4 x 128 tokens
+(16 in quality v3) from the same 4-step checkpoint, so the oracle's truths are v3's (copied from its committed cache
+when the regenerated checkpoint has the same fingerprint). Policies at FP4 fraction 0.75 of the whole model's linear
+FLOPs: SNIP at the library's defaults (per GEMM, and per layer), the best fixed rules of v3 (industry_tail,
+layer_type_edges_gemm), the industry rule per GEMM with the backwards first (industry_tail_gemm: forwards stay in
+FP8 as long as the target allows), the per-GEMM oracle, and all_fp8 / all_bf16. Every run is appended to the cache
+(``--store``) as it ends and reused, so the benchmark resumes across sessions; ``--policies`` stages runs.
+
+    python benchmarks/quality_long.py --seeds 5 --workers 1                # runs what the cache lacks, then reports
+    python benchmarks/quality_long.py --seeds 5 --cached-only              # an interim report from the cache
+    python benchmarks/quality_long.py --quick                              # a tiny check, nothing written
+
+Reports (benchmarks/results/): compare_policies_smollm2_long.json (v2's shape plus "trajectory"), the dated
+markdown table with paired differences and t values, the trajectory plot, the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import compare_policies as cp  # noqa: E402
+
+SETTING = "smollm2_long"
+SNIP = "snip_gemm+defaults"  # the product as it ships (granularity gemm is the default)
+SNIP_LAYER = "snip+defaults"
+RULES = ("industry_tail", "layer_type_edges_gemm", "industry_tail_gemm")
+POLICIES = ("all_bf16", "all_fp8", SNIP, SNIP_LAYER) + RULES + ("oracle_gemm",)
+
+
+def jobs(fraction: float, seeds: int, policies=POLICIES) -> list[tuple[str, float, int]]:
+    """Seed by seed, so that a cut-off session leaves whole seeds of the policies it ran."""
+    return [(p, 0.0 if p.startswith("all_") else fraction, seed) for seed in range(seeds) for p in policies]
+
+
+def seed_truths(store: Path, measured: dict) -> None:
+    """Copy v3's truth parts into ``store`` when this checkpoint is v3's (same fingerprint): the oracle's truths
+    are a property of the checkpoint, not of the horizon (1550 s on this machine, not measured again)."""
+    v3 = cp.RESULTS / "compare_policies_smollm2_cache"
+    parts, theirs = store / "truth_parts.json", v3 / "measured.json"
+    if parts.exists() or not theirs.exists() or not (v3 / "truth_parts.json").exists():
+        return
+    if cp.same_checkpoint(measured["fingerprint"], json.loads(theirs.read_text())["measured"]["fingerprint"]):
+        shutil.copy(v3 / "truth_parts.json", parts)
+        print(f"# truths: v3's parts reused (same checkpoint, fingerprint {measured['fingerprint']})", flush=True)
+
+
+def trajectories(rows: list[dict]) -> dict:
+    """{policy: {step: {seed: gap to the seed's all_bf16 at that step}}} from the runs' trajectories."""
+    bf16 = {r["seed"]: dict((int(s), v) for s, v in r["trajectory"]) for r in rows if r["policy"] == "all_bf16"}
+    out: dict = {}
+    for r in rows:
+        if r["seed"] not in bf16:
+            continue
+        for step, loss in r["trajectory"]:
+            out.setdefault(r["policy"], {}).setdefault(int(step), {})[r["seed"]] = loss - bf16[r["seed"]][int(step)]
+    return out
+
+
+def _stats(values: list[float]) -> tuple[float, float, float]:
+    """(mean, std, t) of a list; std and t nan under two values."""
+    mean = statistics.fmean(values)
+    sd = statistics.stdev(values) if len(values) > 1 else math.nan
+    return mean, sd, mean / (sd / math.sqrt(len(values))) if len(values) > 1 and sd > 0 else math.nan
+
+
+def lead(traj: dict, snip: str, rule: str, step: int) -> dict[int, float]:
+    """Seed -> the rule's gap minus SNIP's at ``step`` (positive: SNIP ahead), over the seeds both ran."""
+    a, b = traj.get(snip, {}).get(step, {}), traj.get(rule, {}).get(step, {})
+    return {seed: b[seed] - a[seed] for seed in a if seed in b}
+
+
+def report(rows: list[dict], s: cp.Setup) -> tuple[list[str], dict]:
+    """The markdown lines and the JSON trajectory summary."""
+    summary = cp.summarize(rows)
+    traj = trajectories(rows)
+    steps = sorted({step for p in traj.values() for step in p})
+    lines = cp.table(summary) + [""]
+    final = next(iter(v for k, v in summary.items() if k != "0.0"), {})
+    rules = {p: final[p] for p in RULES if p in final}
+    best = min(rules, key=lambda p: rules[p]["mean"]) if rules else None
+    middle = steps[len(steps) // 2 - 1] if len(steps) > 1 else None
+    for snip in (SNIP, SNIP_LAYER):
+        if best is None or snip not in final:
+            continue
+        mean, sd, t, n = cp.paired(rules[best], final[snip])
+        lines.append(f"    snip_vs_best_rule {snip} {mean:+.5f} better than {best} (paired over {n} seeds: std of the "
+                     f"differences {sd:.5f}, {mean / sd if sd else math.nan:.1f} std, t {t:.1f}; target > 2 std)")
+        for rule in rules:
+            m, sd_, t_, n_ = cp.paired(rules[rule], final[snip])
+            lines.append(f"      vs {rule}: {m:+.5f} ± {sd_:.5f} (t {t_:.1f}, {n_} seeds, ahead on "
+                         f"{sum(d > 0 for d in lead(traj, snip, rule, steps[-1]).values())})")
+        if middle is not None:
+            mid, end = lead(traj, snip, best, middle), lead(traj, snip, best, steps[-1])
+            growth = [end[k] - mid[k] for k in end if k in mid]
+            if growth:
+                g, gsd, gt = _stats(growth)
+                lines.append(f"    lead_growth {snip} vs {best}: step {middle} {_stats(list(mid.values()))[0]:+.5f} -> "
+                             f"step {steps[-1]} {_stats(list(end.values()))[0]:+.5f}; end minus middle {g:+.5f} ± "
+                             f"{gsd:.5f} (t {gt:.1f}; target: no smaller at the end)")
+    out = {p: {str(step): dict(zip(("mean", "std", "t"), _stats(list(g.values()))), seeds=list(g.values()),
+                               seed_ids=list(g)) for step, g in sorted(by_step.items())}
+           for p, by_step in sorted(traj.items())}
+    lines += ["", "Gap to bf16 (high-precision held-out loss) along the continuation, mean ± std over seeds:", "",
+              "| policy | " + " | ".join(f"step {st}" for st in steps) + " |", "|---|" + "---|" * len(steps)]
+    for p in POLICIES:
+        if p in out:
+            lines.append(f"| {p} | " + " | ".join(f"{out[p][str(st)]['mean']:+.4f} ± {out[p][str(st)]['std']:.4f}"
+                                                  if str(st) in out[p] else "" for st in steps) + " |")
+    if best is not None:
+        lines += ["", f"SNIP's lead over {best} (the best fixed rule at the end) per step, paired over seeds:", ""]
+        for snip in (SNIP, SNIP_LAYER):
+            cells = [_stats(list(lead(traj, snip, best, st).values())) for st in steps if lead(traj, snip, best, st)]
+            if cells:
+                lines.append(f"    {snip}: " + ", ".join(f"step {st} {m:+.4f} ± {sd:.4f} (t {t:.1f})"
+                                                         for st, (m, sd, t) in zip(steps, cells)))
+    return lines, out
+
+
+def wall_times(rows: list[dict]) -> str:
+    by: dict[str, list[float]] = {}
+    for r in rows:
+        by.setdefault(r["policy"], []).append(r["seconds"])
+    return "wall time per run (fit without the trajectory's evaluations, 1 thread; mean over seeds): " + ", ".join(
+        f"{p} {statistics.fmean(v):.0f} s" for p, v in sorted(by.items(), key=lambda kv: POLICIES.index(kv[0])
+                                                             if kv[0] in POLICIES else 99))
+
+
+def plot(traj: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for p in POLICIES:
+        if p not in traj or p == "all_bf16":
+            continue
+        xs = sorted(int(k) for k in traj[p])
+        ax.errorbar(xs, [traj[p][str(x)]["mean"] for x in xs], yerr=[traj[p][str(x)]["std"] for x in xs], marker="o",
+                    capsize=3, label=p, ls="-" if p.startswith("snip") else "--")
+    ax.axhline(0.0, color="gray", lw=0.8)
+    ax.set_xlabel("continuation step (4 x 128 tokens each)")
+    ax.set_ylabel("held-out loss gap to bf16 (high precision)")
+    ax.set_title("SmolLM2-135M continued, FP4 fraction 0.75")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--fraction", type=float, default=0.75)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, help="run only these (all_bf16 always runs)")
+    parser.add_argument("--cached-only", action="store_true", help="run nothing: report the seeds the cache completes")
+    parser.add_argument("--quick", action="store_true", help="a tiny setting, 1 seed, in a temporary store")
+    parser.add_argument("--store", type=Path, default=cp.RESULTS / f"compare_policies_{SETTING}_cache")
+    parser.add_argument("--out", type=Path, default=cp.RESULTS)
+    args = parser.parse_args()
+    s = cp.SETTINGS[SETTING]
+    if args.quick:
+        s = dataclasses.replace(cp.SETTINGS["smollm2_quick"], continue_steps=4, trajectory_every=2)
+        args.seeds, args.store = 1, Path(tempfile.mkdtemp(prefix="quality_long_"))
+    work = Path(os.environ.get("SNIP_BENCH_DIR", os.path.join(tempfile.gettempdir(), "snip_compare_v2"))) / (
+        "quick_long" if args.quick else SETTING)
+    work.mkdir(parents=True, exist_ok=True)
+    args.store.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    ckpt, measured = cp.prepare(s, work, args.store, truths=False)
+    cp.release_memory()
+    seed_truths(args.store, measured)
+
+    def truths():
+        module, optimizer, data = cp.from_checkpoint(s, ckpt)
+        model, layers = cp._truth_model(s, module)
+        measured.update(cp.measure_truths(s, model, optimizer, layers, data, parts=args.store / "truth_parts.json",
+                                          chunk=30))
+        (args.store / "measured.json").write_text(json.dumps({"setting": cp._setting(s), "measured": measured}))
+
+    todo = jobs(args.fraction, args.seeds, POLICIES if not args.policies else
+                [p for p in POLICIES if p in set(args.policies) | {"all_bf16"}])
+    rows = cp.run_jobs(s, ckpt, measured, todo, args.store, args.workers, work, truths, args.cached_only)
+    if args.cached_only:
+        rows = cp.complete_seeds(rows, todo)
+    lines, traj = report(rows, s)
+    date = datetime.date.today().isoformat()
+    head = [f"# Quality v4 (issue 52): SmolLM2 over 4x the horizon — {date}",
+            f"command: `python benchmarks/quality_long.py {' '.join(sys.argv[1:])}`; machine: {platform.machine()} "
+            f"({os.cpu_count()} cores), Python {platform.python_version()}; FP4 emulated",
+            f"setting: {dataclasses.asdict(s)}", f"seeds with every policy's run: {sorted({r['seed'] for r in rows})}",
+            f"wall {time.perf_counter() - start:.0f} s (this invocation)", wall_times(rows), ""]
+    print("\n".join(head + lines), flush=True)
+    if args.quick:
+        return
+    bf16 = [r["eval_loss"] for r in sorted(rows, key=lambda r: r["seed"]) if r["policy"] == "all_bf16"]
+    noise = {"bf16_eval_loss_mean": statistics.fmean(bf16), "bf16_eval_loss_std": statistics.stdev(bf16)
+             if len(bf16) > 1 else None, "seeds": bf16}
+    prefix = cp._prefix(SETTING)
+    (args.out / f"{prefix}.json").write_text(json.dumps(dict(cp.summarize(rows), noise_floor=noise, trajectory=traj),
+                                                        indent=2))
+    (args.out / f"{prefix}_runs.json").write_text(json.dumps({"setting": dataclasses.asdict(s), "rows": rows}, indent=1))
+    (args.out / f"{prefix}_{date}.md").write_text("\n".join(head + lines) + "\n")
+    plot(traj, args.out / f"{prefix}.png")
+
+
+if __name__ == "__main__":
+    main()
