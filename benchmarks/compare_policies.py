@@ -90,7 +90,7 @@ class Setup:
     eval_batches: int = 10**6  # held-out batches evaluated (the demo: the whole held-out tail)
     max_rows: int = 1024  # SNIP's statistics round (SNIPConfig's defaults unless the setting says)
     first_order_steps: int = 32
-    first_order_rows: int = 1024
+    first_order_rows: int = 1024  # (the sample's rows are SNIPConfig.max_rows since 2026-12-04: every setting had both equal)
     accelerator: str = "cpu"  # the Trainer's (smollm2_gpu: "gpu", one device)
     precision: str = "32-true"
     trajectory_every: int = 0  # > 0: also the held-out loss (high precision) every this many continuation steps
@@ -486,15 +486,14 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
         # first-order sample, spike guard) but for the protocol's target (fraction of the whole model, its formats
         # and pins), its CPU-sized rows, and the first round at the checkpoint, where every policy's plan starts.
         config = SNIPConfig(warmup_steps=s.pretrain_steps, fp4_fraction=fraction, target_scope="model",
-                            candidate_formats=s.candidates, pins=PINS, granularity=granularity, max_rows=max_rows,
-                            first_order_rows=s.first_order_rows)
+                            candidate_formats=s.candidates, pins=PINS, granularity=granularity, max_rows=max_rows)
         callback = SNIPCallback(config)
     elif base in ("snip", "snip_gemm"):
         # The first round runs at the checkpoint (no first-order history yet), then every interval.
-        config = SNIPConfig(warmup_steps=s.pretrain_steps, interval=interval, apply_delay=1, fp4_fraction=fraction,
+        config = SNIPConfig(warmup_steps=s.pretrain_steps, interval=interval, fp4_fraction=fraction,
                             target_scope="model", candidate_formats=s.candidates, initial_format="fp8", pins=PINS,
                             granularity=granularity, first_order_steps=min(s.first_order_steps, s.snip_interval - 1),
-                            max_rows=max_rows, first_order_rows=s.first_order_rows, spike_threshold=None,
+                            max_rows=max_rows, spike_threshold=None,
                             overhead_budget=None,
                             **({"weight_divergence_weight": float(lam)} if lam else {}))
         callback = SNIPCallback(config)

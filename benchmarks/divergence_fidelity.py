@@ -71,6 +71,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_snip.statistics_round import WD_PROBES
 from lightning_snip.convert import convert_linears, glob_filter
 from lightning_snip.demo.data import ByteWindows, load_corpus, split_corpus
 from lightning_snip.demo.model import LlamaConfig, TinyLlama
@@ -494,7 +495,7 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
 
             # The aggregate the callback plans from, after each round from the 4th on (the last round
             # weighs half: one aggregate is not much steadier than one round): the median over them.
-            agg = DivergenceAggregate(SNIPConfig().aggregate_decay)
+            agg = DivergenceAggregate()
             agg_ld, agg_wd = [], []
             for r in range(rounds):
                 agg.update({"loss_divergence": {f: {fmt.value: v} for f, v in zip(fqns, ld(r, clamp=False))},
@@ -629,15 +630,15 @@ def main() -> None:
                         help="rounds, sampled steps and truths under bf16 autocast (bf16-mixed) or in fp32; the "
                              "checkpoint is trained in fp32 either way")
     parser.add_argument("--noise-draws", type=int, default=2)
-    parser.add_argument("--probes", type=int, default=SNIPConfig().wd_probes,
+    parser.add_argument("--probes", type=int, default=WD_PROBES,
                         help="forward-mode probes of WD's propagated term (the callback's default)")
     parser.add_argument("--tail", action="store_true",
                         help="held-out truth on the corpus's last 5%% (other files: a distribution shift) "
                              "instead of interleaved held-out chunks of the same files")
     parser.add_argument("--first-order-steps", type=int, default=SNIPConfig().first_order_steps,
                         help="training batches whose first-order term each round averages (snip.first_order_steps)")
-    parser.add_argument("--first-order-rows", type=int, default=SNIPConfig().first_order_rows,
-                        help="token rows sampled per such batch (snip.first_order_rows)")
+    parser.add_argument("--first-order-rows", type=int, default=SNIPConfig().max_rows,
+                        help="token rows sampled per such batch (the callback samples snip.max_rows)")
     parser.add_argument("--dump", help="write the raw per-layer values to this JSON file")
     parser.add_argument("--settings-study", metavar="DUMP",
                         help="replay the rounds of a --dump run under --settings and print their cost and fidelity "

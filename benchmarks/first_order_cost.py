@@ -1,4 +1,4 @@
-"""Cost of LD's first-order sampling (SNIPCallback, snip.first_order_steps / first_order_rows) on the demo
+"""Cost of LD's first-order sampling (SNIPCallback, snip.first_order_steps, max_rows rows each) on the demo
 model: one training step with and without the FirstOrderSampler hooks, side by side in one process,
 with the switched layers in bf16 (what a step costs on hardware with native low-precision kernels)
 and in emulated mxfp4 (what it costs on this CPU). Candidates fp8 and mxfp4, LM head pinned (not

@@ -56,6 +56,7 @@ import time
 
 import torch
 
+from lightning_snip.statistics_round import NOISE_DRAWS, WD_PROBES
 from lightning_snip import kernels
 from lightning_snip.formats import Format, QuantRecipe
 from lightning_snip.gemm import Kernel, kernel_for, quantized_matmul
@@ -273,8 +274,8 @@ def _round_profile(device, lines, width, blocks, precision):
         def one_round():
             stats = harness.collect_stats(model, loss_fn, layers=layers, optimizer=opt, propagation=Propagation.PROBE)
             try:
-                harness.estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
-                                            probes=cfg.wd_probes, precision=precision,
+                harness.estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=NOISE_DRAWS,
+                                            probes=WD_PROBES, precision=precision,
                                             generator=torch.Generator(device=device).manual_seed(0),
                                             allowed=harness.round_formats(layers))
             finally:

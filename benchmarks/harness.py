@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from scipy.stats import spearmanr
 
 from lightning_snip.config import SNIPConfig
+from lightning_snip.statistics_round import NOISE_DRAWS, WD_PROBES
 from lightning_snip.convert import convert_linears
 from lightning_snip.demo.model import LlamaConfig, TinyLlama
 from lightning_snip.divergence import estimate_divergence
@@ -396,7 +397,7 @@ def peak_rise(fn) -> float:
 class RoundVariant(NamedTuple):
     """A statistics round timed beside the default one (measure_one's ``variants``)."""
 
-    probes: int = SNIPConfig().wd_probes
+    probes: int = WD_PROBES
     unbatched: bool = False  # one forward-mode pass per WD probe (the round before 2026-12-02, night)
     # None: the device's default (1 on a CPU, MAX_GROUP_LAYERS on a GPU); 1: each layer's quantizers and GEMMs
     # alone (everywhere before 2026-12-03); MAX_GROUP_LAYERS: stacked with the layers of its shape
@@ -491,7 +492,7 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
         for layer in layers.values():
             layer.format = Format.BF16
 
-    def round_on(b, propagation: Propagation, probes: int = cfg.wd_probes,
+    def round_on(b, propagation: Propagation, probes: int = WD_PROBES,
                  precision: RoundPrecision = RoundPrecision.TRAINING, unbatched: bool = False,
                  group_layers: int | None = None, pinned_measured: bool = False):
         sliced = slice_batch(b, cfg.max_rows)
@@ -504,7 +505,7 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
 
         stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt, propagation=propagation)
         try:
-            estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws, probes=probes,
+            estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=NOISE_DRAWS, probes=probes,
                                 precision=precision, group_layers=group_layers,
                                 generator=torch.Generator(device=device).manual_seed(seed),
                                 allowed=round_formats(layers, pinned_measured))

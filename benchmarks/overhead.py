@@ -164,7 +164,7 @@ def main() -> None:
     if args.budget != "default":
         settings["overhead_budget"] = None if args.budget == "none" else float(args.budget)
     if args.model == "smollm2" or args.smollm2_preset:
-        settings.update(warmup_steps=10, interval=10, max_rows=256, first_order_steps=4, first_order_rows=256)
+        settings.update(warmup_steps=10, interval=10, max_rows=256, first_order_steps=4)
     if args.quick:
         settings.update(warmup_steps=5, interval=10)
         args.steps = min(args.steps, 25)
@@ -183,7 +183,7 @@ def main() -> None:
           f"device {args.device}, precision {args.precision}, compile {args.compile}")
     print(f"# model {args.model}, {args.steps} steps, seq_len {args.seq_len}; SNIPConfig: overhead_budget "
           f"{config.overhead_budget}, interval {config.interval}, warmup {config.warmup_steps}, max_rows {config.max_rows}, "
-          f"first_order_steps {config.first_order_steps} x {config.first_order_rows} rows")
+          f"first_order_steps {config.first_order_steps} x {config.max_rows} rows")
     print("| tokens/step | pairs | A/B - 1 (mean ± std) | self-measured | rounds | round cost (B steps) | B ms/step |")
     print("|---|---|---|---|---|---|---|")
     for batch_size in batch_sizes:

@@ -122,7 +122,7 @@ def measure(width: int, blocks: int) -> dict:
             "step_flops": step_flops, "step_ops": step_ops, "sample_flops": sampled_flops - step_flops,
             "sample_ops": sampled_ops - step_ops, "round_flops": round_flops, "round_ops": round_ops,
             "round_alpha": round_flops / (cfg.max_rows * elements),
-            "sample_alpha": (sampled_flops - step_flops) / (cfg.first_order_rows * elements)}
+            "sample_alpha": (sampled_flops - step_flops) / (cfg.max_rows * elements)}
 
 
 def time_on_device(width: int, blocks: int, tokens: int, device: str = "cuda", repeats: int = 3) -> dict:
@@ -158,7 +158,7 @@ def predict(fit: dict, tokens: int, peak: float) -> dict:
     step = 6 * tokens * elements / (MFU * peak)
     step_fp4 = step / FP4_SPEEDUP
     round_seconds = fit["round_alpha"] * cfg.max_rows * elements / (MFU * peak) + fit["round_ops_per_layer"] * layers * LAUNCH_SECONDS
-    sample = fit["sample_alpha"] * cfg.first_order_rows * elements / (MFU * peak) + fit["sample_ops_per_layer"] * layers * LAUNCH_SECONDS
+    sample = fit["sample_alpha"] * cfg.max_rows * elements / (MFU * peak) + fit["sample_ops_per_layer"] * layers * LAUNCH_SECONDS
     out = {}
     for name, t in (("bf16", step), ("fp4", step_fp4)):
         fixed = (round_seconds + cfg.first_order_steps * sample) / (cfg.interval * t)

@@ -33,8 +33,10 @@ def seeded_run(granularity: str) -> dict:
     torch.manual_seed(0)
     model = TinyLlama(LlamaConfig(dim=64, num_layers=3, num_heads=4, num_kv_heads=2, hidden_dim=160))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    settings = dict(warmup_steps=3, interval=4, first_order_steps=2, first_order_rows=64, max_rows=128,
-                    fp4_fraction=0.6, granularity=granularity)
+    settings = dict(warmup_steps=3, interval=4, first_order_steps=2, max_rows=128, fp4_fraction=0.6,
+                    granularity=granularity)
+    if "first_order_rows" in SNIPConfig.__dataclass_fields__:  # (until 2026-12-04; since, the sample takes max_rows)
+        settings["first_order_rows"] = 128
     if "target_scope" in SNIPConfig.__dataclass_fields__:  # (the field since 2026-12-04; its absence is "model")
         settings["target_scope"] = "model"
     if "overhead_budget" in SNIPConfig.__dataclass_fields__:  # (since 2026-12-04; its absence is the fixed schedule)

@@ -35,6 +35,7 @@ import torch
 from harness import reset_peak, round_formats, rss_mib
 
 from lightning_snip.config import SNIPConfig
+from lightning_snip.statistics_round import NOISE_DRAWS, WD_PROBES
 from lightning_snip.convert import convert_linears, high_precision
 from lightning_snip.demo.lightning import ByteTextDataModule, CausalLM
 from lightning_snip.divergence import estimate_divergence
@@ -108,7 +109,7 @@ def main() -> None:
         # the pinned head measured in every format: the callback's round with other allowed formats
         stats = collect_stats(model, lambda: module.snip_loss(sliced), layers=layers, optimizer=optimizer)
         try:
-            estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws, probes=cfg.wd_probes,
+            estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=NOISE_DRAWS, probes=WD_PROBES,
                                 generator=torch.Generator().manual_seed(0), allowed=round_formats(layers, True))
         finally:
             stats.release()
@@ -151,7 +152,7 @@ def main() -> None:
         cfg = ROUND_SETTINGS[r]
         rows = min(cfg.max_rows, args.batch * args.seq_len)
         print(f"round {r} {med[f'round_{r}']:.1f} {med[f'round_{r}'] / hp:.1f} ({rows} rows: max_rows {cfg.max_rows}, noise_draws "
-              f"{cfg.noise_draws}, wd_probes {cfg.wd_probes}{', pinned head measured' if r in PINNED_MEASURED else ''}, "
+              f"{NOISE_DRAWS}, wd_probes {WD_PROBES}{', pinned head measured' if r in PINNED_MEASURED else ''}, "
               f"candidates {'/'.join(f.value for f in cfg.candidate_formats)})")
     print(f"peak_rss_mib rest {rest:.0f} (model and tokenizer loaded: {rest_before:.0f})")
     for name, peak in peaks.items():

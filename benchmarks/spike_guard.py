@@ -83,8 +83,11 @@ def fault_run(seed: int, replan: bool, max_steps: int = 60) -> dict:
 
     from harness import broken_fp4_forward  # the fault the tests inject
 
+    from lightning_snip import statistics_round
+
+    statistics_round.NOISE_DRAWS = 1  # the protocol's one error-probe draw (snip.noise_draws=1 until 2026-12-04)
     module, data = _module_and_data(seed)
-    snip = SNIPCallback(SNIPConfig(warmup_steps=10, interval=100, fp4_fraction=0.6, max_rows=128, noise_draws=1,
+    snip = SNIPCallback(SNIPConfig(warmup_steps=10, interval=100, fp4_fraction=0.6, max_rows=128,
                                    replan=replan, overhead_budget=None))
     real = linear.quantized_matmul
 

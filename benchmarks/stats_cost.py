@@ -3,7 +3,7 @@
 For the demo architecture at several depths and two widths, each configuration in its own
 subprocess (so its peak RSS is its own): a model with AdamW state, a 2048-row batch (16 x 128
 tokens) and the callback's defaults (SNIPConfig(): max_rows 1024, candidates fp8 and mxfp4, 2 noise
-draws per format, SNIPConfig().wd_probes forward-mode probes). Measured:
+draws per format, statistics_round.WD_PROBES forward-mode probes). Measured:
 
 - round time / the high-precision training step on the 2048-row batch (forward, backward, AdamW);
 - round time / the same step with every layer in emulated mxfp4;
@@ -51,6 +51,7 @@ import sys
 import torch
 
 from lightning_snip.config import SNIPConfig
+from lightning_snip.statistics_round import WD_PROBES
 
 from harness import BATCH, SEQ_LEN, RoundVariant, measure_one
 from lightning_snip.groups import MAX_GROUP_LAYERS
@@ -103,7 +104,7 @@ def main() -> None:
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.machine()} python "
           f"{platform.python_version()} torch {torch.__version__}; {args.threads} thread(s); seed {args.seed}; "
           f"median of {args.repeats} repeat(s); batch {BATCH}x{SEQ_LEN}; SNIPConfig() defaults (wd_probes "
-          f"{SNIPConfig().wd_probes}); variants {args.variants or 'none'}", flush=True)
+          f"{WD_PROBES}); variants {args.variants or 'none'}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     results = []
     for width in widths:

@@ -41,6 +41,10 @@ class _Entry:
         return self.total / self.weight
 
 
+DECAY = 0.5
+"""The callback's EMA decay: the history's weight at each new round (docs/configuration.md names its study)."""
+
+
 class DivergenceAggregate:
     """EMA over statistics rounds of per-(layer, format) LD and WD.
 
@@ -48,9 +52,9 @@ class DivergenceAggregate:
         decay: weight of the history at each new round, in [0, 1).
     """
 
-    def __init__(self, decay: float) -> None:
+    def __init__(self, decay: float = DECAY) -> None:
         if not (isinstance(decay, (int, float)) and 0.0 <= decay < 1.0):
-            raise ValueError(f"aggregate_decay: invalid value {decay!r}; allowed: a number in [0, 1)")
+            raise ValueError(f"decay: invalid value {decay!r}; allowed: a number in [0, 1)")
         self.decay = float(decay)
         self.num_rounds = 0
         self._entries: dict[tuple[str, str, str], _Entry] = {}  # (metric, fqn, format name) -> entry

@@ -28,6 +28,7 @@ MIN_RECENT = 3  # plain steps before a step SNIP worked in is priced (it waits):
 # the process's first step (which compiles and allocates)
 FIRST_SAMPLE_STEPS = 8  # a first round's first-order sample under a budget: nothing is timed before it
 WORK_KINDS = ("round", "first_order", "switch")
+APPLY_DELAY = 1  # a plan solved from step t's statistics applies at step t + 1: its solve runs in a thread meanwhile
 
 
 class OverheadBudget:
@@ -41,7 +42,7 @@ class OverheadBudget:
 
     def __init__(self, config: SNIPConfig) -> None:
         self.budget = config.overhead_budget if config.replan else None
-        self.replan, self.warmup_steps, self.apply_delay = config.replan, config.warmup_steps, config.apply_delay
+        self.replan, self.warmup_steps, self.apply_delay = config.replan, config.warmup_steps, APPLY_DELAY
         self.interval, self.max_first_order = config.interval, config.first_order_steps
         self.horizon: int | None = None  # the run's last step + 1, when known (set_horizon)
         self.next_round: int | None = config.warmup_steps if config.replan else None

@@ -44,11 +44,11 @@ class SNIPCallback(Callback):
     lightning_snip.divergence); others fail at setup. Every ``interval`` steps from
     ``warmup_steps`` on, a statistics round runs on the first ``max_rows`` token rows of the batch
     (high precision, see lightning_snip.stats). In the ``first_order_steps`` training steps before
-    it, LD's first-order term is sampled on the live steps (FirstOrderSampler, ``first_order_rows``
+    it, LD's first-order term is sampled on the live steps (FirstOrderSampler, ``max_rows``
     rows each), which the ``accumulated`` estimator averages with the round's own. The round's
-    divergences are averaged over data-parallel ranks (unclamped), and folded into an exponential moving average over rounds (``aggregate_decay``; see
+    divergences are averaged over data-parallel ranks (unclamped), and folded into an exponential moving average over rounds (see
     lightning_snip.aggregate), and rank 0 solves the ILP on that aggregate in a background thread.
-    ``apply_delay`` steps later rank 0 joins the thread, broadcasts the plan, and every rank applies it
+    At the next step rank 0 joins the thread, broadcasts the plan, and every rank applies it
     before that step's forward pass. A failed statistics round or solve logs a warning and training
     continues on the last good plan. The aggregate, the first-order samples since the last round and a
     solve still pending are part of the checkpoint: a resumed run plans exactly as the uninterrupted

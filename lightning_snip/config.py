@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_snip.formats import Choice, CostModel, Format, Fp8Scaling, QuantRecipe
+from lightning_snip.formats import Choice, Format, Fp8Scaling, QuantRecipe
 from lightning_snip.plan import Granularity
 from lightning_snip.planner import DEFAULT_WEIGHT_DIVERGENCE_WEIGHT
 
@@ -26,7 +26,7 @@ DEFAULT_PINS = ("*lm_head=bf16",)
 
 
 class TargetScope(Choice):
-    """What ``fp4_fraction`` (or ``cost_budget``) is a share of.
+    """What ``fp4_fraction`` is a share of.
 
     SWITCHABLE: the FLOPs of the layers a plan may change (converted and not pinned): what a user asking for
     "75% in FP4" means when the LM head is pinned in bf16; the whole model's share is reported beside it.
@@ -73,25 +73,17 @@ def _parse_fp8_scaling(value):
 
 def _check_counts_and_targets(cfg: "SNIPConfig") -> None:
     """SNIPConfig's integer counts, its FP4 target and its positive numbers (the first checks of __post_init__)."""
-    for name in ("interval", "max_rows", "first_order_rows", "wd_probes"):
+    for name in ("interval", "max_rows"):
         value = getattr(cfg, name)
         check_field(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, value, "an integer > 0")
-    for name in ("warmup_steps", "apply_delay", "noise_draws", "first_order_steps"):
+    for name in ("warmup_steps", "first_order_steps"):
         value = getattr(cfg, name)
         check_field(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name, value, "an integer >= 0")
     check_field(cfg.max_consecutive_failures is None or (isinstance(cfg.max_consecutive_failures, int) and not isinstance(
         cfg.max_consecutive_failures, bool) and cfg.max_consecutive_failures > 0),
         "max_consecutive_failures", cfg.max_consecutive_failures, "an integer > 0, or null (never raise)")
-    check_field(cfg.apply_delay < cfg.interval, "apply_delay", cfg.apply_delay, f"an integer < interval ({cfg.interval})")
-    if (cfg.fp4_fraction is None) == (cfg.cost_budget is None):
-        raise ValueError(
-            f"fp4_fraction / cost_budget: set exactly one (the other null); got "
-            f"fp4_fraction={cfg.fp4_fraction!r}, cost_budget={cfg.cost_budget!r}"
-        )
-    if cfg.fp4_fraction is not None:
-        check_field(0.0 <= cfg.fp4_fraction <= 1.0, "fp4_fraction", cfg.fp4_fraction, "a number in [0, 1]")
-    if cfg.cost_budget is not None:
-        check_field(cfg.cost_budget > 0 and math.isfinite(cfg.cost_budget), "cost_budget", cfg.cost_budget, "a number > 0")
+    check_field(isinstance(cfg.fp4_fraction, (int, float)) and not isinstance(cfg.fp4_fraction, bool)
+                and 0.0 <= cfg.fp4_fraction <= 1.0, "fp4_fraction", cfg.fp4_fraction, "a number in [0, 1]")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,22 +91,21 @@ class SNIPConfig:
     """SNIPCallback settings, by group; docs/configuration.md gives each one's meaning and the study behind
     its default.
 
-    Schedule: the first statistics round at ``warmup_steps``, its plan applied ``apply_delay`` steps later; the
-        next rounds at least ``interval`` steps apart and as far apart as keeps SNIP's measured time within
+    Schedule: the first statistics round at ``warmup_steps``, its plan applied at the next step (the solve runs
+        in a background thread meanwhile); the next rounds at least ``interval`` steps apart and as far apart as keeps SNIP's measured time within
         ``overhead_budget`` of training's (null: every ``interval`` steps; lightning_snip.budget);
         ``replan=False`` freezes the initial plan (no rounds).
-    Target: ``fp4_fraction`` of the linear FLOPs in FP4 (or a relative GEMM ``cost_budget``, all-bf16 = 1,
-        with per-format ``relative_cost`` overrides), as a share of the switchable (unpinned) layers' FLOPs
+    Target: ``fp4_fraction`` of the linear FLOPs in FP4, as a share of the switchable (unpinned) layers' FLOPs
         (``target_scope=switchable``) or of every converted layer's (``model``); ``granularity``: a format
         per layer's GEMM direction (``gemm``: forward, and dgrad + wgrad) or per layer (``layer``).
     Formats: the ``candidate_formats`` a plan chooses among (bf16 always possible), ``initial_format``
         until the first plan, the ``include`` / ``exclude`` globs of the nn.Linear layers converted, ``pins``
         (glob=format kept fixed; default: the LM head in bf16) and ``extra_pins`` added to them, and the FP8
         scaling (``rowwise``, ``tensorwise`` or ``auto``: the faster on the run's GPU).
-    Estimator: ``max_rows`` token rows per round, ``noise_draws`` curvature passes per FP4 format,
-        ``wd_probes`` forward-mode probes, LD's first-order term also sampled on ``first_order_rows`` rows
-        of up to ``first_order_steps`` steps before each round (fewer as the budget requires), rounds averaged with ``aggregate_decay``, the
-        objective LD + ``weight_divergence_weight`` x WD.
+    Estimator: ``max_rows`` token rows per round (and per step of LD's first-order sample, taken on up to
+        ``first_order_steps`` steps before each round: fewer as the budget requires); the objective LD +
+        ``weight_divergence_weight`` x WD. The estimator's other settings are fixed by their studies
+        (lightning_snip.statistics_round, lightning_snip.aggregate).
     Guard: ``spike_threshold`` (null: off) reverts a plan whose loss, in the steps after it, rises that
         many standard deviations above the steps before it (or goes non-finite; lightning_snip.spike_guard);
         ``noise_guard_threshold`` (null: off) keeps FP4 out of the backward of a layer whose weight
@@ -125,13 +116,10 @@ class SNIPConfig:
     # schedule
     interval: int = 100
     warmup_steps: int = 50
-    apply_delay: int = 1
     replan: bool = True
     overhead_budget: float | None = 0.02
     # target
-    fp4_fraction: float | None = 0.75
-    cost_budget: float | None = None
-    relative_cost: dict[str, float] = field(default_factory=dict)
+    fp4_fraction: float = 0.75
     target_scope: TargetScope = TargetScope.SWITCHABLE
     granularity: Granularity = Granularity.GEMM
     # formats
@@ -144,11 +132,7 @@ class SNIPConfig:
     fp8_scaling: Any = Fp8Scaling.ROWWISE  # Any: an Fp8Scaling or "auto"
     # estimator
     max_rows: int = 1024
-    noise_draws: int = 2
-    wd_probes: int = 4
     first_order_steps: int = 32
-    first_order_rows: int = 1024
-    aggregate_decay: float = 0.5
     weight_divergence_weight: float = DEFAULT_WEIGHT_DIVERGENCE_WEIGHT
     # guard
     spike_threshold: float | None = 6.0
@@ -160,8 +144,6 @@ class SNIPConfig:
         for name, choice in (("granularity", Granularity), ("target_scope", TargetScope)):
             object.__setattr__(self, name, choice.parse(getattr(self, name), field_name=name))
         object.__setattr__(self, "fp8_scaling", _parse_fp8_scaling(self.fp8_scaling))
-        check_field(isinstance(self.aggregate_decay, (int, float)) and 0.0 <= self.aggregate_decay < 1.0,
-                    "aggregate_decay", self.aggregate_decay, "a number in [0, 1)")
         check_field(self.noise_guard_threshold is None or (
             isinstance(self.noise_guard_threshold, (int, float)) and not isinstance(self.noise_guard_threshold, bool)
             and 0 < self.noise_guard_threshold < math.inf), "noise_guard_threshold", self.noise_guard_threshold,
@@ -193,7 +175,6 @@ class SNIPConfig:
                              f"fp4_fraction={self.fp4_fraction}")
         for pattern, fmt in pin_formats.items():
             Format.parse(fmt, field_name=f"pins[{pattern}]")
-        self.cost_model  # validates relative_cost
 
     @property
     def pin_formats(self) -> dict[str, str]:
@@ -224,7 +205,3 @@ class SNIPConfig:
             raise RuntimeError("fp8_scaling: 'auto' has no recipe until it is resolved on the run's device "
                                "(SNIPCallback does at fit start; elsewhere call lightning_snip.callback.resolve_fp8_scaling)")
         return QuantRecipe(fp8_scaling=self.fp8_scaling)
-
-    @property
-    def cost_model(self) -> CostModel:
-        return CostModel(self.relative_cost)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_snip.aggregate import METRICS, DivergenceAggregate
-from lightning_snip.budget import OverheadBudget
+from lightning_snip.budget import APPLY_DELAY, OverheadBudget
 from lightning_snip.config import SNIPConfig
 from lightning_snip.convert import UnmatchedPinsError, apply_plan, convert_linears, glob_filter, layer_assignment
 from lightning_snip.divergence import DivergenceResult, LayerDivergence
@@ -139,7 +139,7 @@ class SNIPController:
     ``interval`` steps from ``warmup_steps`` on, ``statistics_round`` measures LD and WD on the first
     ``max_rows`` token rows of a batch (high precision, see lightning_snip.stats), averages them over
     ranks, folds them into the aggregate over rounds and starts the ILP solve on rank 0 in a
-    background thread; ``apply_delay`` steps later ``apply_due`` joins it, broadcasts the plan and
+    background thread; at the next step (budget.APPLY_DELAY) ``apply_due`` joins it, broadcasts the plan and
     every rank applies it before that step's forward pass. In the ``first_order_steps`` steps before
     a round, ``start_first_order`` samples LD's first-order term on the live training steps. A failed
     round or solve logs a warning and training continues on the last good plan; past
@@ -162,7 +162,7 @@ class SNIPController:
         self.history: list[dict] = []
         self.num_stats_rounds = 0
         self.num_plans_applied = 0
-        self.aggregate = DivergenceAggregate(self.config.aggregate_decay)
+        self.aggregate = DivergenceAggregate()
         self.pending: PendingSolve | None = None
         self.restored_pending: tuple[int, int] | None = None  # (stats_step, apply_step) from a checkpoint
         self.propagation = Propagation.PROBE  # exact after probes proved unsupported
@@ -340,7 +340,7 @@ class SNIPController:
                         **{f"snip/grad_noise_ratio/{fqn}": r for fqn, r in self.grad_noise_ratios.items()}})
         self.history.append({"step": step, "divergence": result.as_dict()})
         self.fold_into_aggregate(self.history[-1]["divergence"])
-        self.start_solve(step, step + cfg.apply_delay, collective)
+        self.start_solve(step, step + APPLY_DELAY, collective)
         return scalars
 
     def fold_into_aggregate(self, divergence: dict) -> None:

@@ -19,8 +19,7 @@ from lightning_snip.formats import Format
 from lightning_snip.linear import SNIPLinear
 from lightning_snip.plan import Granularity, Plan
 from lightning_snip.planner import (FORWARD_SHARE, LayerCandidates, PlanInfeasibleError, check_target, gemm_items,
-                                    keep_out_of_fp4,
-                                    max_fp4_fraction, min_relative_cost, solve_plan)
+                                    keep_out_of_fp4, max_fp4_fraction, solve_plan)
 
 logger = logging.getLogger(__name__)
 
@@ -129,53 +128,42 @@ def _pinned_split(candidates: Sequence[LayerCandidates]) -> tuple[float, list[La
     return total, pinned, total - sum(c.flops for c in pinned)
 
 
-def model_target(candidates: Sequence[LayerCandidates], config: SNIPConfig) -> tuple[float | None, float | None]:
-    """``config``'s (fp4_fraction, cost_budget) as shares of every candidate layer's FLOPs, what the planner
-    constrains: under target_scope=switchable the pinned layers' FLOPs (and their pins' FP4 FLOPs or GEMM
-    cost) are added to the target's share of the unpinned ones. The same linear constraint, so the same plan
-    as the switchable target."""
-    fraction, budget = config.fp4_fraction, config.cost_budget
+def model_target(candidates: Sequence[LayerCandidates], config: SNIPConfig) -> float:
+    """``config``'s fp4_fraction as a share of every candidate layer's FLOPs, what the planner constrains:
+    under target_scope=switchable the pinned layers' FLOPs (and their pins' FP4 FLOPs) are added to the
+    target's share of the unpinned ones. The same linear constraint, so the same plan as the switchable target."""
+    fraction = config.fp4_fraction
     if TargetScope(config.target_scope) is TargetScope.MODEL:
-        return fraction, budget
+        return fraction
     total, pinned, free = _pinned_split(candidates)
     if not total or not pinned:
-        return fraction, budget
-    if fraction is not None:
-        fraction = (sum(c.flops for c in pinned if c.pinned.is_fp4) + fraction * free) / total
-    if budget is not None:
-        cost = config.cost_model.relative_cost
-        budget = (sum(c.flops * cost[c.pinned] for c in pinned) + budget * free) / total
-    return fraction, budget
+        return fraction
+    return (sum(c.flops for c in pinned if c.pinned.is_fp4) + fraction * free) / total
 
 
-def switchable_share(model_share: float, candidates: Sequence[LayerCandidates], config: SNIPConfig,
-                     *, cost: bool = False) -> float:
-    """The inverse of model_target for one share of the model's FLOPs (an FP4 fraction, or a relative GEMM
-    cost with ``cost``): the unpinned layers' part of it. NaN where no layer is unpinned."""
+def switchable_share(model_share: float, candidates: Sequence[LayerCandidates]) -> float:
+    """The inverse of model_target for one FP4 share of the model's FLOPs: the unpinned layers' part of it.
+    NaN where no layer is unpinned."""
     total, pinned, free = _pinned_split(candidates)
     if not free:
         return math.nan
-    weight = config.cost_model.relative_cost if cost else {f: float(f.is_fp4) for f in Format}
-    return (model_share * total - sum(c.flops * weight[c.pinned] for c in pinned)) / free
+    return (model_share * total - sum(c.flops for c in pinned if c.pinned.is_fp4)) / free
 
 
 def check_reachable(layers: Mapping[str, SNIPLinear], config: SNIPConfig) -> None:
-    """Raise ValueError when no plan can meet the FP4 fraction / cost budget: pins and layer shapes
-    alone decide that, and every statistics round would otherwise fail on it."""
+    """Raise ValueError when no plan can meet the FP4 fraction: pins and layer shapes alone decide that,
+    and every statistics round would otherwise fail on it."""
     cfg = config
     candidates = layer_candidates(layers, cfg.formats)
-    fraction, budget = model_target(candidates, cfg)
     try:
-        check_target(candidates, fp4_fraction=fraction, cost_budget=budget, relative_cost=cfg.cost_model.relative_cost)
+        check_target(candidates, fp4_fraction=model_target(candidates, cfg))
     except PlanInfeasibleError as err:
-        field_name = "fp4_fraction" if cfg.fp4_fraction is not None else "cost_budget"
-        value = cfg.fp4_fraction if cfg.fp4_fraction is not None else cfg.cost_budget
         pinned = [fqn for fqn, layer in layers.items() if layer.pinned is not None]
         by_shape = [f"{fqn} ({layer.in_features}->{layer.out_features})" for fqn, layer in layers.items()
                     if layer.pinned is None and not any(f.is_fp4 for f in cfg.formats if f in layer.allowed_formats)]
         why = []
-        if fraction is not None and TargetScope(cfg.target_scope) is TargetScope.SWITCHABLE:
-            why.append(f"at most {switchable_share(max_fp4_fraction(candidates), candidates, cfg):.4f} of the "
+        if TargetScope(cfg.target_scope) is TargetScope.SWITCHABLE:
+            why.append(f"at most {switchable_share(max_fp4_fraction(candidates), candidates):.4f} of the "
                        "switchable layers' FLOPs can run in FP4")
         else:
             why.append(str(err))
@@ -184,7 +172,7 @@ def check_reachable(layers: Mapping[str, SNIPLinear], config: SNIPConfig) -> Non
         if by_shape:
             blocks = ", ".join(f"{f.value} needs dimensions divisible by {f.block_size}" for f in cfg.formats if f.is_fp4)
             why.append(f"no FP4 candidate fits the shape ({blocks}): {by_shape[:3]}")
-        raise ValueError(f"{field_name}: {value!r} cannot be met; " + "; ".join(why)
+        raise ValueError(f"fp4_fraction: {cfg.fp4_fraction!r} cannot be met; " + "; ".join(why)
                          + "; lower it, or unpin layers / add candidate formats") from None
 
 
@@ -193,7 +181,7 @@ def solve_guarded(candidates: list[LayerCandidates], guarded: Mapping[str, froze
     """The plan for ``candidates`` under ``config``'s target, with ``guarded`` (fqn -> FP4 formats the
     gradient-noise guard keeps out of the layer's backward GEMMs; out of the whole layer at granularity
     layer) and ``avoided`` (plan key -> format names the spike guard reverted lately). Where that makes
-    the FP4 fraction or the cost budget unreachable, the plan takes the nearest reachable target instead,
+    the FP4 fraction unreachable, the plan takes the nearest reachable target instead,
     with a warning (the guards win over the target)."""
     cfg = config
     if Granularity(cfg.granularity) is Granularity.GEMM:
@@ -202,23 +190,16 @@ def solve_guarded(candidates: list[LayerCandidates], guarded: Mapping[str, froze
         items = [keep_out_of_fp4(c, guarded[c.fqn]) if c.fqn in guarded else c for c in candidates]
     avoided = avoided or {}
     items = [keep_out_of_fp4(c, {Format(f) for f in avoided[c.fqn]}) if c.fqn in avoided else c for c in items]
-    relative_cost = cfg.cost_model.relative_cost
-    fraction, budget = model_target(candidates, cfg)
+    fraction = model_target(candidates, cfg)
     why = (f"SNIP noise guard: {len(guarded)} layers keep FP4 formats out of their backward (gradient/noise ratio < "
            f"{cfg.noise_guard_threshold or 0:.3g}); " if guarded else "") + (
            f"SNIP spike guard: {len(avoided)} GEMMs avoid the formats of a reverted plan; " if avoided else "")
-    reachable = max_fp4_fraction(items) if why and fraction is not None else 1.0
-    if fraction is not None and reachable < fraction:
+    reachable = max_fp4_fraction(items) if why else 1.0
+    if reachable < fraction:
         logger.warning("%sthe largest reachable FP4 fraction of the model's FLOPs, %.3f, is used instead of %.3f "
                        "(fp4_fraction=%s)", why, reachable, fraction, cfg.fp4_fraction)
         fraction = reachable * (1 - 1e-9)
-    cheapest = min_relative_cost(items, relative_cost) if why and budget is not None else 0.0
-    if budget is not None and cheapest > budget:
-        logger.warning("%sthe lowest reachable relative GEMM cost of the model, %.3f, is used instead of %.3f "
-                       "(cost_budget=%s)", why, cheapest, budget, cfg.cost_budget)
-        budget = cheapest * (1 + 1e-9)
-    plan = solve_plan(items, fp4_fraction=fraction, cost_budget=budget,
-                      weight_divergence_weight=cfg.weight_divergence_weight, relative_cost=relative_cost)
+    plan = solve_plan(items, fp4_fraction=fraction, weight_divergence_weight=cfg.weight_divergence_weight)
     return dataclasses.replace(plan, noise_guarded={fqn: tuple(sorted(f, key=lambda x: x.value))
                                                    for fqn, f in guarded.items()})
 
@@ -239,13 +220,11 @@ def describe_target(layers: Mapping[str, SNIPLinear], config: SNIPConfig) -> str
     switchable layers' linear FLOPs (0.281 of the model's; pinned layers hold 62.5% of them)"."""
     cfg = config
     candidates = layer_candidates(layers, cfg.formats)
-    fraction, budget = model_target(candidates, cfg)
     total, _, free = _pinned_split(candidates)
     pinned = 1.0 - free / total if total else 0.0
-    name, value, model_value = (("fp4_fraction", cfg.fp4_fraction, fraction) if cfg.fp4_fraction is not None
-                                else ("cost_budget", cfg.cost_budget, budget))
+    value = cfg.fp4_fraction
     if TargetScope(cfg.target_scope) is TargetScope.MODEL:
-        return f"{name} {value:g} of the converted layers' linear FLOPs (pinned layers hold {pinned:.1%} of them)"
-    return (f"{name} {value:g} of the switchable layers' linear FLOPs ({model_value:.3f} of the model's; pinned "
-            f"layers hold {pinned:.1%} of them)")
+        return f"fp4_fraction {value:g} of the converted layers' linear FLOPs (pinned layers hold {pinned:.1%} of them)"
+    return (f"fp4_fraction {value:g} of the switchable layers' linear FLOPs ({model_target(candidates, cfg):.3f} of "
+            f"the model's; pinned layers hold {pinned:.1%} of them)")
 

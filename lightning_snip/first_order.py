@@ -1,7 +1,7 @@
 """LD's first-order term <G, dY> sampled on live training steps, so the round averages it over many batches.
 
 One batch's first-order term is mostly that batch's noise (signed, its sampling error larger than its mean); the
-``first_order_steps`` training steps before each statistics round also measure it, on ``first_order_rows`` token
+``first_order_steps`` training steps before each statistics round also measure it, on ``max_rows`` token
 rows of each step's batch, while their own backward pass runs: FirstOrderSampler (through each layer's first-order tap) hands the rows to
 FirstOrderTerms, and FirstOrderRecorder is the controller's switch for it. Written here: no library samples a
 layer's input and output gradient on a training step.
@@ -120,7 +120,7 @@ class FirstOrderRecorder:
     def __init__(self, layers: Mapping[str, SNIPLinear], config: SNIPConfig) -> None:
         self.terms = FirstOrderTerms(config.formats, recipe=config.recipe)
         self.sampler = FirstOrderSampler({fqn: layer for fqn, layer in layers.items() if layer.pinned is None},
-                                         config.first_order_rows, self.terms.add)
+                                         config.max_rows, self.terms.add)
         self._recording: contextlib.ExitStack | None = None
 
     def start(self, step: int, grad_scale: float) -> None:

@@ -20,6 +20,10 @@ from lightning_snip.linear import SNIPLinear
 from lightning_snip.probes import ForwardModeUnsupportedError
 from lightning_snip.stats import Propagation, collect_stats
 
+# The round's estimator settings, fixed by their studies (docs/configuration.md, "Estimator settings"):
+NOISE_DRAWS = 2  # error-probe passes of LD's second-order term per FP4 format
+WD_PROBES = 4  # forward-mode probes of WD's propagated term
+
 logger = logging.getLogger(__name__)
 
 
@@ -56,9 +60,9 @@ def run_statistics_round(model: torch.nn.Module, loss_fn: Callable[[], torch.Ten
             stats = _collect(model, loss_fn, layers, optimizer, loss_scale, propagation)
             try:
                 result = estimate_divergence(
-                    stats, cfg.formats, recipe=cfg.recipe, noise_draws=cfg.noise_draws,
+                    stats, cfg.formats, recipe=cfg.recipe, noise_draws=NOISE_DRAWS,
                     first_order_history=first_order_history or {}, allowed=measured_formats(layers),
-                    generator=generator() if callable(generator) else generator, probes=cfg.wd_probes,
+                    generator=generator() if callable(generator) else generator, probes=WD_PROBES,
                     group_layers=group_layers)
             except ForwardModeUnsupportedError as err:
                 if stats.sharded or propagation is Propagation.EXACT:

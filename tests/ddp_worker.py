@@ -14,7 +14,9 @@ from lightning_snip.callback import SNIPCallback
 from lightning_snip.config import SNIPConfig
 from lightning_snip.demo.lightning import ByteTextDataModule, DemoLM
 from lightning_snip.demo.model import LlamaConfig
+from lightning_snip import statistics_round
 
+statistics_round.NOISE_DRAWS = 1  # one error-probe draw per round, as the in-process tests (conftest.py)
 
 ROUNDS = []  # every round's local and reduced divergences on this rank
 
@@ -43,8 +45,7 @@ def spike(out_dir: str) -> None:
     module = DemoLM(LlamaConfig(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=160))
     rank = int(os.environ.get("LOCAL_RANK", 0))
     data = ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1, seed=rank)
-    snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=10, interval=100, apply_delay=1, fp4_fraction=0.6, max_rows=128,
-                                   noise_draws=1))
+    snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=10, interval=100, fp4_fraction=0.6, max_rows=128))
     reverts = []
 
     class Fault(pl.Callback):
@@ -75,8 +76,7 @@ def main(out_dir: str) -> None:
     rank = int(os.environ.get("LOCAL_RANK", 0))
     data = ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1, seed=rank)
     _record_reductions()
-    snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=2, interval=4, apply_delay=1, fp4_fraction=0.6, max_rows=128, noise_draws=1,
-                                   granularity="layer", target_scope="model"))
+    snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=2, interval=4, fp4_fraction=0.6, max_rows=128, granularity="layer", target_scope="model"))
     trainer = pl.Trainer(
         max_steps=6, accelerator="cpu", devices=2, strategy="ddp", callbacks=[snip], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,

@@ -20,6 +20,9 @@ from lightning_snip.probes import unbatch_probes
 from lightning_snip.demo.lightning import ByteTextDataModule, DemoLM
 from lightning_snip.demo.model import LlamaConfig
 from lightning_snip.formats import Format
+from lightning_snip import statistics_round
+
+statistics_round.NOISE_DRAWS = 1  # one error-probe draw per round, as the in-process tests (conftest.py)
 
 MODEL = LlamaConfig(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=160)
 
@@ -112,8 +115,8 @@ def main(out_dir: str, mode: str) -> None:
         # GEMM paths (~1% apart, tests/test_probes.py): compare the same arithmetic.
         unbatch_probes(module)
     data = ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1, seed=0)  # the same data on both ranks
-    snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=2, interval=3, apply_delay=1, fp4_fraction=0.6, max_rows=128,
-                                   noise_draws=1, wd_probes=4, initial_format="fp8", granularity="layer",
+    snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=2, interval=3, fp4_fraction=0.6, max_rows=128,
+                                   initial_format="fp8", granularity="layer",
                                    target_scope="model"))
     restored = _RestoredPlan(snip)
     if single:

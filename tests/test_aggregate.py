@@ -67,7 +67,7 @@ def test_state_dict_round_trip_through_json():
 
 @pytest.mark.parametrize("decay", [-0.1, 1.0, 2, "high", None])
 def test_invalid_decay_names_the_field(decay):
-    with pytest.raises(ValueError, match=r"aggregate_decay: invalid value .*allowed: a number in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"decay: invalid value .*allowed: a number in \[0, 1\)"):
         DivergenceAggregate(decay=decay)
 
 

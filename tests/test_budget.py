@@ -10,7 +10,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_snip.budget import FIRST_SAMPLE_STEPS, OverheadBudget
+from lightning_snip.budget import APPLY_DELAY, FIRST_SAMPLE_STEPS, OverheadBudget
 from lightning_snip.callback import SNIPCallback
 from lightning_snip.config import SNIPConfig
 from lightning_snip.controller import Collective, SNIPController
@@ -19,7 +19,7 @@ STEP, ROUND, SAMPLE, SWITCH = 1.0, 4.0, 0.25, 0.5  # seconds: a plain step, and 
 
 
 def _simulate(budget: OverheadBudget, num_steps: int, *, round_cost=ROUND, sample_cost=SAMPLE, switch_cost=SWITCH,
-              apply_delay=1, first_step=STEP) -> list[int]:
+              first_step=STEP) -> list[int]:
     """Drive ``budget`` as the controller does, on a clock where each kind of work adds its cost to a step; the
     steps that ran a round."""
     now, rounds, apply_at = 0.0, [], None
@@ -34,7 +34,7 @@ def _simulate(budget: OverheadBudget, num_steps: int, *, round_cost=ROUND, sampl
             rounds.append(step)
             seconds += round_cost
             budget.follow(budget.decide(step, round_cost))
-            apply_at = step + apply_delay
+            apply_at = step + APPLY_DELAY
         elif budget.is_first_order(step):
             budget.mark("first_order")
             seconds += sample_cost
@@ -127,8 +127,7 @@ def test_every_rank_follows_rank_zeros_schedule():
 
     torch.manual_seed(0)
     model = TinyLlama(LlamaConfig(dim=32, num_layers=1, num_heads=2, num_kv_heads=1, hidden_dim=64))
-    controller = SNIPController(SNIPConfig(warmup_steps=2, interval=3, max_rows=32, noise_draws=1, wd_probes=1,
-                                           first_order_steps=1, overhead_budget=0.02))
+    controller = SNIPController(SNIPConfig(warmup_steps=2, interval=3, max_rows=32, first_order_steps=1, overhead_budget=0.02))
     controller.attach(model)
     rank_one = Collective(rank=1, world_size=1, broadcast=lambda obj: (123, 5))  # rank 0's answer
     tokens = torch.randint(0, 256, (2, 17))

@@ -34,7 +34,7 @@ def test_defaults_match_the_dataclasses():
     [
         ("snip.fp4_fraction=1.5", "snip.fp4_fraction"),
         ("snip.interval=0", "snip.interval"),
-        ("snip.fp4_fraction=null", "snip.fp4_fraction / snip.cost_budget: set exactly one"),
+        ("snip.fp4_fraction=-0.1", "snip.fp4_fraction: invalid value -0.1"),
         ("data.batch_size=0", "data.batch_size"),
     ],
 )
@@ -48,6 +48,8 @@ def test_wrong_type_is_rejected_by_the_schema():
         _compose(["snip.interval=often"])
     with pytest.raises(Exception, match="initial_format"):  # an Enum field: only its members
         _compose(["snip.initial_format=fp6"])
+    with pytest.raises(Exception, match="fp4_fraction"):  # a number, never null (the target is always FP4 FLOPs)
+        _compose(["snip.fp4_fraction=null"])
 
 
 def test_choices_are_enums_read_by_value_or_name():

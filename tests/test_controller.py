@@ -18,8 +18,7 @@ def _loss(model, batch):
 def test_a_plain_pytorch_loop_samples_plans_and_switches():
     model = TinyLlama(LlamaConfig(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=160))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    controller = SNIPController(SNIPConfig(overhead_budget=None, warmup_steps=2, interval=3, first_order_steps=1, first_order_rows=64,
-                                           max_rows=128, noise_draws=1, fp4_fraction=0.6, pins=["lm_head=bf16"],
+    controller = SNIPController(SNIPConfig(overhead_budget=None, warmup_steps=2, interval=3, first_order_steps=1, max_rows=128, fp4_fraction=0.6, pins=["lm_head=bf16"],
                                            granularity="layer", target_scope="model"))
     controller.attach(model)
     assert len(controller.layers) == 2 * 7 + 1 and controller.layers["lm_head"].pinned is Format.BF16
@@ -79,7 +78,7 @@ def test_a_round_measures_a_pinned_layer_in_its_pin_only(monkeypatch):
 
     loss_fn().backward()
     opt.step()
-    cfg = SNIPConfig(noise_draws=1)  # candidates fp8, mxfp4
+    cfg = SNIPConfig()  # candidates fp8, mxfp4
     result = run_statistics_round(model, loss_fn, layers, cfg, optimizer=opt,
                                   generator=torch.Generator().manual_seed(0)).layers
     head, q0 = result["lm_head"], result["model.layers.0.self_attn.q_proj"]
@@ -131,8 +130,8 @@ def test_the_default_target_is_a_share_of_the_switchable_layers(caplog):
     assert (f"target fp4_fraction 0.75 of the switchable layers' linear FLOPs ({expected_model:.3f} of the model's; "
             f"pinned layers hold {head:.1%} of them)") in caplog.text
     cfg = controller.config
-    fraction, budget = model_target(layer_candidates(controller.layers, cfg.formats), cfg)
-    assert fraction == pytest.approx(expected_model) and budget is None
+    fraction = model_target(layer_candidates(controller.layers, cfg.formats), cfg)
+    assert fraction == pytest.approx(expected_model)
     g = torch.Generator().manual_seed(1)
     estimates = [{fqn: {"fp8": float(torch.rand((), generator=g)) * 1e-3, "mxfp4": float(torch.rand((), generator=g))}
                   for fqn in controller.layers} for _ in range(2)]
@@ -174,8 +173,7 @@ def test_close_joins_a_solve_still_running_within_its_bound(monkeypatch, caplog)
 
 def test_model_target_adds_the_pinned_layers_back_in_their_own_formats():
     """fp4_fraction f of the switchable FLOPs is (pinned FP4 FLOPs + f x switchable FLOPs) / all of them over the
-    model, a cost budget b likewise with each pin's relative cost: hand-checked on a pin to bf16 and one to
-    mxfp4; switchable_share inverts it."""
+    model: hand-checked on a pin to bf16 and one to mxfp4; switchable_share inverts it."""
     import pytest
 
     from lightning_snip.convert import convert_linears
@@ -189,11 +187,7 @@ def test_model_target_adds_the_pinned_layers_back_in_their_own_formats():
     free = total - head - up
     candidates = layer_candidates(layers, [Format.FP8, Format.MXFP4])
     config = SNIPConfig(fp4_fraction=0.5, pins=pins)
-    fraction, _ = model_target(candidates, config)
+    fraction = model_target(candidates, config)
     assert fraction == pytest.approx((up + 0.5 * free) / total)
-    assert switchable_share(fraction, candidates, config) == pytest.approx(0.5)
-    budget_config = SNIPConfig(fp4_fraction=None, cost_budget=0.4, pins=pins, relative_cost={"mxfp4": 0.3})
-    _, budget = model_target(candidates, budget_config)
-    assert budget == pytest.approx((head * 1.0 + up * 0.3 + 0.4 * free) / total)
-    assert switchable_share(budget, candidates, budget_config, cost=True) == pytest.approx(0.4)
-    assert model_target(candidates, SNIPConfig(fp4_fraction=0.5, pins=pins, target_scope="model")) == (0.5, None)
+    assert switchable_share(fraction, candidates) == pytest.approx(0.5)
+    assert model_target(candidates, SNIPConfig(fp4_fraction=0.5, pins=pins, target_scope="model")) == 0.5

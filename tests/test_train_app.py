@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model.num_layers=2", "model.dim=64", "model.hidden_dim=160", "data.seq_len=32", "data.batch_size=8",
-         "snip.warmup_steps=2", "snip.interval=4", "snip.fp4_fraction=0.6", "snip.max_rows=128", "snip.noise_draws=1",
+         "snip.warmup_steps=2", "snip.interval=4", "snip.fp4_fraction=0.6", "snip.max_rows=128",
          "snip.first_order_steps=2"]
 
 
@@ -140,7 +140,7 @@ def test_progress_plan_lines_clean_output_and_summary(tmp_path):
     (["model=foo"], "model: 'foo' is not a model preset; allowed: tiny, smollm2"),
     (["model.dim=0"], "model.dim: invalid value 0; allowed: an integer > 0"),
     (["+foo.bar=1"], "foo.bar: unknown key; allowed: data, model, snip, trainer and their fields"),
-    (["snip.formats=[fp8,int4]"], "snip.formats: unknown key; allowed: aggregate_decay, apply_delay, candidate_formats"),
+    (["snip.formats=[fp8,int4]"], "snip.formats: unknown key; allowed: candidate_formats, exclude, extra_pins"),
     (["snip.replan=maybe"], "snip.replan: 'maybe' is not a valid value (Value 'maybe' is not a valid bool"),
     # an Enum field: its values named; the library's "pins[0]: ..." gets the app's prefix
     (["snip.granularity=gems"], "snip.granularity: 'gems' is not a valid value; allowed: layer, gemm"),

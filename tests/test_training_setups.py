@@ -396,7 +396,7 @@ def test_tied_head_weight_divergence_uses_the_shared_weights_adam_state(tmp_path
 
     stats = collect_stats(module, loss_fn, layers=snip.layers, optimizer=optimizer)
     assert stats.layers["net.head"].weight_name == "net.embed.weight"
-    result = estimate_divergence(stats, [Format.FP8], noise_draws=0, recipe=snip.config.recipe)
+    result = estimate_divergence(stats, [Format.FP8], recipe=snip.config.recipe)
     stats.release()
 
     # Independent computation: gradients by autograd, AdamW's next step from optimizer.state.
@@ -467,7 +467,7 @@ def test_repeated_statistics_failures_raise_with_the_cause(tmp_path, monkeypatch
         raise RuntimeError("injected statistics failure")
 
     monkeypatch.setattr(statistics_round, "collect_stats", broken)
-    snip = SNIPCallback(_snip(interval=2, apply_delay=1, max_consecutive_failures=3))  # rounds at 2, 4, 6
+    snip = SNIPCallback(_snip(interval=2, max_consecutive_failures=3))  # rounds at 2, 4, 6
     with pytest.raises(RuntimeError, match=r"3 statistics rounds or solves in a row.*injected statistics failure"):
         _fit(tmp_path, snip, max_steps=10)
     assert snip.num_stats_rounds == 3
@@ -475,7 +475,7 @@ def test_repeated_statistics_failures_raise_with_the_cause(tmp_path, monkeypatch
 
 def test_failures_are_tolerated_when_the_user_asks(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(evidence_mod, "solve_plan", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected solver failure")))
-    snip = SNIPCallback(_snip(interval=2, apply_delay=1, max_consecutive_failures=None))
+    snip = SNIPCallback(_snip(interval=2, max_consecutive_failures=None))
     _fit(tmp_path, snip, max_steps=10)
     assert snip.num_consecutive_failures == 4 and snip.num_plans_applied == 0
     assert "injected solver failure" in caplog.text
@@ -492,7 +492,7 @@ def test_a_success_resets_the_failure_count(tmp_path, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(statistics_round, "collect_stats", flaky)
-    snip = SNIPCallback(_snip(interval=2, apply_delay=1, max_consecutive_failures=2))
+    snip = SNIPCallback(_snip(interval=2, max_consecutive_failures=2))
     _fit(tmp_path, snip, max_steps=10)  # fail, succeed, fail, succeed: never two in a row
     assert snip.num_plans_applied == 2
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model.num_layers=2", "model.dim=64", "model.hidden_dim=160", "data.seq_len=32", "data.batch_size=8",
-         "snip.warmup_steps=2", "snip.interval=2", "snip.max_rows=64", "snip.noise_draws=1", "snip.first_order_steps=1",
+         "snip.warmup_steps=2", "snip.interval=2", "snip.max_rows=64", "snip.first_order_steps=1",
          "trainer.val_check_interval=5"]
 
 
