@@ -8,7 +8,12 @@ the rest is training's. With ``overhead_budget`` set, each round decides when th
 steps its first-order sample takes, so that SNIP's measured seconds stay within that share of training's over
 the run: the next round comes at least ``interval`` steps later, and later still while the share spent so far
 and the next cycle's predicted cost (the last round's, the last switch's, and the sample's) would exceed the
-budget; the sample takes at most ``first_order_steps`` steps and at most as much time as a round. Rounds stop
+budget; the sample takes at most ``first_order_steps`` steps and at most as much time as a round. The spacing
+then adapts to the evidence: a new plan that keeps at least STEADY_AGREEMENT of the previous plan's formats
+doubles it (up to MAX_STRETCH times the budget's), one that keeps less than CHANGED_AGREEMENT, or a plan the
+spike guard reverts, brings it back to the budget's (never below it: the budget and ``interval`` stay floors).
+Fewer rounds cost no mean quality on either quality protocol but widened the seeds' spread 1.5-3x
+(benchmarks/results/rounds_study_2026-12-04.md), so the spacing stretches only while the plans hold. Rounds stop
 where the next one would fall past the run's last step. Without a budget the schedule is fixed (every
 ``interval`` steps, ``first_order_steps`` sampled before each). Written by hand: no library schedules a
 callback's work against a time budget. Pure Python; the controller feeds it times and broadcasts its decisions.
@@ -29,6 +34,9 @@ MIN_RECENT = 3  # plain steps before a step SNIP worked in is priced (it waits):
 FIRST_SAMPLE_STEPS = 8  # a first round's first-order sample under a budget: nothing is timed before it
 WORK_KINDS = ("round", "first_order", "switch")
 APPLY_DELAY = 1  # a plan solved from step t's statistics applies at step t + 1: its solve runs in a thread meanwhile
+STEADY_AGREEMENT = 0.9  # a plan keeping at least this share of its GEMMs' (layers') formats: the next round later
+CHANGED_AGREEMENT = 0.75  # one keeping less: back to the budget's spacing
+MAX_STRETCH = 8  # the longest spacing, in multiples of the budget's
 
 
 class OverheadBudget:
@@ -37,7 +45,8 @@ class OverheadBudget:
     Feed it ``step_started(step, now)`` at each micro-batch's start (a new step closes the last one),
     ``batch_ended(now)`` at its end, and ``mark(kind)`` when SNIP works in the current step (``round``, ``first_order``, ``switch``). Public:
     ``train_seconds``, ``snip_seconds`` (per kind), ``share`` (SNIP's over training's), ``next_round`` (None:
-    no round left) and ``num_first_order`` (its sample's steps).
+    no round left), ``num_first_order`` (its sample's steps) and ``stretch`` (the spacing's multiple of the budget's;
+    ``plan_applied`` and ``plan_reverted`` adapt it).
     """
 
     def __init__(self, config: SNIPConfig) -> None:
@@ -62,6 +71,8 @@ class OverheadBudget:
         self._seconds = 0.0  # the current step's micro-batches so far
         self._work: set[str] = set()
         self._next_work: set[str] = set()
+        self.stretch = 1
+        self._base: tuple[int, int] | None = None  # (the last round's step, the budget's gap after it)
 
     # ------------------------------------------------------------------ timing
 
@@ -139,19 +150,23 @@ class OverheadBudget:
             return 1 <= next_round - step <= self.max_first_order
         return self.next_round is not None and 1 <= self.next_round - step <= self.num_first_order
 
-    def decide(self, step: int, round_seconds: float) -> tuple[int | None, int]:
-        """After the round at ``step`` (``round_seconds`` long): the next round's step (None: none left) and
-        its sample's steps. Rank 0 decides; apply the answer with ``follow`` on every rank."""
+    def decide(self, step: int, round_seconds: float) -> tuple[int | None, int, int, int]:
+        """After the round at ``step`` (``round_seconds`` long): the next round's step (None: none left), its
+        sample's steps, and this round's step and the budget's gap (which ``plan_applied`` stretches). Rank 0
+        decides; apply the answer with ``follow`` on every rank."""
         self.costs["round"] = round_seconds
         if self._sampled:
             self.costs["first_order"] = max(statistics.mean(self._sampled), 0.0)
         self._sampled = []
         if self.budget is None:
-            return step + self.interval, self.max_first_order
+            return step + self.interval, self.max_first_order, step, self.interval
         next_round, num_first_order = self._budgeted(step, round_seconds)
-        if self.horizon is not None and next_round + self.apply_delay >= self.horizon:  # its plan would never apply
-            return None, 0
-        return next_round, num_first_order
+        gap = next_round - step
+        next_round = step + gap * self.stretch
+        return (None if self._past_horizon(next_round) else next_round), num_first_order, step, gap
+
+    def _past_horizon(self, next_round: int) -> bool:
+        return self.horizon is not None and next_round + self.apply_delay >= self.horizon  # its plan would never apply
 
     def _budgeted(self, step: int, round_seconds: float) -> tuple[int, int]:
         per_sample = self.costs["first_order"]
@@ -166,15 +181,37 @@ class OverheadBudget:
         gap = max(self.interval, math.ceil((spent + cycle - self.budget * self.train_seconds) / (self.budget * step_seconds)))
         return step + gap, min(num, gap // 2)  # (half the cycle's steps at least run plain: they price the rest)
 
-    def follow(self, decision: tuple[int | None, int]) -> None:
-        self.next_round, self.num_first_order = decision
+    def follow(self, decision: tuple) -> None:
+        self.next_round, self.num_first_order = decision[:2]
+        if len(decision) == 4:
+            self._base = (decision[2], decision[3])
+
+    def plan_applied(self, step: int, agreement: float) -> None:
+        """A new plan, applied at ``step``, kept ``agreement`` of the previous plan's formats (the same on every
+        rank): steady plans space the rounds out, changed ones bring them back to the budget's spacing."""
+        if agreement >= STEADY_AGREEMENT:
+            self._restretch(step, min(2 * self.stretch, MAX_STRETCH))
+        elif agreement < CHANGED_AGREEMENT:
+            self._restretch(step, 1)
+
+    def plan_reverted(self, step: int) -> None:
+        """The spike guard reverted the last plan at ``step``: the budget's spacing again."""
+        self._restretch(step, 1)
+
+    def _restretch(self, step: int, stretch: int) -> None:
+        if self.budget is None or self._base is None or stretch == self.stretch:
+            return
+        self.stretch = stretch
+        round_step, gap = self._base
+        next_round = max(round_step + gap * stretch, step + 1 + self.num_first_order)  # (its sample still ahead)
+        self.next_round = None if self._past_horizon(next_round) else next_round
 
     # ------------------------------------------------------------------ checkpoint
 
     def state_dict(self) -> dict:
         return {"next_round": self.next_round, "num_first_order": self.num_first_order,
                 "train_seconds": self.train_seconds, "snip_seconds": dict(self.snip_seconds),
-                "costs": dict(self.costs)}
+                "costs": dict(self.costs), "stretch": self.stretch, "base": self._base}
 
     def load_state_dict(self, state: Mapping) -> None:
         self.next_round = state["next_round"]
@@ -182,3 +219,5 @@ class OverheadBudget:
         self.train_seconds = float(state["train_seconds"])
         self.snip_seconds.update({k: float(v) for k, v in state["snip_seconds"].items()})
         self.costs.update(state["costs"])
+        self.stretch = int(state.get("stretch", 1))  # (checkpoints before the adaptive spacing: none)
+        self._base = tuple(state["base"]) if state.get("base") is not None else None

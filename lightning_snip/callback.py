@@ -74,6 +74,8 @@ class SNIPCallback(Callback):
         ``snip/relative_gemm_cost``: GEMM cost of the applied plan relative to all-bf16.
         ``snip/plan_changes``: layers whose format the applied plan changed.
         ``snip/plan_agreement``: share of the switched layers whose format the new plan keeps.
+        ``snip/round_stretch``: the round spacing's multiple of the budget's (1-8: steady plans stretch it,
+            lightning_snip.budget).
         ``snip/plan`` (image): blocks x layer types colored by format.
         ``snip/plan_table`` (text): the plan as a table.
 

@@ -414,8 +414,12 @@ class SNIPController:
         changed = {split_key(key)[0] for key, fmt in plan.items() if before.get(key) is not fmt}
         num_changed = len(changed)
         self.guard.on_switch(step, {key: fmt.value for key, fmt in before.items() if split_key(key)[0] in changed})
-        scalars = applied_plan_scalars(plan, num_changed, plan_agreement(plan, before, self.layers))
+        agreement = plan_agreement(plan, before, self.layers)
+        if self.num_plans_applied > 1:  # (the first plan's agreement is with the initial format: no evidence)
+            self.schedule.plan_applied(step, agreement)
+        scalars = applied_plan_scalars(plan, num_changed, agreement)
         scalars["snip/fp4_fraction_switchable"] = self.switchable_fp4_fraction
+        scalars["snip/round_stretch"] = float(self.schedule.stretch)
         scalars["snip/overhead"] = self.overhead
         status = "" if plan.status is SolveStatus.OPTIMAL else f" ({plan.status.value})"
         if collective.is_rank_zero:  # every rank applied it; one line for the run
@@ -437,6 +441,7 @@ class SNIPController:
         applied = {key: self.plan[key].value for key in revert.formats if self.plan is not None and key in self.plan}
         apply_plan(model, revert.formats)
         self.schedule.mark("switch", next_step=True)
+        self.schedule.plan_reverted(step)
         self.guard.mark(revert, applied)
         self.plan = reverted_plan(self.plan, revert)
         if self.pending is not None:  # solved without the avoided formats: solve it again (its thread's answer is dropped)

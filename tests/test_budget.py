@@ -19,16 +19,21 @@ STEP, ROUND, SAMPLE, SWITCH = 1.0, 4.0, 0.25, 0.5  # seconds: a plain step, and 
 
 
 def _simulate(budget: OverheadBudget, num_steps: int, *, round_cost=ROUND, sample_cost=SAMPLE, switch_cost=SWITCH,
-              first_step=STEP) -> list[int]:
+              first_step=STEP, agreements=None) -> list[int]:
     """Drive ``budget`` as the controller does, on a clock where each kind of work adds its cost to a step; the
-    steps that ran a round."""
-    now, rounds, apply_at = 0.0, [], None
+    steps that ran a round. ``agreements``: what each plan after the first keeps of the one before (then 1.0;
+    None: plans are not compared)."""
+    now, rounds, apply_at, plans = 0.0, [], None, 0
+    agreements = iter(agreements) if agreements is not None else None
     for step in range(num_steps):
         budget.step_started(step, now)
         seconds = first_step if step == 0 else STEP
         if apply_at == step:
             budget.mark("switch")
             seconds += switch_cost
+            plans += 1
+            if plans > 1 and agreements is not None:
+                budget.plan_applied(step, next(agreements, 1.0))
         if budget.is_round(step):
             budget.mark("round")
             rounds.append(step)
@@ -160,6 +165,59 @@ def test_a_budgeted_run_logs_its_overhead_and_stops_rounds_at_its_horizon(tmp_pa
     assert [e.step for e in overhead] == [3, 4]  # the round's step and the apply step
     state = snip.state_dict()["schedule"]
     assert state["next_round"] is None and state["train_seconds"] > 0 and state["costs"]["round"] > 0
+
+
+def test_steady_plans_space_the_rounds_out_and_a_changed_plan_brings_them_back():
+    """The budget's spacing here is the interval (25); plans keeping >= 0.9 double it (up to 8x), one keeping
+    < 0.75 resets it, one in between keeps it; a reverted plan resets it."""
+    cfg = SNIPConfig(warmup_steps=10, interval=25, first_order_steps=4, overhead_budget=0.5)
+    budget = OverheadBudget(cfg)
+    rounds = _simulate(budget, 1100, agreements=[1.0, 1.0, 1.0, 0.5, 0.8, 0.95, 1.0, 1.0, 1.0, 1.0])
+    # first plan at 11 (no evidence); 36: x2 -> 85; 86: x4 -> 185; 186: x8 -> 385; 386 (0.5): x1 -> 410;
+    # 411 (0.8): kept -> 435; 436: x2 -> 485; 486: x4 -> 585; 586: x8 -> 785; then x8 (capped): 985
+    assert rounds == [10, 35, 85, 185, 385, 410, 435, 485, 585, 785, 985]
+    assert budget.stretch == 8
+    budget.plan_reverted(990)  # a revert: the budget's spacing, its sample still ahead
+    assert budget.stretch == 1 and budget.next_round == 1010
+    restored = OverheadBudget(cfg)
+    restored.load_state_dict(budget.state_dict())
+    assert (restored.stretch, restored.next_round) == (1, 1010)
+    restored.plan_applied(991, 1.0)
+    assert restored.next_round == 985 + 2 * 25  # stretched from the same round
+    # a stretch past the run's end: no round left
+    budget.set_horizon(1030)
+    budget.plan_applied(991, 1.0)
+    assert budget.next_round is None
+    # without a budget the schedule stays fixed whatever the plans do
+    fixed = OverheadBudget(SNIPConfig(warmup_steps=10, interval=25, first_order_steps=4, overhead_budget=None))
+    assert _simulate(fixed, 200, agreements=[1.0] * 10) == list(range(10, 200, 25))
+
+
+def test_a_trainer_run_whose_plans_hold_stretches_its_rounds(tmp_path, monkeypatch):
+    """Through the callback: every solve returns the same plan, so each plan after the first keeps all of its
+    formats; the round after the second plan comes twice the budget's spacing after the round before, the one
+    after the third four times, and TensorBoard says so."""
+    from test_callback import _fit, _snip
+
+    import lightning_snip.controller as controller_module
+
+    real, first = controller_module.solve_guarded, []
+    monkeypatch.setattr(controller_module, "solve_guarded",
+                        lambda *a, **k: first[0] if first else first.append(real(*a, **k)) or first[0])
+    decisions = []
+    decide = OverheadBudget.decide
+    monkeypatch.setattr(OverheadBudget, "decide", lambda self, *a: decisions.append(decide(self, *a)) or decisions[-1])
+    snip = SNIPCallback(_snip(overhead_budget=0.9, warmup_steps=2, interval=2, first_order_steps=1))
+    _fit(tmp_path, snip, max_steps=60)
+    rounds = [h["step"] for h in snip.controller.history]
+    assert len(rounds) >= 3
+    # (next round, sample steps, round step, the budget's gap) per round; plans apply one step after their round
+    assert rounds[1] == decisions[0][0] == rounds[0] + decisions[0][3]  # the first plan: no evidence yet
+    assert rounds[2] == rounds[1] + 2 * decisions[1][3]  # the second kept every format: twice the spacing
+    assert snip.controller.schedule.stretch >= 4
+    events = EventAccumulator(glob.glob(str(tmp_path / "tb" / "*"))[0]).Reload()
+    stretch = [(e.step, e.value) for e in events.Scalars("snip/round_stretch")]
+    assert stretch[:3] == [(rounds[0] + 1, 1.0), (rounds[1] + 1, 2.0), (rounds[2] + 1, 4.0)]
 
 
 def test_work_before_any_plain_step_is_priced_once_one_comes():
