@@ -421,6 +421,9 @@ def _print_summary(summary: dict, config: TrainConfig, snip, progress, *, model_
     budget = snip.config.overhead_budget
     print(f"SNIP's own time: {summary['overhead']:.2%} of training's"
           + (f" (budget {budget:.0%})" if budget is not None else " (no budget: a round every interval steps)"))
+    if budget is not None and summary["overhead"] > budget and summary["stats_rounds"] <= 1:
+        print("  over the budget: the first round always runs (a plan is needed) and a run this short does not repay "
+              "it; the budget spaces the rounds after it")
     if summary["invalid_formats"]:
         print(f"WARNING: the last statistics round found {summary['invalid_formats']} (layer, format) candidates "
               "non-finite and left them out of the plan (snip/invalid_formats; the log names them)")

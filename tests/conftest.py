@@ -29,9 +29,12 @@ def _seed(request, monkeypatch):
     if request.node.get_closest_marker("compiled_quantizers"):
         monkeypatch.setenv("LIGHTNING_SNIP_QUANTIZERS", "compiled")
     # In-process rounds take one error-probe draw per FP4 format (the library's 2; what the tests configured
-    # before the setting became a constant): the suite's rounds stay as cheap as they were.
+    # before the setting became a constant): the suite's rounds stay as cheap as they were. Its own MonkeyPatch,
+    # so that a test's ``monkeypatch.undo()`` (of its faults) does not change the draws mid-test.
     from lightning_snip import statistics_round
 
-    monkeypatch.setattr(statistics_round, "NOISE_DRAWS", 1)
+    draws = pytest.MonkeyPatch()
+    draws.setattr(statistics_round, "NOISE_DRAWS", 1)
     torch.manual_seed(0)
     yield
+    draws.undo()

@@ -35,11 +35,15 @@ SNIP = dict(overhead_budget=None, warmup_steps=2, interval=2, fp4_fraction=0.5, 
 
 
 @pytest.fixture(autouse=True)
-def _one_probe(monkeypatch):
-    """One WD probe per round in-process (the library's 4): SmolLM2's rounds as cheap as the tests configured them."""
+def _one_probe():
+    """One WD probe per round in-process (the library's 4): SmolLM2's rounds as cheap as the tests configured them
+    (its own MonkeyPatch: a test's ``monkeypatch.undo()`` leaves it)."""
     from lightning_snip import statistics_round
 
-    monkeypatch.setattr(statistics_round, "WD_PROBES", 1)
+    probes = pytest.MonkeyPatch()
+    probes.setattr(statistics_round, "WD_PROBES", 1)
+    yield
+    probes.undo()
 
 
 @pytest.fixture(scope="module")
