@@ -26,6 +26,8 @@ Policies at each FP4 fraction (candidates fp8 / mxfp4 / nvfp4; the fixed rules u
   first_last             first and last blocks high, FP4 from the middle out
   industry_tail          the industry's rule: first two and last ~15% of blocks high (NVIDIA's NVFP4
                          recipe; torchtitan's tail rule), extended past its natural fraction
+  industry_tail_gemm     its per-GEMM version: every backward GEMM first (in the rule's order), then the
+                         forwards by the rule (quality v4, benchmarks/quality_long.py)
 and at their own fractions: all_bf16, all_fp8 ("0.0"), all_fp4 ("1.0"), backward_only (every
 backward in FP4, forward fp8: its natural fraction).
 
@@ -65,9 +67,10 @@ FRACTION_POLICIES = ("snip", "snip_gemm", "oracle", "oracle_gemm", "oracle_poole
                      "random_gemm", "min_rel_err",
                      "layer_type", "layer_type_gemm", "layer_type_edges_gemm", "first_last", "industry_tail")
 BASELINES = ("random", "random_gemm", "min_rel_err", "layer_type", "layer_type_gemm", "layer_type_edges_gemm",
-             "first_last", "industry_tail", "backward_only")
+             "first_last", "industry_tail", "industry_tail_gemm", "backward_only")
 PER_LAYER = ("random", "min_rel_err", "layer_type", "first_last", "industry_tail")
-FIXED_RULES = ("layer_type", "layer_type_gemm", "layer_type_edges_gemm", "first_last", "industry_tail")
+FIXED_RULES = ("layer_type", "layer_type_gemm", "layer_type_edges_gemm", "first_last", "industry_tail",
+               "industry_tail_gemm")
 SEARCH_POLICIES = ("oracle", "oracle_gemm", "min_rel_err") + FIXED_RULES
 
 
@@ -472,7 +475,9 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
     pl.seed_everything(seed)
     module = _module(s, continuation=True)
     base, _, lam = policy.partition("@")  # "snip_gemm@0.3": SNIP with weight_divergence_weight 0.3
-    base, *modifiers = base.split("+")  # "snip_gemm+rows2048": SNIP with max_rows 2048
+    # "snip_gemm+rows2048": SNIP with max_rows 2048 (since 2026-12-04 also the first-order sample's rows; the
+    # committed rows2048 study sampled 1024 rows there, the then default of first_order_rows)
+    base, *modifiers = base.split("+")
     max_rows = next((int(m[len("rows"):]) for m in modifiers if m.startswith("rows")), s.max_rows)
     # "snip_gemm+every60": rounds every 60 steps instead of the setting's snip_interval (fewer rounds: issue 50)
     interval = next((int(m[len("every"):]) for m in modifiers if m.startswith("every")), s.snip_interval)

@@ -76,8 +76,15 @@ class OverheadBudget:
 
     # ------------------------------------------------------------------ timing
 
-    def set_horizon(self, max_steps: int | None) -> None:
+    def set_horizon(self, max_steps: int | None, step: int = 0) -> None:
+        """The run's number of steps (None: unknown), at ``step`` (a resumed run's first): a round the last horizon
+        cut is scheduled again where this one allows it, and a round past this one is cut."""
         self.horizon = max_steps if max_steps is not None and max_steps > 0 else None
+        if self.budget is not None and self._base is not None and (self.next_round is None or step < self.next_round
+                                                                   - self.num_first_order):
+            round_step, gap = self._base
+            next_round = max(round_step + gap * self.stretch, step + 1 + self.num_first_order)
+            self.next_round = None if self._past_horizon(next_round) else next_round
 
     def step_started(self, step: int, now: float) -> None:
         """A micro-batch of ``step`` starts at ``now`` (seconds): a new step closes the last one."""
@@ -181,29 +188,32 @@ class OverheadBudget:
         gap = max(self.interval, math.ceil((spent + cycle - self.budget * self.train_seconds) / (self.budget * step_seconds)))
         return step + gap, min(num, gap // 2)  # (half the cycle's steps at least run plain: they price the rest)
 
-    def follow(self, decision: tuple) -> None:
-        self.next_round, self.num_first_order = decision[:2]
-        if len(decision) == 4:
-            self._base = (decision[2], decision[3])
+    def follow(self, decision: tuple[int | None, int, int, int]) -> None:
+        self.next_round, self.num_first_order, round_step, gap = decision
+        self._base = (round_step, gap)
 
     def plan_applied(self, step: int, agreement: float) -> None:
-        """A new plan, applied at ``step``, kept ``agreement`` of the previous plan's formats (the same on every
-        rank): steady plans space the rounds out, changed ones bring them back to the budget's spacing."""
+        """A new plan, applied at the start of ``step``, kept ``agreement`` of the previous plan's formats (the
+        same on every rank): steady plans space the rounds out, changed ones bring them back to the budget's."""
         if agreement >= STEADY_AGREEMENT:
             self._restretch(step, min(2 * self.stretch, MAX_STRETCH))
         elif agreement < CHANGED_AGREEMENT:
             self._restretch(step, 1)
 
     def plan_reverted(self, step: int) -> None:
-        """The spike guard reverted the last plan at ``step``: the budget's spacing again."""
-        self._restretch(step, 1)
+        """The spike guard reverted the last plan at the end of ``step``: the budget's spacing again."""
+        self._restretch(step + 1, 1)
 
-    def _restretch(self, step: int, stretch: int) -> None:
+    def _restretch(self, first_unrun: int, stretch: int) -> None:
         if self.budget is None or self._base is None or stretch == self.stretch:
             return
-        self.stretch = stretch
+        shorter, self.stretch = stretch < self.stretch, stretch
+        if self.next_round is not None and first_unrun > self.next_round - self.num_first_order:
+            return  # its sample has begun: that round stays; the new stretch counts from its decision
         round_step, gap = self._base
-        next_round = max(round_step + gap * stretch, step + 1 + self.num_first_order)  # (its sample still ahead)
+        next_round = max(round_step + gap * stretch, first_unrun + 1 + self.num_first_order)  # (its sample ahead)
+        if shorter and self.next_round is not None:
+            next_round = min(next_round, self.next_round)  # sooner never means later
         self.next_round = None if self._past_horizon(next_round) else next_round
 
     # ------------------------------------------------------------------ checkpoint

@@ -119,7 +119,8 @@ class SNIPCallback(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         steps = trainer.estimated_stepping_batches  # (max_steps, or what max_epochs comes to; inf if unbounded)
-        self.controller.set_horizon(int(steps) if isinstance(steps, (int, float)) and math.isfinite(steps) else None)
+        self.controller.set_horizon(int(steps) if isinstance(steps, (int, float)) and math.isfinite(steps) else None,
+                                    trainer.global_step)
         self.controller.resume(pl_module, self._collective)
 
     @override

@@ -157,7 +157,12 @@ class SNIPConfig:
             isinstance(self.spike_threshold, (int, float)) and not isinstance(self.spike_threshold, bool)
             and 0 < self.spike_threshold < math.inf), "spike_threshold", self.spike_threshold,
             "a finite number > 0 (standard deviations), or null (the guard off)")
-        check_field(self.weight_divergence_weight >= 0, "weight_divergence_weight", self.weight_divergence_weight, "a number >= 0")
+        check_field(isinstance(self.weight_divergence_weight, (int, float)) and not isinstance(
+            self.weight_divergence_weight, bool) and 0 <= self.weight_divergence_weight < math.inf,
+            "weight_divergence_weight", self.weight_divergence_weight, "a finite number >= 0")
+        for name, example in (("candidate_formats", "['fp8', 'mxfp4']"), ("include", "['*layers.*']"), ("exclude", "['*lm_head']")):
+            value = getattr(self, name)  # (a bare string would be read as its characters)
+            check_field(not isinstance(value, str) and isinstance(value, Sequence), name, value, f"a list, e.g. {example}")
         object.__setattr__(self, "candidate_formats", tuple(Format.parse(f, field_name="candidate_formats")
                                                            for f in self.candidate_formats))
         object.__setattr__(self, "initial_format", Format.parse(self.initial_format, field_name="initial_format"))

@@ -268,10 +268,10 @@ class SNIPController:
         self.schedule.step_started(step, time.perf_counter())
         self.sr_generator.manual_seed(stream_seed(self.sr_seed, rank, step, batch_idx))
 
-    def set_horizon(self, max_steps: int | None) -> None:
-        """The run's number of optimizer steps (None: unknown): under a budget, no round is scheduled whose
-        plan would come after the run's end."""
-        self.schedule.set_horizon(max_steps)
+    def set_horizon(self, max_steps: int | None, step: int = 0) -> None:
+        """The run's number of optimizer steps (None: unknown), at ``step`` (where a resumed run starts): under a
+        budget, no round is scheduled whose plan would come after the run's end."""
+        self.schedule.set_horizon(max_steps, step)
 
     @property
     def overhead(self) -> float:

@@ -20,7 +20,7 @@ from lightning_snip.linear import SNIPLinear
 from lightning_snip.probes import ForwardModeUnsupportedError
 from lightning_snip.stats import Propagation, collect_stats
 
-# The round's estimator settings, fixed by their studies (docs/configuration.md, "Estimator settings"):
+# The round's estimator settings, fixed by their studies (docs/configuration.md, "Removed options (2026-12-04)"):
 NOISE_DRAWS = 2  # error-probe passes of LD's second-order term per FP4 format
 WD_PROBES = 4  # forward-mode probes of WD's propagated term
 

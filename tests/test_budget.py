@@ -134,7 +134,7 @@ def test_every_rank_follows_rank_zeros_schedule():
     model = TinyLlama(LlamaConfig(dim=32, num_layers=1, num_heads=2, num_kv_heads=1, hidden_dim=64))
     controller = SNIPController(SNIPConfig(warmup_steps=2, interval=3, max_rows=32, first_order_steps=1, overhead_budget=0.02))
     controller.attach(model)
-    rank_one = Collective(rank=1, world_size=1, broadcast=lambda obj: (123, 5))  # rank 0's answer
+    rank_one = Collective(rank=1, world_size=1, broadcast=lambda obj: (123, 5, 2, 121))  # rank 0's answer
     tokens = torch.randint(0, 256, (2, 17))
 
     def loss_of(batch):
@@ -191,6 +191,26 @@ def test_steady_plans_space_the_rounds_out_and_a_changed_plan_brings_them_back()
     # without a budget the schedule stays fixed whatever the plans do
     fixed = OverheadBudget(SNIPConfig(warmup_steps=10, interval=25, first_order_steps=4, overhead_budget=None))
     assert _simulate(fixed, 200, agreements=[1.0] * 10) == list(range(10, 200, 25))
+
+
+def test_a_revert_during_a_started_sample_keeps_its_round_and_a_new_horizon_reschedules():
+    cfg = SNIPConfig(warmup_steps=10, interval=25, first_order_steps=4, overhead_budget=0.5)
+    budget = OverheadBudget(cfg)
+    assert _simulate(budget, 80, agreements=[1.0]) == [10, 35]  # stretch 2 at 36: the next round at 85
+    assert (budget.next_round, budget.num_first_order, budget.stretch) == (85, 4, 2)
+    budget.plan_reverted(82)  # its sample (81-84) has begun: the round stays where it is, not later
+    assert budget.next_round == 85 and budget.stretch == 1
+    budget.plan_applied(83, 1.0)  # nor does a steady plan move it once its sample runs
+    assert budget.next_round == 85 and budget.stretch == 2
+    # a horizon that cut a stretched round, then a resumed run with a longer one: the round comes back
+    cut = OverheadBudget(cfg)
+    _simulate(cut, 40, agreements=[1.0])
+    cut.set_horizon(60, 40)
+    assert cut.next_round is None
+    resumed = OverheadBudget(cfg)
+    resumed.load_state_dict(cut.state_dict())
+    resumed.set_horizon(1000, 40)
+    assert resumed.next_round == 85
 
 
 def test_a_trainer_run_whose_plans_hold_stretches_its_rounds(tmp_path, monkeypatch):
