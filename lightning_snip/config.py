@@ -38,6 +38,27 @@ class TargetScope(Choice):
     MODEL = "model"
 
 
+REMOVED_FIELDS = {
+    "apply_delay": "a plan applies at the step after its round (budget.APPLY_DELAY)",
+    "first_order_rows": "the first-order sample takes max_rows rows per step",
+    "noise_draws": "fixed at 2 (statistics_round.NOISE_DRAWS)",
+    "wd_probes": "fixed at 4 (statistics_round.WD_PROBES)",
+    "aggregate_decay": "fixed at 0.5 (aggregate.DECAY)",
+    "cost_budget": "the target is fp4_fraction (planner.solve_plan(cost_budget=) keeps the cost form)",
+    "relative_cost": "the target is fp4_fraction (planner.solve_plan(relative_cost=) keeps the cost model)",
+    **dict.fromkeys(("loss_estimator", "curvature_probe", "curvature_8bit", "noise_scale", "pricing", "drift_probes",
+                     "class_shrinkage", "wd_propagation", "round_group_layers", "time_limit_seconds",
+                     "fp4_grad_rounding"), "it lost its study"),
+}
+"""Settings removed on 2026-12-04 (issue 53) -> what the library does instead (docs/configuration.md, "Removed
+options"): a config that still sets one fails with this, not a bare unknown-keyword error."""
+
+
+def removed_field_message(name: str, prefix: str = "") -> str:
+    return (f"{prefix}{name}: removed on 2026-12-04: {REMOVED_FIELDS[name]}; see docs/configuration.md, "
+            "'Removed options (2026-12-04)'")
+
+
 def _parse_pins(pins, field_name: str = "pins") -> dict[str, str]:
     """Pins as a mapping glob -> format, from a mapping or a list of "glob=format" strings."""
     if isinstance(pins, Mapping):
@@ -138,6 +159,12 @@ class SNIPConfig:
     spike_threshold: float | None = 6.0
     noise_guard_threshold: float | None = None
     max_consecutive_failures: int | None = 3
+
+    def __new__(cls, *args, **kwargs):
+        removed = [name for name in kwargs if name in REMOVED_FIELDS]
+        if removed:
+            raise TypeError(removed_field_message(removed[0]))
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         _check_counts_and_targets(self)

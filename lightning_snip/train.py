@@ -27,7 +27,7 @@ import hydra
 import lightning.pytorch as pl
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_snip.config import SNIPConfig, check_field
+from lightning_snip.config import REMOVED_FIELDS, SNIPConfig, check_field, removed_field_message
 from lightning_snip.demo.model import LlamaConfig
 
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")  # inside the package: a wheel carries it
@@ -198,6 +198,8 @@ def check_overrides(args: typing.Sequence[str]) -> None:
         hints = typing.get_type_hints(groups[group])
         top = name.split(".")[0]
         if top not in hints:
+            if group == "snip" and top in REMOVED_FIELDS:
+                raise ConfigError(removed_field_message(top, "snip."))
             raise ConfigError(f"{group}.{top}: unknown key; allowed: {', '.join(sorted(hints))}")
         if override.is_add():  # "+" on a key the schema has: Hydra's "already at" message says it
             continue
@@ -223,6 +225,8 @@ def to_config(cfg: DictConfig) -> TrainConfig:
         fields = {f.name for f in dataclasses.fields(schema)}
         unknown = sorted(set(node.keys()) - fields)
         if unknown:
+            if group == "snip" and unknown[0] in REMOVED_FIELDS:
+                raise ConfigError(removed_field_message(unknown[0], "snip."))
             raise ConfigError(f"{group}.{unknown[0]}: unknown key; allowed: {', '.join(sorted(fields))}")
     try:
         config = OmegaConf.to_object(cfg)

@@ -43,6 +43,17 @@ def test_invalid_values_name_the_field(override, field):
         to_config(_compose([override]))
 
 
+def test_a_removed_setting_says_it_was_removed_and_what_replaced_it():
+    from lightning_snip.train import ConfigError, check_overrides
+
+    with pytest.raises(TypeError, match=r"^noise_draws: removed on 2026-12-04: fixed at 2"):
+        SNIPConfig(noise_draws=1)
+    with pytest.raises(TypeError, match=r"^cost_budget: removed .*fp4_fraction"):
+        SNIPConfig(fp4_fraction=0.5, cost_budget=0.4)
+    with pytest.raises(ConfigError, match=r"^snip.first_order_rows: removed on 2026-12-04: .*max_rows"):
+        check_overrides(["snip.first_order_rows=256"])
+
+
 def test_wrong_type_is_rejected_by_the_schema():
     with pytest.raises(Exception, match="interval"):
         _compose(["snip.interval=often"])
