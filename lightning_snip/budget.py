@@ -12,8 +12,8 @@ budget; the sample takes at most ``first_order_steps`` steps and at most as much
 then adapts to the evidence: a new plan that keeps at least STEADY_AGREEMENT of the previous plan's formats
 doubles it (up to MAX_STRETCH times the budget's), one that keeps less than CHANGED_AGREEMENT, or a plan the
 spike guard reverts, brings it back to the budget's (never below it: the budget and ``interval`` stay floors).
-Fewer rounds cost no mean quality on either quality protocol but widened the seeds' spread 1.5-3x
-(benchmarks/results/rounds_study_2026-12-04.md), so the spacing stretches only while the plans hold. Rounds stop
+Fewer rounds cost no mean quality on either quality protocol but widened the seeds' spread (docs/method.md
+section 12), so the spacing stretches only while the plans hold. Rounds stop
 where the next one would fall past the run's last step. Without a budget the schedule is fixed (every
 ``interval`` steps, ``first_order_steps`` sampled before each). Written by hand: no library schedules a
 callback's work against a time budget. Pure Python; the controller feeds it times and broadcasts its decisions.
