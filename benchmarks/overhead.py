@@ -15,12 +15,14 @@ max_rows; a step grows with its tokens). Writes a JSON of every run with ``--jso
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 
 import lightning.pytorch as pl
@@ -113,6 +115,18 @@ def train(args, batch_size: int, callbacks) -> float:
     return time.perf_counter() - start
 
 
+def _fresh_kernel_cache(args):
+    """Under --compile, an empty inductor cache directory for the run (torch's own temporary_cache_dir, which also
+    clears the in-memory caches): the FX-graph and autograd caches are off (main), but the C++ kernels inductor
+    compiles are cached on disk by their source, so B would load the kernels A compiled at its switch (the
+    2026-12-04 afternoon pair: A's switch recompile 917 s, B's whole run 714 s)."""
+    if not args.compile:
+        return contextlib.nullcontext()
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    return temporary_cache_dir(tempfile.mkdtemp(prefix="snip_overhead_inductor_"))
+
+
 def pair(args, config: SNIPConfig, batch_size: int) -> dict:
     """One A run and its B run. Under --compile each run starts from dynamo's reset with inductor's caches off
     (TORCHINDUCTOR_FX_GRAPH_CACHE=0, TORCHINDUCTOR_AUTOGRAD_CACHE=0, set by main): B would otherwise reuse the
@@ -121,12 +135,14 @@ def pair(args, config: SNIPConfig, batch_size: int) -> dict:
     timer_a, record = StepTimer(), FormatRecord(snip)
     if args.compile:
         torch._dynamo.reset()
-    seconds_a = train(args, batch_size, [timer_a, snip, record])
+    with _fresh_kernel_cache(args):
+        seconds_a = train(args, batch_size, [timer_a, snip, record])
     frozen = SNIPCallback(dataclasses.replace(config, replan=False))
     timer_b = StepTimer()
     if args.compile:
         torch._dynamo.reset()
-    seconds_b = train(args, batch_size, [timer_b, frozen, FormatReplay(frozen, record.assignments)])
+    with _fresh_kernel_cache(args):
+        seconds_b = train(args, batch_size, [timer_b, frozen, FormatReplay(frozen, record.assignments)])
     step_b = statistics.median(timer_b.times)
     rounds = [h["step"] for h in snip.history]
     return {"batch_size": batch_size, "a_seconds": seconds_a, "b_seconds": seconds_b, "ratio": seconds_a / seconds_b - 1,
