@@ -82,8 +82,7 @@ class OverheadBudget:
         self.horizon = max_steps if max_steps is not None and max_steps > 0 else None
         if self.budget is not None and self._base is not None and (self.next_round is None or step < self.next_round
                                                                    - self.num_first_order):
-            round_step, gap = self._base
-            next_round = max(round_step + gap * self.stretch, step + 1 + self.num_first_order)
+            next_round = self._from_base(step)
             self.next_round = None if self._past_horizon(next_round) else next_round
 
     def step_started(self, step: int, now: float) -> None:
@@ -172,6 +171,12 @@ class OverheadBudget:
         next_round = step + gap * self.stretch
         return (None if self._past_horizon(next_round) else next_round), num_first_order, step, gap
 
+    def _from_base(self, first_unrun: int) -> int:
+        """The last round's step plus the budget's gap times the stretch, no sooner than a whole sample ahead of
+        ``first_unrun``."""
+        round_step, gap = self._base
+        return max(round_step + gap * self.stretch, first_unrun + 1 + self.num_first_order)
+
     def _past_horizon(self, next_round: int) -> bool:
         return self.horizon is not None and next_round + self.apply_delay >= self.horizon  # its plan would never apply
 
@@ -210,8 +215,7 @@ class OverheadBudget:
         shorter, self.stretch = stretch < self.stretch, stretch
         if self.next_round is not None and first_unrun > self.next_round - self.num_first_order:
             return  # its sample has begun: that round stays; the new stretch counts from its decision
-        round_step, gap = self._base
-        next_round = max(round_step + gap * stretch, first_unrun + 1 + self.num_first_order)  # (its sample ahead)
+        next_round = self._from_base(first_unrun)
         if shorter and self.next_round is not None:
             next_round = min(next_round, self.next_round)  # sooner never means later
         self.next_round = None if self._past_horizon(next_round) else next_round
