@@ -123,10 +123,11 @@ def report(rows: list[dict], s: cp.Setup) -> tuple[list[str], dict]:
     if best is not None:
         lines += ["", f"SNIP's lead over {best} (the best fixed rule at the end) per step, paired over seeds:", ""]
         for snip in (SNIP, SNIP_LAYER):
-            cells = [_stats(list(lead(traj, snip, best, st).values())) for st in steps if lead(traj, snip, best, st)]
+            cells = [(st, _stats(list(lead(traj, snip, best, st).values()))) for st in steps
+                     if lead(traj, snip, best, st)]
             if cells:
                 lines.append(f"    {snip}: " + ", ".join(f"step {st} {m:+.4f} ± {sd:.4f} (t {t:.1f})"
-                                                         for st, (m, sd, t) in zip(steps, cells)))
+                                                         for st, (m, sd, t) in cells))
     return lines, out
 
 

@@ -448,3 +448,36 @@ def test_objective_outcome_prices_plans_by_the_one_step_objective():
     assert oo.plan_price({"a:forward": "bf16", "a:backward": "mxfp4", "b:forward": "mxfp4"},
                          prices["current"], 0.1) == pytest.approx(0.8)
     assert oo.plan_price({"a": "mxfp4", "b": "mxfp4"}, prices["oracle_one_step"], 0.1) == pytest.approx(1.1)
+
+
+def test_quality_long_report_pairs_snips_lead_per_step_against_the_best_rule_at_the_end():
+    cp = _benchmark("compare_policies")
+    ql = _benchmark("quality_long")
+    steps = (16, 32, 48, 64)
+    bf16 = {0: (3.0, 2.9, 2.8, 2.7), 1: (3.1, 3.0, 2.9, 2.8), 2: (3.2, 3.1, 3.0, 2.9)}
+    # gaps to bf16 per seed and step: the SNIP lead over industry_tail (the best rule at the end) is 0.02 at step 32
+    # on every seed and 0.03/0.04/0.05 at step 64; layer_type_edges_gemm is worse at the end but best at step 16.
+    gaps = {"all_bf16": {s: (0, 0, 0, 0) for s in bf16},
+            ql.SNIP: {s: (0.05, 0.04, 0.03, 0.02) for s in bf16},
+            "industry_tail": {0: (0.09, 0.06, 0.05, 0.05), 1: (0.09, 0.06, 0.05, 0.06), 2: (0.09, 0.06, 0.05, 0.07)},
+            "layer_type_edges_gemm": {s: (0.01, 0.10, 0.10, 0.10) for s in bf16}}
+    rows = [{"policy": p, "fraction": 0.0 if p == "all_bf16" else 0.75, "seed": seed, "seconds": 1.0,
+             "eval_loss": bf16[seed][-1] + g[-1], "achieved_fraction": 0.75,
+             "trajectory": [[st, bf16[seed][i] + g[i]] for i, st in enumerate(steps)]}
+            for p, by_seed in gaps.items() for seed, g in by_seed.items()]
+    lines, traj = ql.report(rows, cp.SETTINGS[ql.SETTING])
+    text = "\n".join(lines)
+    assert traj[ql.SNIP]["64"]["mean"] == pytest.approx(0.02)
+    assert traj["industry_tail"]["64"]["seeds"] == pytest.approx([0.05, 0.06, 0.07])
+    # SNIP's lead at the end: 0.04 ± 0.01 over industry_tail, paired: 4 std, t 6.9
+    match = re.search(r"snip_vs_best_rule \S+ ([+-][\d.]+) better than industry_tail \(paired over 3 seeds: std of the "
+                      r"differences ([\d.]+), ([\d.]+) std, t ([\d.]+)", text)
+    assert match, text
+    assert [float(x) for x in match.groups()] == pytest.approx([0.04, 0.01, 4.0, 6.9], abs=0.05)
+    # The middle is step 32 (lead 0.02); the end minus the middle is +0.02 ± 0.01 per seed.
+    growth = re.search(r"lead_growth \S+ vs industry_tail: step 32 ([+-][\d.]+) -> step 64 ([+-][\d.]+); end minus "
+                       r"middle ([+-][\d.]+) ± ([\d.]+)", text)
+    assert growth, text
+    assert [float(x) for x in growth.groups()] == pytest.approx([0.02, 0.04, 0.02, 0.01], abs=1e-4)
+    # Per step, every step in its own cell (step 16's lead over industry_tail: 0.04)
+    assert re.search(r"step 16 \+0\.0400 ± 0\.0000 .*step 64 \+0\.0400 ± 0\.0100", text), text
