@@ -131,6 +131,36 @@ def report(rows: list[dict], s: cp.Setup) -> tuple[list[str], dict]:
     return lines, out
 
 
+def truth_prices(store: Path, measured: dict) -> dict | None:
+    """The checkpoint's measured dict with the oracle's truths: this run's, the store's, or v3's (same checkpoint)."""
+    if "truths" in measured:
+        return measured
+    for path in (store / "measured.json", cp.RESULTS / "compare_policies_smollm2_cache" / "measured.json"):
+        theirs = json.loads(path.read_text())["measured"] if path.exists() else {}
+        if "truths" in theirs and cp.same_checkpoint(measured["fingerprint"], theirs["fingerprint"]):
+            return theirs
+    return None
+
+
+def plan_prices(rows: list[dict], measured: dict) -> list[str]:
+    """Each run's plan priced with the checkpoint's truths (the ILP's objective at the oracle's lambda: what a
+    plan should cost by the oracle's measurements), beside its gap at the end, per seed; then compare_policies'
+    objective-vs-gap Spearman over the runs. A SNIP plan comes from its seed's own sample, so its price varies
+    by seed; a fixed rule's does not."""
+    lam = cp._oracle_lambda("oracle")
+    bf16 = {r["seed"]: r["eval_loss"] for r in rows if r["policy"] == "all_bf16"}
+    lines = ["", f"Plans priced by the checkpoint's truths (ILP objective at lambda {lam:g}; lower is better) and "
+             "their gap to bf16 at the end, per seed:", "", "| policy | objective per seed | gap per seed |", "|---|---|---|"]
+    for p in POLICIES:
+        runs = sorted((r for r in rows if r["policy"] == p and r.get("plan") and r["seed"] in bf16),
+                      key=lambda r: r["seed"])
+        if runs and 0 < runs[0]["fraction"] < 1:
+            lines.append(f"| {p} | " + " ".join(f"{cp.plan_objective(r['plan'], measured['truths'], lam):.4f}"
+                                                 for r in runs)
+                         + " | " + " ".join(f"{r['eval_loss'] - bf16[r['seed']]:+.4f}" for r in runs) + " |")
+    return lines + [""] + cp.objective_study(rows, measured)
+
+
 def wall_times(rows: list[dict]) -> str:
     by: dict[str, list[float]] = {}
     for r in rows:
@@ -199,6 +229,9 @@ def main() -> None:
     if args.cached_only:
         rows = cp.complete_seeds(rows, todo)
     lines, traj = report(rows, s)
+    prices = truth_prices(args.store, measured)
+    if prices is not None:
+        lines += plan_prices(rows, prices)
     date = datetime.date.today().isoformat()
     head = [f"# Quality v4 (issue 52): SmolLM2 over 4x the horizon — {date}",
             f"command: `python benchmarks/quality_long.py {' '.join(sys.argv[1:])}`; machine: {platform.machine()} "

@@ -481,3 +481,17 @@ def test_quality_long_report_pairs_snips_lead_per_step_against_the_best_rule_at_
     assert [float(x) for x in growth.groups()] == pytest.approx([0.02, 0.04, 0.02, 0.01], abs=1e-4)
     # Per step, every step in its own cell (step 16's lead over industry_tail: 0.04)
     assert re.search(r"step 16 \+0\.0400 ± 0\.0000 .*step 64 \+0\.0400 ± 0\.0100", text), text
+
+
+def test_quality_long_prices_each_runs_plan_with_the_truths_per_seed():
+    ql = _benchmark("quality_long")
+    truths = {"truths": {"loss_divergence": {"a|mxfp4": 0.3, "b|mxfp4": 0.1}, "weight_divergence": {"a|mxfp4": 2.0}}}
+    plans = {0: {"a:forward": "mxfp4", "a:backward": "fp8", "b:forward": "fp8"},  # 0.3
+             1: {"a:forward": "fp8", "a:backward": "mxfp4", "b:forward": "mxfp4"}}  # b forward 0.1 + lambda 0.1 x a backward 2.0
+    rows = [{"policy": "all_bf16", "fraction": 0.0, "seed": s, "eval_loss": 2.0, "plan": {}} for s in plans]
+    rows += [{"policy": ql.SNIP, "fraction": 0.75, "seed": s, "eval_loss": 2.0 + 0.01 * (s + 1), "plan": p}
+             for s, p in plans.items()]
+    lines = "\n".join(ql.plan_prices(rows, truths))
+    assert f"| {ql.SNIP} | 0.3000 0.3000 | +0.0100 +0.0200 |" in lines, lines
+    truths["truths"]["weight_divergence"]["a|mxfp4"] = 1.0
+    assert f"| {ql.SNIP} | 0.3000 0.2000 |" in "\n".join(ql.plan_prices(rows, truths))
