@@ -3,7 +3,8 @@
 The setting is compare_policies' ``smollm2_long``: SmolLM2-135M-Instruct continued for 64 steps of 4 x 128 tokens
 (16 in quality v3) from the same 4-step checkpoint, so the oracle's truths are v3's (copied from its committed cache
 when the regenerated checkpoint has the same fingerprint). Policies at FP4 fraction 0.75 of the whole model's linear
-FLOPs: SNIP at the library's defaults (per GEMM, and per layer), the best fixed rules of v3 (industry_tail,
+FLOPs: SNIP at the library's defaults (per GEMM, and per layer; the rounds' rows CPU-sized, 256, and per GEMM also at
+the library's max_rows, which takes the whole batch here), the best fixed rules of v3 (industry_tail,
 layer_type_edges_gemm), the industry rule per GEMM with the backwards first (industry_tail_gemm: forwards stay in
 FP8 as long as the target allows), the per-GEMM oracle, and all_fp8 / all_bf16. Every run is appended to the cache
 (``--store``) as it ends and reused, so the benchmark resumes across sessions; ``--policies`` stages runs.
@@ -37,8 +38,13 @@ import compare_policies as cp  # the script's own folder is on the path, as for 
 SETTING = "smollm2_long"
 SNIP = "snip_gemm+defaults"  # the product as it ships (granularity gemm is the default)
 SNIP_LAYER = "snip+defaults"
+# SNIP with the library's max_rows (1024: here the whole batch of 4 x 128 tokens, 4 samples) instead of the setting's
+# CPU-sized 256 (2 samples): the first round's sample as a user's run takes it (added on 2026-12-04, after the other
+# runs, when the plans' truth prices showed the first round's sampling noise).
+SNIP_ROWS = "snip_gemm+defaults+rows1024"
+SNIPS = (SNIP, SNIP_ROWS, SNIP_LAYER)
 RULES = ("industry_tail", "layer_type_edges_gemm", "industry_tail_gemm")
-POLICIES = ("all_bf16", "all_fp8", SNIP, SNIP_LAYER) + RULES + ("oracle_gemm",)
+POLICIES = ("all_bf16", "all_fp8", SNIP, SNIP_ROWS, SNIP_LAYER) + RULES + ("oracle_gemm",)
 
 
 def jobs(fraction: float, seeds: int, policies=POLICIES) -> list[tuple[str, float, int]]:
@@ -93,7 +99,7 @@ def report(rows: list[dict], s: cp.Setup) -> tuple[list[str], dict]:
     rules = {p: final[p] for p in RULES if p in final}
     best = min(rules, key=lambda p: rules[p]["mean"]) if rules else None
     middle = steps[len(steps) // 2 - 1] if len(steps) > 1 else None
-    for snip in (SNIP, SNIP_LAYER):
+    for snip in SNIPS:
         if best is None or snip not in final:
             continue
         mean, sd, t, n = cp.paired(rules[best], final[snip])
@@ -122,7 +128,7 @@ def report(rows: list[dict], s: cp.Setup) -> tuple[list[str], dict]:
                                                   if str(st) in out[p] else "" for st in steps) + " |")
     if best is not None:
         lines += ["", f"SNIP's lead over {best} (the best fixed rule at the end) per step, paired over seeds:", ""]
-        for snip in (SNIP, SNIP_LAYER):
+        for snip in SNIPS:
             cells = [(st, _stats(list(lead(traj, snip, best, st).values()))) for st in steps
                      if lead(traj, snip, best, st)]
             if cells:
@@ -159,6 +165,84 @@ def plan_prices(rows: list[dict], measured: dict) -> list[str]:
                                                  for r in runs)
                          + " | " + " ".join(f"{r['eval_loss'] - bf16[r['seed']]:+.4f}" for r in runs) + " |")
     return lines + [""] + cp.objective_study(rows, measured)
+
+
+def snip_solver(s: cp.Setup, fraction: float):
+    """estimates -> the plan SNIP's ILP makes of them in this setting (per GEMM, the whole model's target, SNIP's
+    lambda), on the continuation model's layers: as compare_policies plans the oracle."""
+    from lightning_snip import planner
+
+    module = cp._module(s, continuation=True)
+    return lambda estimates: planner.solve_gemm_plan(cp._candidates(module, estimates, s.candidates),
+                                                     fp4_fraction=fraction,
+                                                     weight_divergence_weight=cp._oracle_lambda("oracle"))
+
+
+def _estimate_ranks(runs: dict[int, dict], measured: dict) -> str:
+    """Per seed, how SNIP's first round ranks the (layer, FP4 format) truths: Spearman of its LD and of its WD
+    with the checkpoint's, beside the truths' own split-half ceiling (compare_policies' measured["ceilings"])."""
+    from scipy.stats import spearmanr
+
+    truths, cells = measured["truths"], {}
+    for metric, short in (("loss_divergence", "LD"), ("weight_divergence", "WD")):
+        for seed, r in sorted(runs.items()):
+            est = r["estimates"][metric]
+            keys = [k for k in est if k.partition("|")[2].startswith(("mxfp4", "nvfp4")) and k in truths[metric]
+                    and math.isfinite(est[k]) and math.isfinite(truths[metric][k])]
+            rho = float(spearmanr([est[k] for k in keys], [truths[metric][k] for k in keys]).statistic) \
+                if len(keys) > 1 else math.nan
+            cells.setdefault(short, []).append(f"{rho:+.2f}")
+    ceilings = measured.get("ceilings", {})
+    return ("SNIP's first round against the truths, Spearman over the (layer, FP4 format) pairs, per seed: " + "; ".join(
+        f"{short} {' '.join(v)}" for short, v in cells.items()) + " (the truths' split-half ceiling: LD "
+        + ", ".join(f"{k.partition('_')[2]} {v:.2f}" for k, v in ceilings.items() if k.startswith("loss_")) + ")")
+
+
+def pooled_plans(rows: list[dict], measured: dict, solve, fraction: float) -> list[str]:
+    """SNIP's plan from more rounds than one, offline: the SNIP runs' first rounds (one per seed, each on its seed's
+    batch at the checkpoint) averaged over every subset of k seeds, solved as SNIP solves (``solve``: estimates ->
+    plan) and priced by the checkpoint's truths, beside the oracle's plan (the truths' own minimum) and the fixed
+    rules' plans. k = 1 re-solves each run's own round (and says whether that gives the run's plan); a larger k
+    stands for a plan made from k rounds on k batches. No training: what a second round could buy, priced by the
+    objective whose rank the runs' gaps follow (objective_vs_gap above)."""
+    from itertools import combinations
+
+    lam = cp._oracle_lambda("oracle")
+    runs = {r["seed"]: r for r in rows if r["policy"] == SNIP and r.get("estimates") and r["fraction"] == fraction}
+    if len(runs) < 2:
+        return []
+    seeds = sorted(runs)
+
+    def price(plan) -> float:
+        return cp.plan_objective({k: getattr(f, "value", f) for k, f in plan.items()}, measured["truths"], lam)
+
+    def mean_estimates(subset):
+        first = runs[subset[0]]["estimates"]
+        return {metric: {key: statistics.fmean(runs[s]["estimates"][metric][key] for s in subset)
+                         for key in first[metric]} for metric in ("loss_divergence", "weight_divergence")}
+
+    lines = ["", f"SNIP's plan from k rounds (the first rounds of k seeds' runs averaged, solved as SNIP solves at "
+             f"{fraction:g}), priced by the checkpoint's truths (lambda {lam:g}; lower is better), mean over the "
+             "subsets of seeds:", "", "| rounds k | subsets | objective mean ± std | min - max |", "|---|---|---|---|"]
+    same = 0
+    for k in range(1, len(seeds) + 1):
+        prices = []
+        for subset in combinations(seeds, k):
+            plan = solve(mean_estimates(subset))
+            prices.append(price(plan))
+            if k == 1:
+                own = runs[subset[0]]["plan"]
+                same += {key: getattr(f, "value", f) for key, f in plan.items()} == own
+        sd = statistics.stdev(prices) if len(prices) > 1 else 0.0
+        lines.append(f"| {k} | {len(prices)} | {statistics.fmean(prices):.4f} ± {sd:.4f} | "
+                     f"{min(prices):.4f} - {max(prices):.4f} |")
+    lines.append("")
+    lines.append(_estimate_ranks(runs, measured))
+    lines.append(f"k = 1 re-solved gives the run's own plan on {same} of {len(seeds)} seeds; the oracle's plan (solved on "
+                 f"the truths) costs {price(solve(measured['truths'])):.4f}" + "".join(
+                     f"; {p} {cp.plan_objective(r['plan'], measured['truths'], lam):.4f}"
+                     for p in RULES for r in rows if r["policy"] == p and r.get("plan") and r["seed"] == seeds[0]))
+    return lines
 
 
 def wall_times(rows: list[dict]) -> str:
@@ -232,6 +316,7 @@ def main() -> None:
     prices = truth_prices(args.store, measured)
     if prices is not None:
         lines += plan_prices(rows, prices)
+        lines += pooled_plans(rows, prices, snip_solver(s, args.fraction), args.fraction)
     date = datetime.date.today().isoformat()
     head = [f"# Quality v4 (issue 52): SmolLM2 over 4x the horizon — {date}",
             f"command: `python benchmarks/quality_long.py {' '.join(sys.argv[1:])}`; machine: {platform.machine()} "

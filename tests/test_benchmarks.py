@@ -495,3 +495,29 @@ def test_quality_long_prices_each_runs_plan_with_the_truths_per_seed():
     assert f"| {ql.SNIP} | 0.3000 0.3000 | +0.0100 +0.0200 |" in lines, lines
     truths["truths"]["weight_divergence"]["a|mxfp4"] = 1.0
     assert f"| {ql.SNIP} | 0.3000 0.2000 |" in "\n".join(ql.plan_prices(rows, truths))
+
+
+def test_quality_long_prices_plans_pooled_over_seeds_first_rounds():
+    ql = _benchmark("quality_long")
+    truths = {"truths": {"loss_divergence": {"a|mxfp4": 0.1, "b|mxfp4": 0.3}, "weight_divergence": {}}}
+
+    def solve(estimates):  # one layer's forward in FP4: the one the estimates find cheaper
+        ld = estimates["loss_divergence"]
+        low = min(("a", "b"), key=lambda f: ld[f"{f}|mxfp4"])
+        return {f"{f}:forward": "mxfp4" if f == low else "fp8" for f in ("a", "b")}
+
+    # seed 0's round finds a cheaper by a little (the truths agree), seeds 1 and 2 find b cheaper
+    est = {0: (0.1, 0.15), 1: (0.4, 0.1), 2: (0.35, 0.32)}
+    rows = [{"policy": ql.SNIP, "fraction": 0.75, "seed": s, "estimates": {
+        "loss_divergence": {"a|mxfp4": a, "b|mxfp4": b}, "weight_divergence": {}}, "plan": solve(
+        {"loss_divergence": {"a|mxfp4": a, "b|mxfp4": b}})} for s, (a, b) in est.items()]
+    rows[1]["plan"] = {"a:forward": "mxfp4", "b:forward": "fp8"}  # a run whose own plan the re-solve does not give
+    text = "\n".join(ql.pooled_plans(rows, truths, solve, 0.75))
+    # k = 1: plans a, b, b -> 0.1, 0.3, 0.3; k = 2: {0,1} means (0.25, 0.125) -> b, {0,2} (0.225, 0.235) -> a,
+    # {1,2} (0.375, 0.21) -> b: 0.3, 0.1, 0.3; k = 3: (0.283, 0.19) -> b: 0.3
+    assert "| 1 | 3 | 0.2333 ± 0.1155 | 0.1000 - 0.3000 |" in text, text
+    assert "| 2 | 3 | 0.2333 ± 0.1155 | 0.1000 - 0.3000 |" in text, text
+    assert "| 3 | 1 | 0.3000 ± 0.0000 | 0.3000 - 0.3000 |" in text, text
+    assert "own plan on 2 of 3 seeds; the oracle's plan (solved on the truths) costs 0.1000" in text, text
+    assert "Spearman over the (layer, FP4 format) pairs, per seed: LD +1.00 -1.00 -1.00" in text, text
+    assert ql.pooled_plans(rows[:1], truths, solve, 0.75) == []
