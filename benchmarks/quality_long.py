@@ -99,11 +99,12 @@ def report(rows: list[dict], s: cp.Setup) -> tuple[list[str], dict]:
     rules = {p: final[p] for p in RULES if p in final}
     best = min(rules, key=lambda p: rules[p]["mean"]) if rules else None
     middle = steps[len(steps) // 2 - 1] if len(steps) > 1 else None
-    for snip in SNIPS:
+    for snip in SNIPS + ("oracle_gemm",):  # the oracle: what SNIP's ILP makes of the truths (its estimates' ceiling)
         if best is None or snip not in final:
             continue
         mean, sd, t, n = cp.paired(rules[best], final[snip])
-        lines.append(f"    snip_vs_best_rule {snip} {mean:+.5f} better than {best} (paired over {n} seeds: std of the "
+        tag = "oracle" if snip.startswith("oracle") else "snip"
+        lines.append(f"    {tag}_vs_best_rule {snip} {mean:+.5f} better than {best} (paired over {n} seeds: std of the "
                      f"differences {sd:.5f}, {mean / sd if sd else math.nan:.1f} std, t {t:.1f}; target > 2 std)")
         for rule in rules:
             m, sd_, t_, n_ = cp.paired(rules[rule], final[snip])
@@ -128,7 +129,7 @@ def report(rows: list[dict], s: cp.Setup) -> tuple[list[str], dict]:
                                                   if str(st) in out[p] else "" for st in steps) + " |")
     if best is not None:
         lines += ["", f"SNIP's lead over {best} (the best fixed rule at the end) per step, paired over seeds:", ""]
-        for snip in SNIPS:
+        for snip in SNIPS + ("oracle_gemm",):
             cells = [(st, _stats(list(lead(traj, snip, best, st).values()))) for st in steps
                      if lead(traj, snip, best, st)]
             if cells:
