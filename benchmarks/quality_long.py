@@ -98,7 +98,8 @@ def report(rows: list[dict], s: cp.Setup) -> tuple[list[str], dict]:
     final = next(iter(v for k, v in summary.items() if k != "0.0"), {})
     rules = {p: final[p] for p in RULES if p in final}
     best = min(rules, key=lambda p: rules[p]["mean"]) if rules else None
-    middle = steps[len(steps) // 2 - 1] if len(steps) > 1 else None
+    # the middle of the horizon: the step nearest half the last (32 of 16..64)
+    middle = min(steps[:-1], key=lambda st: abs(st - steps[-1] / 2)) if len(steps) > 1 else None
     for snip in SNIPS + ("oracle_gemm",):  # the oracle: what SNIP's ILP makes of the truths (its estimates' ceiling)
         if best is None or snip not in final:
             continue
@@ -193,10 +194,14 @@ def _estimate_ranks(runs: dict[int, dict], measured: dict) -> str:
             rho = float(spearmanr([est[k] for k in keys], [truths[metric][k] for k in keys]).statistic) \
                 if len(keys) > 1 else math.nan
             cells.setdefault(short, []).append(f"{rho:+.2f}")
-    ceilings = measured.get("ceilings", {})
+    # The truths' own noise: their split-half Spearman r per FP4 format (LD only; WD's truths have one rounding
+    # seed here, no split); an estimate without error would rank the whole truths at about sqrt(2r / (1 + r)).
+    halves = {k.partition("_")[2]: v for k, v in measured.get("ceilings", {}).items()
+              if k.startswith("loss_") and k.partition("_")[2] in ("mxfp4", "nvfp4") and math.isfinite(v)}
     return ("SNIP's first round against the truths, Spearman over the (layer, FP4 format) pairs, per seed: " + "; ".join(
-        f"{short} {' '.join(v)}" for short, v in cells.items()) + " (the truths' split-half ceiling: LD "
-        + ", ".join(f"{k.partition('_')[2]} {v:.2f}" for k, v in ceilings.items() if k.startswith("loss_")) + ")")
+        f"{short} {' '.join(v)}" for short, v in cells.items()) + "".join(
+        f" (LD truths' split-half Spearman on {f} {r:.2f}: an error-free estimate would reach about "
+        f"{math.sqrt(2 * r / (1 + r)) if r > 0 else math.nan:.2f})" for f, r in halves.items()))
 
 
 def pooled_plans(rows: list[dict], measured: dict, solve, fraction: float) -> list[str]:
@@ -218,9 +223,15 @@ def pooled_plans(rows: list[dict], measured: dict, solve, fraction: float) -> li
         return cp.plan_objective({k: getattr(f, "value", f) for k, f in plan.items()}, measured["truths"], lam)
 
     def mean_estimates(subset):
-        first = runs[subset[0]]["estimates"]
-        return {metric: {key: statistics.fmean(runs[s]["estimates"][metric][key] for s in subset)
-                         for key in first[metric]} for metric in ("loss_divergence", "weight_divergence")}
+        """Each key's mean over the subset's finite values (as SNIP's aggregate skips a round's non-finite one);
+        inf where none is finite (a pinned layer's other formats, an invalid format: the planner excludes them)."""
+        out = {}
+        for metric in ("loss_divergence", "weight_divergence"):
+            keys = dict.fromkeys(k for s in subset for k in runs[s]["estimates"][metric])
+            values = {k: [v for s in subset if math.isfinite(v := runs[s]["estimates"][metric].get(k, math.inf))]
+                      for k in keys}
+            out[metric] = {k: statistics.fmean(v) if v else math.inf for k, v in values.items()}
+        return out
 
     lines = ["", f"SNIP's plan from k rounds (the first rounds of k seeds' runs averaged, solved as SNIP solves at "
              f"{fraction:g}), priced by the checkpoint's truths (lambda {lam:g}; lower is better), mean over the "
@@ -239,7 +250,8 @@ def pooled_plans(rows: list[dict], measured: dict, solve, fraction: float) -> li
                      f"{min(prices):.4f} - {max(prices):.4f} |")
     lines.append("")
     lines.append(_estimate_ranks(runs, measured))
-    lines.append(f"k = 1 re-solved gives the run's own plan on {same} of {len(seeds)} seeds; the oracle's plan (solved on "
+    lines.append(f"k = 1 re-solved gives the run's own plan on {same} of {len(seeds)} seeds (runs that applied one plan: "
+                 f"{sum(r.get('plans', 1) == 1 for r in runs.values())}); the oracle's plan (solved on "
                  f"the truths) costs {price(solve(measured['truths'])):.4f}" + "".join(
                      f"; {p} {cp.plan_objective(r['plan'], measured['truths'], lam):.4f}"
                      for p in RULES for r in rows if r["policy"] == p and r.get("plan") and r["seed"] == seeds[0]))

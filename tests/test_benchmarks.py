@@ -1,3 +1,4 @@
+import math
 import re
 import subprocess
 import sys
@@ -479,6 +480,8 @@ def test_quality_long_report_pairs_snips_lead_per_step_against_the_best_rule_at_
                        r"middle ([+-][\d.]+) ± ([\d.]+)", text)
     assert growth, text
     assert [float(x) for x in growth.groups()] == pytest.approx([0.02, 0.04, 0.02, 0.01], abs=1e-4)
+    assert re.search(r"end minus middle \+0\.02000 ± 0\.01000 \(t 3\.5;", text), text
+    assert re.search(r"vs layer_type_edges_gemm: \+0\.08000 ± 0\.00000 \(t nan, 3 seeds, ahead on 3\)", text), text
     # Per step, every step in its own cell (step 16's lead over industry_tail: 0.04)
     assert re.search(r"step 16 \+0\.0400 ± 0\.0000 .*step 64 \+0\.0400 ± 0\.0100", text), text
 
@@ -499,7 +502,8 @@ def test_quality_long_prices_each_runs_plan_with_the_truths_per_seed():
 
 def test_quality_long_prices_plans_pooled_over_seeds_first_rounds():
     ql = _benchmark("quality_long")
-    truths = {"truths": {"loss_divergence": {"a|mxfp4": 0.1, "b|mxfp4": 0.3}, "weight_divergence": {}}}
+    truths = {"truths": {"loss_divergence": {"a|mxfp4": 0.1, "b|mxfp4": 0.3, "c|fp8": 0.01}, "weight_divergence": {}},
+              "ceilings": {"loss_fp8": 0.2, "loss_mxfp4": 0.5, "weights_mxfp4": float("nan")}}
 
     def solve(estimates):  # one layer's forward in FP4: the one the estimates find cheaper
         ld = estimates["loss_divergence"]
@@ -512,12 +516,18 @@ def test_quality_long_prices_plans_pooled_over_seeds_first_rounds():
         "loss_divergence": {"a|mxfp4": a, "b|mxfp4": b}, "weight_divergence": {}}, "plan": solve(
         {"loss_divergence": {"a|mxfp4": a, "b|mxfp4": b}})} for s, (a, b) in est.items()]
     rows[1]["plan"] = {"a:forward": "mxfp4", "b:forward": "fp8"}  # a run whose own plan the re-solve does not give
+    # a key one seed lacks and another holds as inf (a pinned layer's format): averaged over the finite values present
+    rows[2]["estimates"]["loss_divergence"]["c|mxfp4"] = math.inf
+    for r in rows:  # an 8-bit format: outside the FP4 ranks (with it seed 0's would read -0.50)
+        r["estimates"]["loss_divergence"]["c|fp8"] = 0.5
     text = "\n".join(ql.pooled_plans(rows, truths, solve, 0.75))
     # k = 1: plans a, b, b -> 0.1, 0.3, 0.3; k = 2: {0,1} means (0.25, 0.125) -> b, {0,2} (0.225, 0.235) -> a,
     # {1,2} (0.375, 0.21) -> b: 0.3, 0.1, 0.3; k = 3: (0.283, 0.19) -> b: 0.3
     assert "| 1 | 3 | 0.2333 ± 0.1155 | 0.1000 - 0.3000 |" in text, text
     assert "| 2 | 3 | 0.2333 ± 0.1155 | 0.1000 - 0.3000 |" in text, text
     assert "| 3 | 1 | 0.3000 ± 0.0000 | 0.3000 - 0.3000 |" in text, text
-    assert "own plan on 2 of 3 seeds; the oracle's plan (solved on the truths) costs 0.1000" in text, text
+    assert "own plan on 2 of 3 seeds (runs that applied one plan: 3); the oracle's plan (solved on the truths) costs 0.1000" in text, text
     assert "Spearman over the (layer, FP4 format) pairs, per seed: LD +1.00 -1.00 -1.00" in text, text
+    assert "(LD truths' split-half Spearman on mxfp4 0.50: an error-free estimate would reach about 0.82)" in text, text
+    assert "fp8 0.20" not in text
     assert ql.pooled_plans(rows[:1], truths, solve, 0.75) == []
