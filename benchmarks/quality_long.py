@@ -219,8 +219,11 @@ def pooled_plans(rows: list[dict], measured: dict, solve, fraction: float) -> li
         return []
     seeds = sorted(runs)
 
+    def names(plan) -> dict[str, str]:  # a solved Plan's formats as the runs store them (names)
+        return {k: getattr(f, "value", f) for k, f in plan.items()}
+
     def price(plan) -> float:
-        return cp.plan_objective({k: getattr(f, "value", f) for k, f in plan.items()}, measured["truths"], lam)
+        return cp.plan_objective(names(plan), measured["truths"], lam)
 
     def mean_estimates(subset):
         """Each key's mean over the subset's finite values (as SNIP's aggregate skips a round's non-finite one);
@@ -243,8 +246,7 @@ def pooled_plans(rows: list[dict], measured: dict, solve, fraction: float) -> li
             plan = solve(mean_estimates(subset))
             prices.append(price(plan))
             if k == 1:
-                own = runs[subset[0]]["plan"]
-                same += {key: getattr(f, "value", f) for key, f in plan.items()} == own
+                same += names(plan) == runs[subset[0]]["plan"]
         sd = statistics.stdev(prices) if len(prices) > 1 else 0.0
         lines.append(f"| {k} | {len(prices)} | {statistics.fmean(prices):.4f} ± {sd:.4f} | "
                      f"{min(prices):.4f} - {max(prices):.4f} |")
