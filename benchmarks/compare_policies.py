@@ -490,12 +490,13 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
         # "snip_gemm+defaults": SNIP as it ships (issue 52): the library's defaults (its schedule, overhead budget,
         # first-order sample, spike guard) but for the protocol's target (fraction of the whole model, its formats
         # and pins), its CPU-sized rows, and the first round at the checkpoint, where every policy's plan starts.
-        config = SNIPConfig(warmup_steps=s.pretrain_steps, fp4_fraction=fraction, target_scope="model",
+        # (SNIP's schedule counts from the step it is resumed at: warmup_steps=0 puts the first round there)
+        config = SNIPConfig(warmup_steps=0, fp4_fraction=fraction, target_scope="model",
                             candidate_formats=s.candidates, pins=PINS, granularity=granularity, max_rows=max_rows)
         callback = SNIPCallback(config)
     elif base in ("snip", "snip_gemm"):
         # The first round runs at the checkpoint (no first-order history yet), then every interval.
-        config = SNIPConfig(warmup_steps=s.pretrain_steps, interval=interval, fp4_fraction=fraction,
+        config = SNIPConfig(warmup_steps=0, interval=interval, fp4_fraction=fraction,
                             target_scope="model", candidate_formats=s.candidates, initial_format="fp8", pins=PINS,
                             granularity=granularity, first_order_steps=min(s.first_order_steps, s.snip_interval - 1),
                             max_rows=max_rows, spike_threshold=None,

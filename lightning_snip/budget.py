@@ -15,7 +15,8 @@ spike guard reverts, brings it back to the budget's (never below it: the budget 
 Fewer rounds cost no mean quality on either quality protocol but widened the seeds' spread (docs/method.md
 section 12), so the spacing stretches only while the plans hold. Rounds stop
 where the next one would fall past the run's last step. Without a budget the schedule is fixed (every
-``interval`` steps, ``first_order_steps`` sampled before each). Written by hand: no library schedules a
+``interval`` steps, ``first_order_steps`` sampled before each). Either schedule counts from the first step it
+sees, and a round is due at the first step at or after its scheduled one (never lost to a resume). Written by hand: no library schedules a
 callback's work against a time budget. Pure Python; the controller feeds it times and broadcasts its decisions.
 """
 
@@ -73,6 +74,9 @@ class OverheadBudget:
         self._next_work: set[str] = set()
         self.stretch = 1
         self._base: tuple[int, int] | None = None  # (the last round's step, the budget's gap after it)
+        # The schedule counts from the first step it sees (anchor): a run resumed from a checkpoint without SNIP's
+        # state, or SNIP added at step N, warms up and samples as a fresh run started at N would.
+        self.anchored = False
 
     # ------------------------------------------------------------------ timing
 
@@ -87,11 +91,20 @@ class OverheadBudget:
 
     def step_started(self, step: int, now: float) -> None:
         """A micro-batch of ``step`` starts at ``now`` (seconds): a new step closes the last one."""
+        if not self.anchored:
+            self.anchor(step)
         if step != self._step:
             if self._step is not None and self._seconds > 0:
                 self._close(self._seconds)
             self._step, self._seconds, self._work, self._next_work = step, 0.0, self._next_work, set()
         self._start = now
+
+    def anchor(self, step: int) -> None:
+        """Count the schedule from ``step``, the first this budget sees (a restored schedule is anchored already):
+        the first round comes ``warmup_steps`` after it."""
+        self.anchored = True
+        if self.replan and self.next_round is not None and self._base is None:
+            self.next_round += step
 
     def batch_ended(self, now: float) -> None:
         """The running micro-batch ends at ``now``."""
@@ -142,19 +155,13 @@ class OverheadBudget:
     # ------------------------------------------------------------------ schedule
 
     def is_round(self, step: int) -> bool:
-        if self.budget is None:  # the fixed schedule: every interval steps from warmup_steps
-            return self.replan and step >= self.warmup_steps and (step - self.warmup_steps) % self.interval == 0
-        return self.next_round is not None and step == self.next_round
+        """Whether a round is due: the first step at or after the scheduled one (a schedule behind the run, such as a
+        checkpoint's, catches up once; it does not replay the rounds it missed)."""
+        return self.replan and self.next_round is not None and step >= self.next_round
 
     def is_first_order(self, step: int) -> bool:
         """One of the ``num_first_order`` steps before the next round."""
-        if self.budget is None:
-            if not self.replan:
-                return False
-            next_round = self.warmup_steps if step < self.warmup_steps else (
-                self.warmup_steps + ((step - self.warmup_steps) // self.interval + 1) * self.interval)
-            return 1 <= next_round - step <= self.max_first_order
-        return self.next_round is not None and 1 <= self.next_round - step <= self.num_first_order
+        return self.replan and self.next_round is not None and 1 <= self.next_round - step <= self.num_first_order
 
     def decide(self, step: int, round_seconds: float) -> tuple[int | None, int, int, int]:
         """After the round at ``step`` (``round_seconds`` long): the next round's step (None: none left), its
@@ -223,11 +230,20 @@ class OverheadBudget:
     # ------------------------------------------------------------------ checkpoint
 
     def state_dict(self) -> dict:
+        """The decisions and every clock-derived quantity later decisions read (the recent steps' times, the step
+        still open, the costs): a resumed run schedules as the uninterrupted one, whatever its machine's speed,
+        until its own times replace them."""
         return {"next_round": self.next_round, "num_first_order": self.num_first_order,
                 "train_seconds": self.train_seconds, "snip_seconds": dict(self.snip_seconds),
-                "costs": dict(self.costs), "stretch": self.stretch, "base": self._base}
+                "costs": dict(self.costs), "stretch": self.stretch, "base": self._base,
+                "recent": list(self.recent), "sampled": list(self._sampled),
+                "unresolved": [list(item) for item in self._unresolved],
+                "fastest": self._fastest if math.isfinite(self._fastest) else None,
+                "open_step": None if self._step is None else [self._step, self._seconds, sorted(self._work),
+                                                               sorted(self._next_work)]}
 
     def load_state_dict(self, state: Mapping) -> None:
+        self.anchored = True
         self.next_round = state["next_round"]
         self.num_first_order = int(state["num_first_order"])
         self.train_seconds = float(state["train_seconds"])
@@ -235,3 +251,11 @@ class OverheadBudget:
         self.costs.update(state["costs"])
         self.stretch = int(state.get("stretch", 1))  # (checkpoints before the adaptive spacing: none)
         self._base = tuple(state["base"]) if state.get("base") is not None else None
+        # (checkpoints before 2026-12-05 kept no times: the resumed run times its own steps first)
+        self.recent = deque((float(v) for v in state.get("recent", [])), maxlen=RECENT_STEPS)
+        self._sampled = [float(v) for v in state.get("sampled", [])]
+        self._unresolved = [(str(kind), float(seconds)) for kind, seconds in state.get("unresolved", [])]
+        self._fastest = math.inf if state.get("fastest") is None else float(state["fastest"])
+        if state.get("open_step") is not None:
+            step, seconds, work, next_work = state["open_step"]
+            self._step, self._seconds, self._work, self._next_work = int(step), float(seconds), set(work), set(next_work)

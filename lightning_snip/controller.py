@@ -168,6 +168,7 @@ class SNIPController:
         self.propagation = Propagation.PROBE  # exact after probes proved unsupported
         self.flops: dict[str, float] = {}
         self.schedule = OverheadBudget(self.config)  # when rounds run, and what SNIP's work costs
+        self.clock: Callable[[], float] = time.perf_counter  # the budget's clock, in seconds (a test may set its own)
         self.recorder: FirstOrderRecorder | None = None
         self.last_round_step: int | None = None  # one round per optimizer step (not per micro-batch)
         # (fqn, format) -> first-order terms of the batches sampled since the last round.
@@ -265,7 +266,7 @@ class SNIPController:
     def begin_batch(self, step: int, batch_idx: int = 0, rank: int = 0) -> None:
         """Time the steps (a new step closes the last one), and reseed stochastic rounding for this (rank, step,
         micro-batch)."""
-        self.schedule.step_started(step, time.perf_counter())
+        self.schedule.step_started(step, self.clock())
         self.sr_generator.manual_seed(stream_seed(self.sr_seed, rank, step, batch_idx))
 
     def set_horizon(self, max_steps: int | None, step: int = 0) -> None:
@@ -286,7 +287,7 @@ class SNIPController:
 
     def end_batch(self) -> None:
         """Stop sampling and keep what this micro-batch's steps sampled; the micro-batch's time ends."""
-        self.schedule.batch_ended(time.perf_counter())
+        self.schedule.batch_ended(self.clock())
         if self.recorder is None:
             return
         for key, values in self.recorder.stop_and_take().items():
@@ -307,7 +308,7 @@ class SNIPController:
         cfg = self.config
         self.last_round_step = step
         self.schedule.mark("round")
-        start = time.perf_counter()
+        start = self.clock()
         result = None
         try:
             sliced = slice_batch(batch, cfg.max_rows)
@@ -326,7 +327,7 @@ class SNIPController:
         # Every rank reaches the reduction (a failed rank contributes NaN, which invalidates the round).
         result = reduce_result(result, list(self.layers), self.config.formats, collective)
         self.num_stats_rounds += 1
-        seconds = time.perf_counter() - start
+        seconds = self.clock() - start
         # when the next round comes (one decision for every rank: rank 0's times decide)
         self.schedule.follow(collective.broadcast(self.schedule.decide(step, seconds)))
         if result is None:

@@ -1,0 +1,170 @@
+"""Rounds are never silently lost (issue 60): a run resumed from a checkpoint without SNIP's state, or SNIP added at
+step N, plans as a fresh run started at N would; a resumed run under the overhead budget plans exactly as the
+uninterrupted one, its schedule independent of the resumed machine's clock."""
+
+from __future__ import annotations
+
+import glob
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_snip.budget import OverheadBudget
+from lightning_snip.callback import SNIPCallback
+from lightning_snip.config import SNIPConfig
+from lightning_snip.demo.lightning import DemoLM
+from lightning_snip.demo.model import LlamaConfig
+
+from test_callback import _FixedBatches
+
+SMALL = LlamaConfig(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=160)
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    torch.set_num_threads(1)
+
+
+class _Rounds(pl.Callback):
+    """The steps at which SNIP ran a statistics round and applied a plan."""
+
+    def __init__(self, snip):
+        self.snip, self.rounds, self.applied, self.plans = snip, [], [], {}
+        self._counts = (0, 0)
+
+    def on_train_start(self, trainer, pl_module):
+        self._counts = (self.snip.controller.num_stats_rounds, self.snip.controller.num_plans_applied)  # (restored)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        controller = self.snip.controller
+        step = trainer.global_step - 1
+        if controller.num_stats_rounds > self._counts[0]:
+            self.rounds.append(step)
+        if controller.num_plans_applied > self._counts[1]:
+            self.applied.append(step)
+        self._counts = (controller.num_stats_rounds, controller.num_plans_applied)
+        if controller.plan is not None:
+            self.plans[trainer.global_step] = dict(controller.plan)
+
+
+class _TickClock:
+    """A clock that advances one second per reading: the same calls give the same times on any machine."""
+
+    def __init__(self, snip):
+        self.now, self.tick = 0.0, 1.0
+        snip.controller.clock = self
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+class _SlowerFrom(pl.Callback):
+    """Steps from ``step`` on tick twice as slowly (a machine's speed changing mid-run, in both runs)."""
+
+    def __init__(self, clock, step):
+        self.clock, self.step = clock, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.clock.tick = 2.0 if trainer.global_step >= self.step else 1.0
+
+
+class _StopAt(pl.Callback):
+    """Ends the fit after ``step`` steps, as a crash would, in a run set up for more (its horizon is the whole run)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+def _fit(root, callbacks, max_steps, ckpt_path=None, checkpoint_every=None):
+    pl.seed_everything(0)
+    callbacks = list(callbacks)
+    if checkpoint_every is not None:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=checkpoint_every,
+                                                      save_top_k=-1))
+    trainer = pl.Trainer(max_steps=max_steps, default_root_dir=root, logger=False, callbacks=callbacks,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, accelerator="cpu",
+                         enable_checkpointing=checkpoint_every is not None)
+    trainer.fit(DemoLM(SMALL), datamodule=_FixedBatches(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def _snip(**kw):
+    base = dict(warmup_steps=4, interval=4, fp4_fraction=0.6, max_rows=128, first_order_steps=2)
+    return SNIPCallback(SNIPConfig(**{**base, **kw}))
+
+
+@pytest.mark.parametrize("overhead_budget", [None, 0.5])
+def test_a_run_resumed_from_a_checkpoint_without_snip_plans_as_a_fresh_run_started_there(tmp_path, overhead_budget):
+    _fit(tmp_path / "plain", [], max_steps=10, checkpoint_every=10)  # a user's own run, no SNIP
+    ckpt = glob.glob(str(tmp_path / "plain" / "ckpt" / "*.ckpt"))[0]
+    snip = _snip(overhead_budget=overhead_budget)
+    seen = _Rounds(snip)
+    _fit(tmp_path / "resumed", [snip, seen], max_steps=24, ckpt_path=ckpt)
+    # warm-up from the resume step (10 + 4), its first-order sample before it, then its plan at the next step
+    assert seen.rounds[0] == 14 and seen.applied[0] == 15
+    assert snip.history[0]["step"] == 14
+    if overhead_budget is None:
+        assert seen.rounds == [14, 18, 22] and snip.num_plans_applied == 3
+    else:
+        assert snip.num_plans_applied >= 1
+    assert snip.controller.schedule.snip_seconds["first_order"] != 0.0 or overhead_budget is None
+
+
+def test_snip_added_mid_run_counts_its_schedule_from_its_first_step():
+    for overhead_budget in (None, 0.5):
+        budget = OverheadBudget(SNIPConfig(warmup_steps=20, interval=10, first_order_steps=4,
+                                           overhead_budget=overhead_budget))
+        rounds, sampled, now = [], [], 0.0
+        for step in range(100, 135):
+            budget.step_started(step, now)
+            if budget.is_round(step):
+                budget.mark("round")
+                rounds.append(step)
+                budget.follow(budget.decide(step, 0.01))
+            elif budget.is_first_order(step):
+                sampled.append(step)
+            now += 1.0
+            budget.batch_ended(now)
+        assert rounds[0] == 120, overhead_budget
+        assert sampled[:budget.num_first_order] == list(range(120 - len(sampled[:4]), 120))[:budget.num_first_order]
+        if overhead_budget is None:
+            assert rounds == [120, 130] and sampled == [116, 117, 118, 119, 126, 127, 128, 129]
+
+
+def test_a_schedule_behind_the_run_catches_up_once():
+    budget = OverheadBudget(SNIPConfig(warmup_steps=5, interval=10, first_order_steps=2, overhead_budget=None))
+    budget.load_state_dict({**budget.state_dict(), "next_round": 5})  # a checkpoint's schedule, resumed at step 40
+    assert not budget.is_round(4) and budget.is_round(40) and budget.is_round(41)
+    budget.follow(budget.decide(40, 1.0))
+    assert budget.next_round == 50 and not budget.is_round(41)  # the missed rounds (15, 25, 35) are not replayed
+
+
+def test_a_resumed_run_under_the_budget_plans_exactly_as_the_uninterrupted_one(tmp_path):
+    cfg = dict(warmup_steps=2, interval=2, first_order_steps=4, overhead_budget=0.3, initial_format="mxfp4",
+               granularity="layer")
+    full = _snip(**cfg)
+    full_seen = _Rounds(full)
+    _fit(tmp_path / "full", [_SlowerFrom(_TickClock(full), 9), full, full_seen], max_steps=30)
+
+    first = _snip(**cfg)
+    _fit(tmp_path / "first", [_SlowerFrom(_TickClock(first), 9), first, _StopAt(9)], max_steps=30, checkpoint_every=9)
+    ckpt = glob.glob(str(tmp_path / "first" / "ckpt" / "*.ckpt"))[0]
+    resumed = _snip(**cfg)
+    clock = _TickClock(resumed)
+    clock.now = 1e6  # another clock: only the differences it measures after the resume count
+    resumed_seen = _Rounds(resumed)
+    _fit(tmp_path / "resumed", [_SlowerFrom(clock, 9), resumed, resumed_seen], max_steps=30, ckpt_path=ckpt)
+
+    # the budget spaced the rounds beyond the interval, and the resumed run's fell at the same steps
+    assert len(full_seen.rounds) >= 3 and any(b - a > 2 for a, b in zip(full_seen.rounds, full_seen.rounds[1:]))
+    assert [s for s in full_seen.rounds if s >= 9] == resumed_seen.rounds
+    assert full.controller.schedule.state_dict()["next_round"] == resumed.controller.schedule.state_dict()["next_round"]
+    assert resumed.controller.schedule.share == pytest.approx(full.controller.schedule.share)
+    for step, plan in resumed_seen.plans.items():
+        assert plan == full_seen.plans[step], step
