@@ -81,7 +81,7 @@ class SNIPCallback(Callback):
 
     The loop itself is lightning_snip.controller.SNIPController (``self.controller``); this class
     is its Lightning adapter. Public state (the controller's): ``layers`` (fqn -> SNIPLinear),
-    ``plan`` (the applied Plan or None), ``history`` (a list of dicts: step, divergence, plan),
+    ``plan`` (the applied Plan or None), ``history`` (a list of dicts: step, divergence, plan; the last 16 rounds),
     ``aggregate``, ``num_stats_rounds``, ``num_plans_applied``, ``num_consecutive_failures``,
     ``grad_noise_ratios``, ``invalid_formats``, ``fp4_fraction``, ``switchable_fp4_fraction``.
     """

@@ -54,6 +54,9 @@ from lightning_snip.statistics_round import probe_rel_stderr, round_generator, r
 
 logger = logging.getLogger(__name__)
 
+# Rounds kept in ``history`` (memory and checkpoint): the aggregate carries what later solves need, so a long run's
+# state does not grow with its rounds.
+HISTORY_ROUNDS = 16
 # The longest fit end waits for a solve still running: the solver's own limit (planner.solve_plan, 10 s) and margin.
 SOLVE_JOIN_SECONDS = 30.0
 
@@ -146,7 +149,7 @@ class SNIPController:
     ``max_consecutive_failures`` in a row it raises.
 
     Public state: ``config``, ``layers`` (fqn -> SNIPLinear), ``plan`` (the applied Plan or None),
-    ``history`` (a list of dicts: step, divergence, plan), ``aggregate``, ``num_stats_rounds``,
+    ``history`` (a list of dicts: step, divergence, plan; the last HISTORY_ROUNDS rounds), ``aggregate``, ``num_stats_rounds``,
     ``num_plans_applied``, ``num_consecutive_failures``, ``grad_noise_ratios`` and ``invalid_formats``
     (the last round's), ``sr_generator`` (stochastic rounding's random source).
     """
@@ -341,6 +344,7 @@ class SNIPController:
                         **{f"snip/grad_noise_ratio/{fqn}": r for fqn, r in self.grad_noise_ratios.items()}})
         self.history.append({"step": step, "divergence": result.as_dict()})
         self.fold_into_aggregate(self.history[-1]["divergence"])
+        del self.history[:-HISTORY_ROUNDS]
         self.start_solve(step, step + APPLY_DELAY, collective)
         return scalars
 

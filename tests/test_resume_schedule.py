@@ -168,3 +168,41 @@ def test_a_resumed_run_under_the_budget_plans_exactly_as_the_uninterrupted_one(t
     assert resumed.controller.schedule.share == pytest.approx(full.controller.schedule.share)
     for step, plan in resumed_seen.plans.items():
         assert plan == full_seen.plans[step], step
+
+
+def test_the_state_of_a_long_run_does_not_grow_with_its_rounds():
+    import pickle
+
+    from lightning_snip.controller import HISTORY_ROUNDS, SNIPController
+    from lightning_snip.demo.model import TinyLlama
+
+    torch.manual_seed(0)
+    model = TinyLlama(LlamaConfig(dim=32, num_layers=1, num_heads=2, num_kv_heads=1, hidden_dim=64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    controller = SNIPController(SNIPConfig(warmup_steps=0, interval=1, max_rows=16, first_order_steps=0,
+                                           overhead_budget=None, granularity="layer"))
+    controller.attach(model)
+    tokens = torch.randint(0, 256, (2, 9))
+
+    def loss_of(batch):
+        logits = model(batch[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    sizes = {}
+    for step in range(2 * HISTORY_ROUNDS + 8):
+        controller.begin_batch(step)
+        controller.apply_due(model, step)
+        if controller.is_round_due(step):
+            controller.statistics_round(model, tokens, loss_of, step=step, optimizer=optimizer)
+        loss = loss_of(tokens)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        controller.end_batch()
+        controller.observe_step(model, step, float(loss))
+        sizes[step] = len(pickle.dumps(controller.state_dict()))
+    controller.close()
+    assert controller.num_stats_rounds == 2 * HISTORY_ROUNDS + 8 and len(controller.history) == HISTORY_ROUNDS
+    assert controller.history[-1]["step"] == 2 * HISTORY_ROUNDS + 7
+    late, later = sizes[HISTORY_ROUNDS + 4], sizes[2 * HISTORY_ROUNDS + 7]
+    assert later <= 1.05 * late, (late, later)  # (not the number of rounds: 1.5x more of them)
