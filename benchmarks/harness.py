@@ -611,3 +611,36 @@ def broken_fp4_forward(layers, fmt: Format, *, mode: str = "nan"):
         return out
 
     return quantized_matmul
+
+
+TRAINING_PATH_FAULTS = ("negated_fp4_gradients", "zeroed_fp4_gradients", "noisy_fp4_forward", "broken_fp8_forward")
+
+
+def training_path_fault(kind: str):
+    """A replacement for lightning_snip.linear's ``quantized_matmul`` (the training path's GEMMs only: the
+    statistics round calls gemm.quantized_matmul itself) with one of TRAINING_PATH_FAULTS, in every layer:
+    "negated_fp4_gradients" / "zeroed_fp4_gradients": the dgrad and wgrad GEMMs in an FP4 format return the
+    negated / zero product; "noisy_fp4_forward": an FP4 forward GEMM adds Gaussian noise 1x its output's standard
+    deviation; "broken_fp8_forward": an FP8 forward GEMM returns every other 16-column block of its output as
+    zeros (an all-zero block, as a GPU kernel once gave)."""
+    import lightning_snip.linear as linear
+
+    if kind not in TRAINING_PATH_FAULTS:
+        raise ValueError(f"kind: invalid value {kind!r}; allowed: {', '.join(TRAINING_PATH_FAULTS)}")
+    real = linear.quantized_matmul
+
+    def quantized_matmul(a, b, f, *args, **kw):
+        out = real(a, b, f, *args, **kw)
+        grad = kw.get("a_is_grad", False)
+        if kind == "negated_fp4_gradients" and grad and f.is_fp4:
+            return -out
+        if kind == "zeroed_fp4_gradients" and grad and f.is_fp4:
+            return torch.zeros_like(out)
+        if kind == "noisy_fp4_forward" and not grad and f.is_fp4:
+            return out + out.detach().float().std().to(out.dtype) * torch.randn_like(out)
+        if kind == "broken_fp8_forward" and not grad and f is Format.FP8:
+            mask = (torch.arange(out.shape[-1], device=out.device) // 16) % 2 == 0
+            return out * mask.to(out.dtype)
+        return out
+
+    return quantized_matmul

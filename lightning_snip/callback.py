@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from typing_extensions import override
 
+from lightning_snip.canary import CANARY_ROWS
 from lightning_snip.config import FP8_SCALING_AUTO, SNIPConfig
 from lightning_snip.controller import SINGLE_PROCESS, Collective, SNIPController
 from lightning_snip.convert import glob_filter
@@ -21,6 +22,7 @@ from lightning_snip.gemm import choose_fp8_scaling
 from lightning_snip.formats import Format, Fp8Scaling
 from lightning_snip.plan import Plan
 from lightning_snip.reporting import log_to_loggers
+from lightning_snip.stats import slice_batch
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,13 @@ class SNIPCallback(Callback):
         ``snip/plan_agreement``: share of the switched layers whose format the new plan keeps.
         ``snip/round_stretch``: the round spacing's multiple of the budget's (1-8: steady plans stretch it,
             lightning_snip.budget).
+        ``snip/canary_reverts``: GEMM directions the plan canary put back so far (lightning_snip.canary);
+            ``snip/canary_worst_ratio``: the largest ratio of a training path's error to the round's path's in
+            the check; ``snip/canary_seconds``: its time; ``snip/canary_reason`` (text): what it put back and why.
+        ``snip/plan_cost_at_switch``: what the new plan's formats cost on the switch's batch (the loss watch's
+            offset); ``snip/loss_watch_unconfirmed``: alarms of the loss watch the same batch found were not the
+            plan's (lightning_snip.spike_guard); ``snip/plan_reverted``, ``snip/spike_reverts`` and
+            ``snip/plan_reverted_reason`` (text): a revert by the loss watch.
         ``snip/plan`` (image): blocks x layer types colored by format.
         ``snip/plan_table`` (text): the plan as a table.
 
@@ -131,6 +140,9 @@ class SNIPCallback(Callback):
         applied = controller.apply_due(pl_module, step, collective)
         if applied is not None:
             log_to_loggers(trainer.loggers, step, *applied)
+        # the plan canary: after a switch, at every round, and after a rise of the loss the same batch did not confirm
+        if applied is not None or controller.is_round_due(step) or controller.canary_due:
+            self._check_plan(trainer, pl_module, batch, batch_idx, step)
         if controller.is_round_due(step):
             scalars = controller.statistics_round(
                 pl_module, batch, _statistics_loss(trainer, pl_module, batch_idx), step=step, collective=collective,
@@ -148,9 +160,40 @@ class SNIPCallback(Callback):
             if observed is not None:  # the optimizer stepped: a step boundary, the same on every rank
                 step, loss, finite_grads = observed
                 reverted = self.controller.observe_step(pl_module, step, loss, finite_grads=finite_grads,
-                                                        collective=self._collective)
+                                                        collective=self._collective,
+                                                        same_batch_cost=self._same_batch_cost(trainer, pl_module, batch,
+                                                                                              batch_idx))
                 if reverted is not None:
-                    log_to_loggers(trainer.loggers, step, reverted[0], text={"snip/plan_reverted_reason": reverted[1]})
+                    scalars, reason = reverted
+                    log_to_loggers(trainer.loggers, step, scalars,
+                                   text={"snip/plan_reverted_reason": reason} if reason else None)
+
+    def _check_plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int, step: int) -> None:
+        """The plan canary on a slice of this batch, then (after a switch) what the plan costs on it."""
+        loss_of = _statistics_loss(trainer, pl_module, batch_idx)
+        sliced = slice_batch(batch, CANARY_ROWS)
+        checked = self.controller.check_plan(pl_module, lambda: loss_of(sliced), step=step, collective=self._collective)
+        if checked is not None:
+            scalars, reason = checked
+            log_to_loggers(trainer.loggers, step, scalars, text={"snip/canary_reason": reason} if reason else None)
+        if self.controller.guard.needs_plan_cost:
+            sliced = slice_batch(batch, self.controller.config.max_rows)
+            measured = self.controller.measure_switch(pl_module, lambda: loss_of(sliced), step=step,
+                                                      collective=self._collective)
+            if measured is not None:
+                scalars, reason = measured
+                log_to_loggers(trainer.loggers, step, scalars, text={"snip/plan_reverted_reason": reason} if reason else None)
+
+    def _same_batch_cost(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int):
+        """The loss watch's confirmation: this batch's loss (a max_rows slice) under the formats in force minus
+        under ``previous``."""
+        loss_of = _statistics_loss(trainer, pl_module, batch_idx)
+
+        def cost(previous):
+            sliced = slice_batch(batch, self.controller.config.max_rows)
+            return self.controller.plan_cost(pl_module, lambda: loss_of(sliced), previous, self._collective)
+
+        return cost
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:

@@ -22,7 +22,8 @@ from lightning_snip.planner import DEFAULT_WEIGHT_DIVERGENCE_WEIGHT
 FP8_SCALING_AUTO = "auto"  # SNIPConfig.fp8_scaling: the faster FP8 scaling on the run's device
 
 DEFAULT_PINS = ("*lm_head=bf16",)
-"""SNIPConfig's default pins: the LM head in bf16 (a model without an ``lm_head`` simply has none to pin)."""
+"""SNIPConfig's default pins: the LM head in bf16 (a model without an ``lm_head`` simply has none to pin). Beside
+them, the default also pins the output head found by what it is, whatever its name (SNIPConfig.output_head_format)."""
 
 
 class TargetScope(Choice):
@@ -121,14 +122,18 @@ class SNIPConfig:
         per layer's GEMM direction (``gemm``: forward, and dgrad + wgrad) or per layer (``layer``).
     Formats: the ``candidate_formats`` a plan chooses among (bf16 always possible), ``initial_format``
         until the first plan, the ``include`` / ``exclude`` globs of the nn.Linear layers converted, ``pins``
-        (glob=format kept fixed; default: the LM head in bf16) and ``extra_pins`` added to them, and the FP8
-        scaling (``rowwise``, ``tensorwise`` or ``auto``: the faster on the run's GPU).
+        (glob=format kept fixed; default: the LM head in bf16, by its name or found by what it is) and
+        ``extra_pins`` added to them, and the FP8 scaling (``rowwise``, ``tensorwise`` or ``auto``: the faster
+        on the run's GPU).
     Estimator: ``max_rows`` token rows per round (and per step of LD's first-order sample, taken on up to
         ``first_order_steps`` steps before each round: fewer as the budget requires); the objective LD +
         ``weight_divergence_weight`` x WD. The estimator's other settings are fixed by their studies
         (lightning_snip.statistics_round, lightning_snip.aggregate).
-    Guard: ``spike_threshold`` (null: off) reverts a plan whose loss, in the steps after it, rises that
-        many standard deviations above the steps before it (or goes non-finite; lightning_snip.spike_guard);
+    Guard: ``plan_canary`` checks each layer's training GEMMs against the round's path right after a plan
+        is applied and at every round, and puts a layer that disagrees back at once (lightning_snip.canary);
+        ``spike_threshold`` (null: off) reverts a plan whose loss, after it, rises above the trend before it
+        (a CUSUM reaching two steps at that many standard deviations, or a longer smaller rise, confirmed on the
+        same batch), or goes non-finite (lightning_snip.spike_guard);
         ``noise_guard_threshold`` (null: off) keeps FP4 out of the backward of a layer whose weight
         gradient is below that multiple of its FP4 error; ``max_consecutive_failures`` rounds or solves in a
         row that gave no plan stop the run (null: never).
@@ -157,6 +162,7 @@ class SNIPConfig:
     weight_divergence_weight: float = DEFAULT_WEIGHT_DIVERGENCE_WEIGHT
     # guard
     spike_threshold: float | None = 6.0
+    plan_canary: bool = True
     noise_guard_threshold: float | None = None
     max_consecutive_failures: int | None = 3
 
@@ -176,6 +182,7 @@ class SNIPConfig:
             and 0 < self.noise_guard_threshold < math.inf), "noise_guard_threshold", self.noise_guard_threshold,
             "a finite number > 0 (1.732, sqrt(3), is the rule's), or null (the guard off)")
         check_field(isinstance(self.replan, bool), "replan", self.replan, "true or false")
+        check_field(isinstance(self.plan_canary, bool), "plan_canary", self.plan_canary, "true or false")
         check_field(self.overhead_budget is None or (
             isinstance(self.overhead_budget, (int, float)) and not isinstance(self.overhead_budget, bool)
             and 0 < self.overhead_budget < 1), "overhead_budget", self.overhead_budget,
@@ -222,9 +229,22 @@ class SNIPConfig:
     def optional_pins(self) -> frozenset[str]:
         """The globs of ``pins`` that may match no layer: the default pins' while ``pins`` is the default
         (and extra_pins does not restate them); every pin a user wrote must match one."""
-        if not (isinstance(self.pins, tuple) and self.pins == DEFAULT_PINS):
+        if not self._default_pins:
             return frozenset()
         return frozenset(_parse_pins(self.pins)) - frozenset(_parse_pins(self.extra_pins, field_name="extra_pins"))
+
+    @property
+    def output_head_format(self) -> Format | None:
+        """bf16 while ``pins`` is the default: the model's output head, found by what it is whatever its name
+        (GPT-NeoX's ``embed_out``, a Llama-style ``output``; lightning_snip.convert.find_output_head), is then
+        pinned beside ``*lm_head`` unless a pin matches it. None once ``pins`` is written: a user who wrote
+        pins gets exactly those (``extra_pins`` adds to the default and keeps it)."""
+        return Format.BF16 if self._default_pins else None
+
+    @property
+    def _default_pins(self) -> bool:
+        # (A list equal to the default, as the app's schema holds it, is the default.)
+        return isinstance(self.pins, tuple) and self.pins == DEFAULT_PINS
 
     @property
     def formats(self) -> tuple[Format, ...]:

@@ -24,7 +24,6 @@ is the Lightning adapter over it; a plain PyTorch loop or a benchmark can drive 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -37,19 +36,22 @@ import torch
 
 from lightning_snip.aggregate import METRICS, DivergenceAggregate
 from lightning_snip.budget import APPLY_DELAY, OverheadBudget
+from lightning_snip.canary import CanaryVerdict, check_plan, plan_cost
 from lightning_snip.config import SNIPConfig
+from lightning_snip.divergence import reduce_result
 from lightning_snip.convert import UnmatchedPinsError, apply_plan, convert_linears, glob_filter, layer_assignment
-from lightning_snip.divergence import DivergenceResult, LayerDivergence
-from lightning_snip.evidence import (aggregate_candidates, check_reachable, current_fp4_fraction, describe_target,
-                                     grad_noise_ratios, guarded_formats, invalid_formats, layer_flops, solve_guarded)
+from lightning_snip.evidence import (aggregate_candidates, check_reachable, current_fp4_fraction, grad_noise_ratios,
+                                     guarded_formats, invalid_formats, layer_flops, solve_guarded)
 from lightning_snip.first_order import FirstOrderRecorder
 from lightning_snip.formats import Format
-from lightning_snip.gemm import describe_kernels, emulated_layers
 from lightning_snip.linear import SNIPLinear
-from lightning_snip.plan import Granularity, Plan, SolveStatus, split_key
-from lightning_snip.reporting import divergence_scalars, plan_scalars
+from lightning_snip.recompile import CompiledPlans
+from lightning_snip.rng import stream_seed
+from lightning_snip.plan import Granularity, Plan, SolveStatus, reverted_plan, split_key
+from lightning_snip.reporting import applied_plan_scalars, divergence_scalars, plan_agreement
+from lightning_snip.setup_report import log_setup
 from lightning_snip.stats import Propagation, slice_batch
-from lightning_snip.spike_guard import AVOID_ROUNDS, Revert, SpikeGuard
+from lightning_snip.spike_guard import AVOID_ROUNDS, Alarm, Revert, SpikeGuard, log_revert
 from lightning_snip.statistics_round import probe_rel_stderr, round_generator, run_statistics_round
 
 logger = logging.getLogger(__name__)
@@ -184,6 +186,10 @@ class SNIPController:
         self.invalid_formats: list[tuple[str, Format]] = []  # the last round's non-finite candidates
         # (without replanning nothing switches: no guard, and nothing read per step)
         self.guard = SpikeGuard(self.config.spike_threshold if self.config.replan else None)
+        self.formats_before_switch: dict[str, Format] = {}  # plan key -> format before the last plan (the canary's fallback)
+        self.num_canary_reverts = 0  # GEMM directions the plan canary put back
+        self.canary_due = False  # an alarm the same batch did not confirm: the canary checks the next step
+        self.compiled_plans = CompiledPlans()  # keeps dynamo's recompile limit ahead of the assignments applied
 
     @property
     def fp4_fraction(self) -> float:
@@ -208,13 +214,14 @@ class SNIPController:
     # ------------------------------------------------------------------ setup
 
     def attach(self, model: torch.nn.Module, *, device: torch.device | str | None = None) -> None:
-        """Convert ``model``'s selected linears, apply a given plan, check the target is reachable and
-        give every layer the stochastic-rounding generator (on ``device``, default the model's)."""
+        """Convert ``model``'s selected linears (at the default pins, its output head found by what it is
+        stays in bf16: lightning_snip.convert.find_output_head), apply a given plan, check the target is
+        reachable and give every layer the stochastic-rounding generator (on ``device``, default the model's)."""
         cfg = self.config
         try:
             self.layers = convert_linears(model, filter=glob_filter(cfg.include, cfg.exclude), pins=cfg.pin_formats,
-                                          optional_pins=cfg.optional_pins, initial_format=cfg.initial_format,
-                                          recipe=cfg.recipe)
+                                          optional_pins=cfg.optional_pins, output_head_format=cfg.output_head_format,
+                                          initial_format=cfg.initial_format, recipe=cfg.recipe)
         except ValueError as err:  # name the config's field, not convert_linears' argument (pins is both)
             raise _config_field_error(err, cfg) from None
         self.flops = layer_flops(self.layers)
@@ -233,6 +240,7 @@ class SNIPController:
         self.sr_seed = torch.initial_seed()
         for layer in self.layers.values():
             layer.generator = self.sr_generator
+        self.compiled_plans.note_plan(self.layers)
 
     def log_setup(self, device, max_steps: int | None) -> None:
         """The run's setup lines (call on one rank)."""
@@ -243,6 +251,7 @@ class SNIPController:
         solve the checkpoint was saved in the middle of."""
         if self.plan is not None:
             apply_plan(model, self.plan)
+            self.compiled_plans.note_plan(self.layers)
             if collective.is_rank_zero:
                 logger.info("SNIP: applied the plan held at train start (%d layers)", len(self.plan))
         if self.restored_pending is not None:
@@ -405,6 +414,7 @@ class SNIPController:
         before = layer_assignment(self.layers, Granularity(self.config.granularity))
         try:
             apply_plan(model, plan)
+            self.compiled_plans.note_plan(self.layers)
         except ValueError as err:
             logger.warning("SNIP plan from step %d could not be applied (%s); keeping the current plan", pending.stats_step, err)
             self.count_failure(f"plan from step {pending.stats_step} could not be applied: {err}")
@@ -419,6 +429,7 @@ class SNIPController:
         changed = {split_key(key)[0] for key, fmt in plan.items() if before.get(key) is not fmt}
         num_changed = len(changed)
         self.guard.on_switch(step, {key: fmt.value for key, fmt in before.items() if split_key(key)[0] in changed})
+        self.formats_before_switch = dict(before)
         agreement = plan_agreement(plan, before, self.layers)
         if self.num_plans_applied > 1:  # (the first plan's agreement is with the initial format: no evidence)
             self.schedule.plan_applied(step, agreement)
@@ -434,26 +445,119 @@ class SNIPController:
         return scalars, plan
 
     def observe_step(self, model: torch.nn.Module, step: int, loss: float, *, finite_grads: bool = True,
-                     collective: Collective = SINGLE_PROCESS) -> tuple[dict[str, float], str] | None:
+                     collective: Collective = SINGLE_PROCESS,
+                     same_batch_cost: Callable[[Mapping[str, str]], float] | None = None
+                     ) -> tuple[dict[str, float], str] | None:
         """One optimizer step's loss (the same on every rank: averaged over micro-batches and ranks) and
-        whether its gradients were finite, for the spike guard. When the guard reverts the last plan's
-        changes, every rank applies the formats from before it here (call at a step boundary), and a solve
-        still pending is started again with the reverted formats avoided; returns the scalars and the reason
-        to log, else None."""
-        revert = self.guard.observe(step, loss, finite_grads=finite_grads)
-        if revert is None:
+        whether its gradients were finite, for the loss watch (lightning_snip.spike_guard). Its alarm is confirmed
+        with ``same_batch_cost(previous)``: this step's batch's loss under the formats in force minus under
+        ``previous`` (``plan_cost`` computes it; None: every alarm is taken as the plan's). When the guard reverts
+        the last plan's changes, every rank applies the formats from before it here (call at a step boundary), and
+        a solve still pending is started again with the reverted formats avoided; returns the scalars and the
+        reason to log, else None."""
+        verdict = self.guard.observe(step, loss, finite_grads=finite_grads)
+        if isinstance(verdict, Alarm):
+            cost = math.inf if same_batch_cost is None else same_batch_cost(verdict.previous)
+            verdict = self.guard.confirm(verdict, cost)
+            if verdict is None:
+                self.canary_due = True  # (a fault that came after the switch shows in no same-batch forward)
+                if collective.is_rank_zero:
+                    logger.info("SNIP loss watch at step %d: the loss rose, but not by the plan's formats on the same "
+                                "batch (%.3g of it); watching on from a new baseline", step, cost)
+                return {"snip/loss_watch_unconfirmed": float(self.guard.num_unconfirmed)}, ""
+        if verdict is None:
             return None
+        return self._revert(model, verdict, collective, at_step_end=True)
+
+    def _revert(self, model: torch.nn.Module, revert: Revert, collective: Collective, *, at_step_end: bool
+                ) -> tuple[dict[str, float], str]:
         applied = {key: self.plan[key].value for key in revert.formats if self.plan is not None and key in self.plan}
         apply_plan(model, revert.formats)
-        self.schedule.mark("switch", next_step=True)
-        self.schedule.plan_reverted(step)
+        self.compiled_plans.note_plan(self.layers)
+        self.schedule.mark("switch", next_step=at_step_end)
+        self.schedule.plan_reverted(revert.step if at_step_end else revert.step - 1)
         self.guard.mark(revert, applied)
-        self.plan = reverted_plan(self.plan, revert)
+        self.plan = reverted_plan(self.plan, revert.formats)
         if self.pending is not None:  # solved without the avoided formats: solve it again (its thread's answer is dropped)
             self.start_solve(self.pending.stats_step, self.pending.apply_step, collective, count=False)
         if collective.is_rank_zero:
             log_revert(revert)
         return {"snip/plan_reverted": 1.0, "snip/spike_reverts": float(self.guard.num_reverts)}, revert.reason
+
+    def measure_switch(self, model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], *, step: int,
+                       collective: Collective = SINGLE_PROCESS) -> tuple[dict[str, float], str] | None:
+        """After a switch (and its canary), before the step's forward: what the plan's formats cost on this batch
+        (``loss_fn()``, a slice of it), for the loss watch; a catastrophic cost reverts the plan here. Returns the
+        scalars and the revert's reason to log (an empty reason: none), or None when nothing was measured."""
+        if not self.guard.needs_plan_cost:
+            return None
+        cost = self.plan_cost(model, loss_fn, self.guard.watch["previous"], collective)
+        revert = self.guard.set_plan_cost(step, cost)
+        scalars = {"snip/plan_cost_at_switch": cost}
+        if revert is None:
+            return scalars, ""
+        reverted, reason = self._revert(model, revert, collective, at_step_end=False)
+        return {**scalars, **reverted}, reason
+
+    def plan_cost(self, model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], previous: Mapping[str, str],
+                  collective: Collective = SINGLE_PROCESS) -> float:
+        """``loss_fn()`` (a sliced batch's loss) under the formats in force minus under ``previous`` (plan key ->
+        format), forward only, averaged over ranks (lightning_snip.canary.plan_cost)."""
+        return plan_cost(model, loss_fn, self.layers, Granularity(self.config.granularity), previous,
+                         all_sum=collective.all_sum, world_size=collective.world_size)
+
+    def check_plan(self, model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], *, step: int,
+                   collective: Collective = SINGLE_PROCESS) -> tuple[dict[str, float], str] | None:
+        """The plan canary (lightning_snip.canary) on the formats in force, ``loss_fn()`` the loss of a slice of
+        this step's batch: a GEMM direction whose training path disagrees with the round's path goes back at once
+        (to its format before the last plan, or bf16), its format avoided for the next AVOID_ROUNDS solves. Call
+        before the step's forward (after ``apply_due``, and before a round). Returns the scalars and the reverted
+        layers' reasons to log, or None when it was off; a canary that fails logs a warning and changes nothing."""
+        self.canary_due = False
+        if not self.config.plan_canary or not self.layers:
+            return None
+        start = self.clock()
+        try:
+            verdict = check_plan(model, loss_fn, self.layers, Granularity(self.config.granularity),
+                                 self.formats_before_switch, seed=stream_seed(self.sr_seed, collective.rank, step, 1 << 20),
+                                 all_sum=collective.all_sum)
+        except Exception as err:  # noqa: BLE001 - a failed check must not take training down
+            if collective.is_rank_zero:
+                logger.warning("SNIP plan canary at step %d failed (%s: %s); the plan stays as it is", step,
+                               type(err).__name__, err)
+            return None
+        reason = self._restore_canary(model, verdict, step, collective)
+        scalars = {"snip/canary_seconds": self.clock() - start, "snip/canary_worst_ratio": verdict.worst_ratio,
+                   "snip/canary_reverts": float(self.num_canary_reverts)}
+        return scalars, reason
+
+    def _restore_canary(self, model: torch.nn.Module, verdict: CanaryVerdict, step: int, collective: Collective) -> str:
+        if not verdict.restore:
+            return ""
+        granularity = Granularity(self.config.granularity)
+        current = layer_assignment(self.layers, granularity)
+        apply_plan(model, verdict.restore)
+        self.compiled_plans.note_plan(self.layers)
+        changed = {key: fmt for key, fmt in verdict.restore.items() if fmt is not current[key]}
+        for key in changed:
+            self.guard.avoid[key, current[key].value] = AVOID_ROUNDS
+        self.plan = reverted_plan(self.plan, {key: fmt.value for key, fmt in verdict.restore.items()})
+        self.num_canary_reverts += len(changed)
+        self.schedule.plan_reverted(step - 1)  # (a changed plan: the budget's spacing again)
+        if self.pending is not None:
+            self.start_solve(self.pending.stats_step, self.pending.apply_step, collective, count=False)
+        seen, lines = set(), []
+        for check in verdict.failed:
+            if (check.fqn, check.direction) not in seen:
+                seen.add((check.fqn, check.direction))
+                lines.append(f"{check.fqn} {check.direction} in {check.format.value}: {check.detail}")
+        reason = "; ".join(lines)
+        if collective.is_rank_zero:
+            logger.warning("SNIP plan canary at step %d: %d GEMM direction(s) whose training path disagrees with the "
+                           "round's path put back (%s), their formats avoided for the next %d solves: %s", step,
+                           len(changed), ", ".join(f"{k} -> {f.value}" for k, f in sorted(changed.items())),
+                           AVOID_ROUNDS, reason)
+        return reason
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -469,6 +573,8 @@ class SNIPController:
             "num_consecutive_failures": self.num_consecutive_failures,
             "spike_guard": self.guard.state_dict(),
             "schedule": self.schedule.state_dict(),
+            "formats_before_switch": {key: fmt.value for key, fmt in self.formats_before_switch.items()},
+            "num_canary_reverts": self.num_canary_reverts,
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -490,93 +596,5 @@ class SNIPController:
             self.guard.load_state_dict(state_dict["spike_guard"])
         if state_dict.get("schedule"):
             self.schedule.load_state_dict(state_dict["schedule"])
-
-
-def reverted_plan(plan: Plan | None, revert: Revert) -> Plan | None:
-    """``plan`` with the formats the spike guard restored (its other keys as they were)."""
-    if plan is None:
-        return None
-    return dataclasses.replace(plan, formats={**plan.formats, **{
-        key: Format(fmt) for key, fmt in revert.formats.items() if key in plan.formats}})
-
-
-def log_revert(revert: Revert) -> None:
-    """The warning naming the layers a revert put back (call on one rank)."""
-    layers = sorted({split_key(key)[0] for key in revert.formats})
-    logger.warning("SNIP spike guard at step %d: %s; the last plan's changes to %d layer(s) reverted (%s%s), their "
-                   "formats avoided for the next %d solves", revert.step, revert.reason, len(layers),
-                   ", ".join(layers[:6]), ", ..." if len(layers) > 6 else "", AVOID_ROUNDS)
-
-
-def applied_plan_scalars(plan: Plan, num_changed: int, agreement: float) -> dict[str, float]:
-    """What an applied plan logs (the metrics SNIPCallback's docstring lists)."""
-    return {**plan_scalars(plan, num_changed), "snip/solver_seconds": plan.solve_seconds,
-            "snip/noise_guarded_layers": len(plan.noise_guarded), "snip/plan_agreement": agreement}
-
-
-def log_setup(config: SNIPConfig, layers: Mapping[str, SNIPLinear], device, max_steps: int | None) -> None:
-    """The run's setup lines: layers, GEMM kernels, settings that have no effect (call on one rank)."""
-    cfg = config
-    num_pinned = sum(1 for layer in layers.values() if layer.pinned is not None)
-    logger.info("SNIP: %d converted layers (%d pinned, %d switchable), initial format %s", len(layers), num_pinned,
-                len(layers) - num_pinned, cfg.initial_format)
-    formats = sorted({Format.parse(f) for f in (cfg.initial_format, *cfg.formats, *cfg.pin_formats.values())},
-                     key=lambda f: f.value)
-    logger.info("SNIP: GEMM kernels: %s", describe_kernels(formats, device))
-    for fmt, names in emulated_layers(formats, device, layers).items():
-        if names:  # which layers run emulated although the format has a native kernel: said once
-            shown = ", ".join(f"{n} ({layers[n].in_features}->{layers[n].out_features})" for n in names[:8])
-            logger.info("SNIP: %d layer(s) run %s emulated (weight dimensions not multiples of %d): %s%s",
-                        len(names), fmt.value, 16 if fmt is Format.FP8 else 32, shown, ", ..." if len(names) > 8 else "")
-        else:
-            logger.info("SNIP: every layer that can run %s has weight dimensions its native kernel takes", fmt.value)
-    if cfg.replan:
-        logger.info("SNIP: target %s", describe_target(layers, cfg))
-    if cfg.replan and max_steps is not None and cfg.warmup_steps >= max_steps:
-        logger.warning("SNIP: warmup_steps (%d) >= the run's max_steps (%d): no statistics round will run "
-                       "and the layers stay in %s", cfg.warmup_steps, max_steps, cfg.initial_format)
-
-
-def reduce_result(result: DivergenceResult | None, fqns: list[str], formats,
-                  collective: Collective) -> DivergenceResult | None:
-    """Average LD, WD and the relative wgrad error over data-parallel ranks (same order of layers and
-    formats everywhere). None (with a warning) when any rank's round failed (it sends NaN)."""
-    if collective.world_size <= 1:
-        return result
-    formats = list(dict.fromkeys((Format.BF16, *formats)))
-    # (LD / WD / relative wgrad error, layer, format); the last feeds the gradient-noise guard
-    values = torch.full((len(METRICS), len(fqns), len(formats)), float("nan"), dtype=torch.float64)
-    if result is not None:
-        for i, metric in enumerate(METRICS):
-            values[i] = torch.tensor([[getattr(result.layers[f], metric).get(p, math.inf) for p in formats] for f in fqns],
-                                     dtype=torch.float64)
-    total = collective.all_sum(values) / collective.world_size
-    if torch.isnan(total).any():
-        logger.warning("SNIP statistics failed on some rank; keeping the current plan")
-        return None
-    layers = {
-        fqn: LayerDivergence(
-            loss_divergence=dict(zip(formats, total[0, i].tolist())),
-            weight_divergence=dict(zip(formats, total[1, i].tolist())),
-            rel_error_wgrad=dict(zip(formats, total[2, i].tolist())),
-        )
-        for i, fqn in enumerate(fqns)
-    }
-    return DivergenceResult(layers=layers, loss=result.loss if result else float("nan"), used_adam=bool(result and result.used_adam))
-
-
-def stream_seed(seed: int, rank: int, step: int, batch_idx: int) -> int:
-    """A 63-bit seed for one (rank, step, micro-batch) of a run seeded with ``seed``."""
-    mixed = seed
-    for value in (rank, step, batch_idx):
-        mixed = (mixed * 6364136223846793005 + 1442695040888963407 + value) % (1 << 63)
-    return mixed
-
-
-def plan_agreement(plan: Plan, before: dict, layers) -> float:
-    """Share of the switched (unpinned) layers, or of their GEMM directions in a per-GEMM plan, whose
-    format ``plan`` keeps from ``before``."""
-    unpinned = [key for key in plan if layers[split_key(key)[0]].pinned is None]
-    if not unpinned:
-        return 1.0
-    return sum(1 for key in unpinned if plan[key] is before.get(key)) / len(unpinned)
+        self.formats_before_switch = {key: Format(fmt) for key, fmt in state_dict.get("formats_before_switch", {}).items()}
+        self.num_canary_reverts = int(state_dict.get("num_canary_reverts", 0))

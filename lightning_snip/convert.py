@@ -44,6 +44,7 @@ def convert_linears(
     filter: LinearFilter | None = None,
     pins: Mapping[str, Format | str] | None = None,
     optional_pins: Collection[str] = (),
+    output_head_format: Format | str | None = None,
     initial_format: Format | str = Format.BF16,
     recipe: QuantRecipe = QuantRecipe(),
 ) -> dict[str, SNIPLinear]:
@@ -55,6 +56,8 @@ def convert_linears(
         pins: fqn glob -> format; a matching layer is fixed to that format (``layer.pinned``) and no
             plan may change it. Every pin must match a selected layer, but those in ``optional_pins``
             (SNIPConfig's default pin of the LM head, on a model that has none).
+        output_head_format: where given, the model's output head (find_output_head), when selected and
+            matched by no pin, is pinned to it (SNIPConfig's default pins: bf16).
         initial_format: the format of unpinned layers until the first plan. Where a layer's shape
             does not support it (block formats need dimensions divisible by the block), the layer
             stays in bf16 and a warning names it.
@@ -69,6 +72,8 @@ def convert_linears(
     """
     initial = Format.parse(initial_format, field_name="initial_format")
     pin_formats = {pattern: Format.parse(f, field_name=f"pins[{pattern}]") for pattern, f in (pins or {}).items()}
+    head_format = None if output_head_format is None else Format.parse(output_head_format, field_name="output_head_format")
+    head = find_output_head(model) if head_format is not None else None
     paths = {}  # fqn -> the module's path in the (possibly wrapped) model, for the swap
     targets = []
     for path, m in model.named_modules():
@@ -93,7 +98,8 @@ def convert_linears(
             layer = SNIPLinear.convert_in_place(linear, recipe=recipe)
         else:
             layer = SNIPLinear.from_linear(linear, recipe=recipe)
-        pinned = next((f for p, f in pin_formats.items() if fnmatch.fnmatchcase(fqn, p)), None)
+        # (a pin that names the output head wins over the automatic one)
+        pinned = next((f for p, f in pin_formats.items() if fnmatch.fnmatchcase(fqn, p)), head_format if fqn == head else None)
         if pinned is not None and pinned not in layer.allowed_formats:
             raise ValueError(f"pins: layer {fqn} ({layer.in_features}->{layer.out_features}) cannot run in {pinned.value}")
         layer.pinned = pinned
@@ -112,6 +118,82 @@ def convert_linears(
             setattr(model.get_submodule(parent_name), child, layer)
         converted[fqn] = layer
     return converted
+
+
+def find_output_head(model: nn.Module) -> str | None:
+    """The fqn of the nn.Linear whose output feeds the loss (an LM head by any name), or None.
+
+    Found by what it is, the first rule that names a Linear of ``model`` winning:
+
+    1. the output embedding the model declares (a Hugging Face model's ``get_output_embeddings()``);
+    2. a Linear whose weight is an nn.Embedding's (a tied head);
+    3. a Linear whose ``out_features`` is the vocabulary: the size the model declares (``config.vocab_size``,
+       ``get_input_embeddings().num_embeddings``) or, where it declares none, an nn.Embedding's
+       ``num_embeddings`` (GPT-NeoX checkpoints' ``embed_out``, a Llama-style ``output``); of several, the
+       last registered (a head comes after the blocks in the usual layouts).
+
+    Not by position alone: the forward order is unknown until a forward pass, and registration order is not
+    it (a model may register its head first, or a pooler or value head after it); a Linear picked by
+    position would silently leave the plan. A model with none of the above (a classifier whose ``score``
+    has ``num_labels`` outputs) has no head found: SNIPController's setup then warns, naming the largest
+    Linear. A vocabulary size that an inner layer happens to share is the rule's known blind spot.
+    """
+    linears = {layer_fqn(path): m for path, m in model.named_modules() if isinstance(m, nn.Linear) and path}
+    fqn_of = {id(m): fqn for fqn, m in linears.items()}
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    declared_sizes = set()
+    for module in model.modules():
+        declared = _declared_embedding(module, "get_output_embeddings")
+        if declared is not None and id(declared) in fqn_of:
+            return fqn_of[id(declared)]
+        vocab_size = getattr(getattr(module, "config", None), "vocab_size", None)
+        if isinstance(vocab_size, int) and not isinstance(vocab_size, bool):
+            declared_sizes.add(vocab_size)
+        declared = _declared_embedding(module, "get_input_embeddings")
+        if isinstance(declared, nn.Embedding):
+            declared_sizes.add(declared.num_embeddings)
+    tables = {id(e.weight) for e in embeddings}
+    tied = [fqn for fqn, m in linears.items() if id(m.weight) in tables]
+    if tied:
+        return tied[-1]
+    sizes = declared_sizes or {e.num_embeddings for e in embeddings}
+    vocabulary = [fqn for fqn, m in linears.items() if m.out_features in sizes]
+    return vocabulary[-1] if vocabulary else None
+
+
+def log_output_head(layers: Mapping[str, SNIPLinear], pins: Collection[str], head_format: Format | None, *,
+                    layers_chosen: bool = False) -> None:
+    """The setup lines of the default pins (``head_format`` given; SNIPConfig.output_head_format): the output
+    head convert_linears pinned by what it is (a layer pinned to ``head_format`` that no glob of ``pins``
+    names), or, where no layer is pinned at all, one warning naming the largest Linear by FLOPs and the pin
+    that keeps it in bf16. No warning where include/exclude chose the layers (``layers_chosen``): a head
+    left unconverted runs in the model's own precision."""
+    if head_format is None:
+        return
+    for fqn, layer in layers.items():
+        if layer.pinned is head_format and not any(fnmatch.fnmatchcase(fqn, p) for p in pins):
+            logger.info("SNIP: pinned the output head %s (%d->%d, out_features = vocabulary) in %s", fqn,
+                        layer.in_features, layer.out_features, head_format.value)
+    if layers_chosen or not layers or any(layer.pinned is not None for layer in layers.values()):
+        return
+    largest = max(layers, key=lambda fqn: layers[fqn].in_features * layers[fqn].out_features)
+    logger.warning("SNIP: the default pins match no layer (no *lm_head, no Linear whose out_features is the "
+                   "vocabulary), so an output head joins the plan; the largest Linear by FLOPs is %s (%d->%d): to "
+                   "keep it in bf16, extra_pins=['%s=bf16'] (the app: 'snip.extra_pins=[\"%s=bf16\"]')", largest,
+                   layers[largest].in_features, layers[largest].out_features, largest, largest)
+
+
+def _declared_embedding(module: nn.Module, getter: str) -> nn.Module | None:
+    """What a Hugging Face-style ``get_output_embeddings`` / ``get_input_embeddings`` returns, or None where
+    the module has none (its base class raises NotImplementedError where a model has no such layer)."""
+    method = getattr(module, getter, None)
+    if not callable(method):
+        return None
+    try:
+        found = method()
+    except (NotImplementedError, AttributeError):
+        return None
+    return found if isinstance(found, nn.Module) else None
 
 
 def _held_by_identity(linear: nn.Linear) -> bool:

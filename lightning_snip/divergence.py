@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lightning_snip.aggregate import METRICS
 from lightning_snip.formats import Format, QuantRecipe
 from lightning_snip.groups import default_group_layers
 from lightning_snip.loss_divergence import combine_loss_divergence, forward_divergence
@@ -233,3 +234,30 @@ def _invalid(formats) -> LayerDivergence:
     inf = {f: math.inf for f in formats}
     return LayerDivergence(loss_divergence={Format.BF16: 0.0, **inf}, weight_divergence={Format.BF16: 0.0, **inf})
 
+
+def reduce_result(result: DivergenceResult | None, fqns: list[str], formats,
+                  collective) -> DivergenceResult | None:
+    """Average LD, WD and the relative wgrad error over data-parallel ranks (same order of layers and
+    formats everywhere). None (with a warning) when any rank's round failed (it sends NaN)."""
+    if collective.world_size <= 1:
+        return result
+    formats = list(dict.fromkeys((Format.BF16, *formats)))
+    # (LD / WD / relative wgrad error, layer, format); the last feeds the gradient-noise guard
+    values = torch.full((len(METRICS), len(fqns), len(formats)), float("nan"), dtype=torch.float64)
+    if result is not None:
+        for i, metric in enumerate(METRICS):
+            values[i] = torch.tensor([[getattr(result.layers[f], metric).get(p, math.inf) for p in formats] for f in fqns],
+                                     dtype=torch.float64)
+    total = collective.all_sum(values) / collective.world_size
+    if torch.isnan(total).any():
+        logger.warning("SNIP statistics failed on some rank; keeping the current plan")
+        return None
+    layers = {
+        fqn: LayerDivergence(
+            loss_divergence=dict(zip(formats, total[0, i].tolist())),
+            weight_divergence=dict(zip(formats, total[1, i].tolist())),
+            rel_error_wgrad=dict(zip(formats, total[2, i].tolist())),
+        )
+        for i, fqn in enumerate(fqns)
+    }
+    return DivergenceResult(layers=layers, loss=result.loss if result else float("nan"), used_adam=bool(result and result.used_adam))

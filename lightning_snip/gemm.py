@@ -66,6 +66,22 @@ def describe_kernels(formats: Iterable[Format], device: torch.device) -> str:
     return line
 
 
+def warn_if_fp4_emulated(formats: Iterable[Format], device: torch.device) -> None:
+    """One warning line where a CUDA ``device`` emulates an FP4 format among ``formats`` (no native FP4 GEMM:
+    torchao's need compute capability 10.x): there a plan with FP4 trains slower than bf16, which the kernel
+    line's INFO does not make plain. Nothing on a CPU, where every format is emulated by design."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return
+    emulated = [f.value for f in formats if f.is_fp4 and kernel_for(f, device) is Kernel.EMULATED]
+    if emulated:
+        major, minor = torch.cuda.get_device_capability(device)
+        logger.warning("SNIP: %s (compute capability %d.%d) has no native FP4 GEMM (torchao's need 10.x): %s run "
+                       "emulated and train slower than bf16; for speed set candidate_formats=[fp8], fp4_fraction=0 "
+                       "(the app: snip.candidate_formats=[fp8] snip.fp4_fraction=0)", device, major, minor,
+                       ", ".join(emulated))
+
+
 def emulated_layers(formats: Iterable[Format], device: torch.device, layers) -> dict[Format, list[str]]:
     """Per format with a native kernel on ``device``: the layers (``layers``: fqn -> SNIPLinear) that can
     take the format (allowed by their shape, not pinned to another) but whose weight dimensions the

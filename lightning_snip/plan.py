@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import enum
 import json
 from collections.abc import Iterator, Mapping
@@ -185,3 +187,11 @@ class Plan(Mapping[str, Format]):
                if self.noise_guarded else "")
         )
         return "\n".join(lines)
+
+
+def reverted_plan(plan: Plan | None, formats: Mapping[str, str]) -> Plan | None:
+    """``plan`` with ``formats`` (plan key -> format name) put back (its other keys as they were)."""
+    if plan is None:
+        return None
+    return dataclasses.replace(plan, formats={**plan.formats, **{
+        key: Format(fmt) for key, fmt in formats.items() if key in plan.formats}})

@@ -9,7 +9,7 @@ import torch
 
 from lightning_snip.divergence import DivergenceResult
 from lightning_snip.formats import Format
-from lightning_snip.plan import Plan
+from lightning_snip.plan import Plan, split_key
 
 # RGB per format for the plan image: high precision cool, FP4 warm.
 FORMAT_COLORS = {
@@ -84,3 +84,21 @@ def log_to_loggers(loggers: Sequence, step: int, scalars: dict[str, float], plan
         if plan is not None and hasattr(experiment, "add_image") and hasattr(experiment, "add_text"):
             experiment.add_image("snip/plan", plan_image(plan), global_step=step)
             experiment.add_text("snip/plan_table", plan_markdown(plan), global_step=step)
+
+
+
+
+
+def plan_agreement(plan: Plan, before: dict, layers) -> float:
+    """Share of the switched (unpinned) layers, or of their GEMM directions in a per-GEMM plan, whose
+    format ``plan`` keeps from ``before``."""
+    unpinned = [key for key in plan if layers[split_key(key)[0]].pinned is None]
+    if not unpinned:
+        return 1.0
+    return sum(1 for key in unpinned if plan[key] is before.get(key)) / len(unpinned)
+
+
+def applied_plan_scalars(plan: Plan, num_changed: int, agreement: float) -> dict[str, float]:
+    """What an applied plan logs (the metrics SNIPCallback's docstring lists)."""
+    return {**plan_scalars(plan, num_changed), "snip/solver_seconds": plan.solve_seconds,
+            "snip/noise_guarded_layers": len(plan.noise_guarded), "snip/plan_agreement": agreement}

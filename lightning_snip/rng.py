@@ -95,3 +95,11 @@ def random_bits_op(token: torch.Tensor, n: int, device: torch.device) -> torch.T
 @random_bits_op.register_fake
 def _random_bits_fake(token: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
     return torch.empty((n + 1) // 2, dtype=torch.int64, device=device)
+
+
+def stream_seed(seed: int, rank: int, step: int, batch_idx: int) -> int:
+    """A 63-bit seed for one (rank, step, micro-batch) of a run seeded with ``seed``."""
+    mixed = seed
+    for value in (rank, step, batch_idx):
+        mixed = (mixed * 6364136223846793005 + 1442695040888963407 + value) % (1 << 63)
+    return mixed

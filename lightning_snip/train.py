@@ -328,6 +328,8 @@ def run(config: TrainConfig, *, output_folder: str | None = None, quiet: bool = 
         "plans_watched": snip.controller.guard.num_watched,
         "plans_reverted": snip.controller.guard.num_reverts,
         "largest_rise": snip.controller.guard.max_rise,
+        "unconfirmed_alarms": snip.controller.guard.num_unconfirmed,
+        "canary_reverts": snip.controller.num_canary_reverts,
         "overhead": snip.controller.overhead,
         "invalid_formats": len(snip.invalid_formats),
         "log_dir": tb.log_dir,
@@ -421,7 +423,9 @@ def _print_summary(summary: dict, config: TrainConfig, snip, progress, *, model_
     print(f"FP4 FLOPs fraction {summary['fp4_fraction_switchable']:.3f} of the switchable layers "
           f"({summary['fp4_fraction']:.3f} of the model); plans applied {summary['plans_applied']}; "
           f"statistics rounds {summary['stats_rounds']}; spike guard: {summary['plans_watched']} plans watched, "
-          f"{summary['plans_reverted']} reverted" + (f" (largest loss rise {rise:.1f} sigma)" if math.isfinite(rise) else ""))
+          f"{summary['plans_reverted']} reverted" + (f" (largest loss rise {rise:.1f} sigma)" if math.isfinite(rise) else "")
+          + f", {summary['unconfirmed_alarms']} alarms not the plan's; plan canary: {summary['canary_reverts']} GEMM "
+          "directions put back")
     budget = snip.config.overhead_budget
     print(f"SNIP's own time: {summary['overhead']:.2%} of training's"
           + (f" (budget {budget:.0%})" if budget is not None else " (no budget: a round every interval steps)"))

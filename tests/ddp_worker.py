@@ -34,8 +34,8 @@ def _record_reductions() -> None:
 
 
 def spike(out_dir: str) -> None:
-    """The spike guard under DDP: rank 0's MXFP4 forwards are broken (its loss spikes, rank 1's does not);
-    both ranks must revert at the same step (the guard reads the losses averaged over ranks)."""
+    """The guard under DDP: rank 0's MXFP4 forwards are broken (rank 1's are not); both ranks must put the plan's
+    layers back at the same step, to the same formats (the canary's flags are summed over ranks)."""
     import lightning_snip.linear as linear
     from faults import broken_fp4_forward
     from lightning_snip.formats import Format
@@ -46,7 +46,7 @@ def spike(out_dir: str) -> None:
     rank = int(os.environ.get("LOCAL_RANK", 0))
     data = ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1, seed=rank)
     snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=10, interval=100, fp4_fraction=0.6, max_rows=128))
-    reverts = []
+    reverts, seen = [], [0]
 
     class Fault(pl.Callback):
         def on_fit_start(self, trainer, pl_module):
@@ -54,8 +54,10 @@ def spike(out_dir: str) -> None:
                 linear.quantized_matmul = broken_fp4_forward(list(snip.layers.values()), Format.MXFP4, mode="noise")
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if snip.controller.guard.num_reverts > len(reverts):
+            count = snip.controller.guard.num_reverts + snip.controller.num_canary_reverts
+            if count > seen[0]:
                 reverts.append(trainer.global_step - 1)
+                seen[0] = count
 
     trainer = pl.Trainer(
         max_steps=16, accelerator="cpu", devices=2, strategy="ddp", callbacks=[snip, Fault()], logger=False,

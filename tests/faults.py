@@ -37,3 +37,11 @@ def broken_fp4_forward(*args, **kwargs) -> Callable:
     from harness import broken_fp4_forward as broken
 
     return broken(*args, **kwargs)
+
+
+def training_path_fault(kind: str) -> Callable:
+    """A training-path-only GEMM fault (the guard's tests and benchmarks/guard_faults.py): written beside the
+    benchmark that measures the guard with it (benchmarks/harness.py), imported from there when used."""
+    from harness import training_path_fault as fault
+
+    return fault(kind)

@@ -37,8 +37,8 @@ def test_two_process_ddp_identical_plans_and_weights(tmp_path):
 
 
 def test_two_process_ddp_ranks_revert_a_spiking_plan_at_the_same_step(tmp_path):
-    """Only rank 0's FP4 forwards are broken: the guard reads the loss averaged over ranks, so both ranks
-    revert at the same step, to the same formats, and their weights stay equal."""
+    """Only rank 0's FP4 forwards are broken: the plan canary's failures are summed over ranks, so both ranks
+    put the layers back at the same step, to the same formats, and their weights stay equal."""
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), str(Path(__file__).parent),
                                           str(Path(__file__).resolve().parent.parent / "benchmarks")])}
@@ -48,6 +48,7 @@ def test_two_process_ddp_ranks_revert_a_spiking_plan_at_the_same_step(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"spike{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["reverts"] == ranks[1]["reverts"] and len(ranks[0]["reverts"]) == 1
-    assert ranks[0]["plan"] == ranks[1]["plan"] and "mxfp4" not in ranks[0]["plan"].values()
+    assert ranks[0]["plan"] == ranks[1]["plan"]
+    assert "mxfp4" not in [fmt for key, fmt in ranks[0]["plan"].items() if key.endswith(":forward")]  # (the broken GEMM)
     assert ranks[0]["guard"] == ranks[1]["guard"] and ranks[0]["avoid"]
     assert ranks[0]["weights"] == ranks[1]["weights"]

@@ -5,6 +5,8 @@ torchao's emulated GEMM, and its dispatch up to torch's block-scaled GEMM call."
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -66,6 +68,35 @@ def test_setup_names_the_layers_a_native_kernel_does_not_take(monkeypatch, caplo
     assert "1 layer(s) run fp8 emulated (weight dimensions not multiples of 16): odd (64->40)" in caplog.text
     assert "1 layer(s) run nvfp4 emulated (weight dimensions not multiples of 32): nv (48->64)" in caplog.text
     assert "every layer that can run mxfp4 has weight dimensions its native kernel takes" in caplog.text
+
+
+@pytest.mark.parametrize("capability, num_warnings", [((9, 0), 1), ((10, 0), 0), (None, 0)])
+def test_setup_warns_once_where_a_gpu_emulates_fp4(monkeypatch, caplog, capability, num_warnings):
+    """A Hopper (9.0) emulates FP4 and trains slower than bf16: one warning line saying what to set; a B200
+    (10.0) runs it natively; a CPU (None here) emulates by design, said by the kernel line's INFO only."""
+    from lightning_snip.config import SNIPConfig
+    from lightning_snip.controller import log_setup
+
+    device = torch.device("cpu") if capability is None else torch.device("cuda", 0)
+    if capability is not None:
+        _mock_gpu(monkeypatch, capability)
+    layers = {"up": SNIPLinear(64, 128), "down": SNIPLinear(128, 64)}
+    with caplog.at_level("INFO", logger="lightning_snip"):
+        log_setup(SNIPConfig(pins=[]), layers, device, None)  # (no pins: no warning about them)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == num_warnings, warnings
+    if num_warnings:
+        assert "\n" not in warnings[0] and warnings[0].startswith("SNIP: cuda:0 (compute capability 9.0) has no native "
+                                                                  "FP4 GEMM")
+        assert "mxfp4 run emulated and train slower than bf16" in warnings[0]
+        assert "candidate_formats=[fp8], fp4_fraction=0 (the app: snip.candidate_formats=[fp8] snip.fp4_fraction=0)" \
+            in warnings[0]
+        SNIPConfig(candidate_formats=["fp8"], fp4_fraction=0)  # the advice is a valid config
+    assert "SNIP: GEMM kernels: fp8: " in caplog.text  # the kernel line stays, at INFO
+    caplog.clear()
+    with caplog.at_level("INFO", logger="lightning_snip"):  # no FP4 format, no warning
+        log_setup(SNIPConfig(candidate_formats=["fp8"], fp4_fraction=0, pins=[]), layers, device, None)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
 def _spy_scaled_mm(monkeypatch):

@@ -1,6 +1,7 @@
 """The loss-spike guard (lightning_snip.spike_guard): the rule on hand-made losses, then on a real Trainer with a
 layer whose FP4 forward is broken on purpose, healthy runs, and a resumed run."""
 
+import dataclasses
 import glob
 import math
 
@@ -12,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lightning_snip.callback import SNIPCallback
 from lightning_snip.config import SNIPConfig
 from lightning_snip.formats import Format
-from lightning_snip.spike_guard import AVOID_ROUNDS, MIN_HISTORY, PATIENCE, WINDOW, SpikeGuard
+from lightning_snip.spike_guard import AVOID_ROUNDS, CONFIRM_SHARE, MIN_HISTORY, PATIENCE, Alarm, Revert, SpikeGuard
 
 from test_callback import _fit
 
@@ -24,19 +25,26 @@ def _guard(losses, threshold=6.0):
     return guard
 
 
-def test_a_spike_of_patience_steps_reverts_and_one_unlucky_step_does_not():
-    g = torch.Generator().manual_seed(0)
-    before = [3.0 - 0.01 * i + 0.02 * float(torch.randn((), generator=g)) for i in range(20)]
-    guard = _guard(before)
+def _noisy(n, level=3.0, slope=-0.01, noise=0.02, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [level + slope * i + noise * float(torch.randn((), generator=g)) for i in range(n)]
+
+
+def test_a_spike_alarms_and_reverts_when_the_same_batch_confirms_it():
+    guard = _guard(_noisy(20))
     guard.on_switch(20, {"a:forward": "fp8", "a:backward": "fp8"})
-    assert guard.watching and guard.num_watched == 1
-    assert guard.observe(20, 4.0) is None  # one strike
-    assert guard.observe(21, 2.9) is None  # reset
-    assert guard.observe(22, 4.0) is None
-    revert = guard.observe(23, 4.0)
-    assert revert is not None and revert.step == 23 and revert.formats == {"a:forward": "fp8", "a:backward": "fp8"}
-    assert "for 2 steps" in revert.reason and PATIENCE == 2
-    assert not guard.watching and guard.num_reverts == 1
+    assert guard.watching and guard.num_watched == 1 and guard.needs_plan_cost
+    assert guard.set_plan_cost(20, 0.0) is None and not guard.needs_plan_cost
+    sigma, level = guard.watch["sigma"], guard.watch["mu"]
+    assert guard.observe(20, level + 4 * sigma) is None  # one step at 4 sigma: below the CUSUM's limit
+    alarm = guard.observe(21, level + 8.1 * sigma)  # 3 + 7.1 >= 10 sigma accumulated: 2 x (6 - 1)
+    assert isinstance(alarm, Alarm) and alarm.step == 21 and alarm.previous == {"a:forward": "fp8", "a:backward": "fp8"}
+    assert alarm.rise == pytest.approx(6.05 * sigma, rel=0.01)  # the mean excess of the 2 steps
+    assert guard.confirm(dataclasses.replace(alarm), plan_cost=0.99 * CONFIRM_SHARE * alarm.rise) is None  # not the plan's
+    guard.watch['previous'] = alarm.previous
+    revert = guard.confirm(alarm, plan_cost=CONFIRM_SHARE * alarm.rise)
+    assert revert is not None and revert.step == 21 and revert.formats == alarm.previous
+    assert "same batch" in revert.reason and not guard.watching and guard.num_reverts == 1 and guard.num_unconfirmed == 1
     guard.mark(revert, {"a:forward": "mxfp4", "a:backward": "fp8"})
     # the direction the plan changed is avoided; the one it left in fp8 is not held against fp8
     assert guard.avoided() == {"a:forward": frozenset({"mxfp4"})}
@@ -46,36 +54,71 @@ def test_a_spike_of_patience_steps_reverts_and_one_unlucky_step_does_not():
     assert guard.avoided() == {}
 
 
-def test_a_non_finite_loss_or_gradient_reverts_at_once_and_a_plan_that_holds_is_accepted():
+def test_a_rise_the_same_batch_does_not_confirm_is_not_the_plans_and_the_watch_goes_on_from_there():
+    """A data shift: the loss steps up and stays up, but the plan's formats cost what they cost at the switch."""
+    guard = _guard(_noisy(32))
+    guard.on_switch(32, {"a": "fp8"})
+    guard.set_plan_cost(32, 0.01)
+    verdicts = [guard.observe(step, 3.0) for step in range(32, 40)]  # +0.7 over the level, held
+    alarm = next(v for v in verdicts if v is not None)
+    assert guard.confirm(alarm, plan_cost=0.011) is None and guard.num_unconfirmed == 1 and guard.watching
+    assert guard.watch["mu"] > 2.9 and guard.watch["offset"] == 0  # the new level holds the shift
+    assert all(guard.observe(step, 3.0) is None for step in range(alarm.step + 1, alarm.step + 60))
+
+
+def test_a_slow_climb_alarms_and_a_flat_loss_never_does():
+    guard = _guard(_noisy(32, slope=0.0))
+    guard.on_switch(32, {"a": "fp8"})
+    guard.set_plan_cost(32, 0.0)
+    sigma, level = guard.watch["sigma"], guard.watch["mu"]
+    climb = [guard.observe(32 + t, level + 0.1 * sigma * t) for t in range(60)]  # 0.1 sigma more per step
+    first = next(t for t, v in enumerate(climb) if v is not None)
+    assert isinstance(climb[first], Alarm) and 15 < first < 40  # tens of steps, never the first few
+    flat = _guard(_noisy(32, slope=0.0))
+    flat.on_switch(32, {"a": "fp8"})
+    flat.set_plan_cost(32, 0.0)
+    assert all(flat.observe(32 + t, loss) is None for t, loss in enumerate(_noisy(400, slope=0.0, seed=1)))
+
+
+def test_a_rising_trend_is_followed_and_a_falling_one_is_not_continued():
+    """The LR warm-up's rise is continued (no alarm while the loss keeps rising as it did); a falling loss that
+    flattens is no rise."""
+    rising = _guard([2.0 + 0.02 * t for t in range(32)])
+    rising.on_switch(32, {"a": "fp8"})
+    rising.set_plan_cost(32, 0.0)
+    assert all(rising.observe(t, 2.0 + 0.02 * t - 0.02 * (t - 32) ** 2 / 64) is None for t in range(32, 64))
+    falling = _guard(_noisy(32, level=5.0, slope=-0.05, noise=0.01))
+    falling.on_switch(32, {"a": "fp8"})
+    falling.set_plan_cost(32, 0.0)
+    assert all(falling.observe(t, falling.watch["mu"]) is None for t in range(32, 200))  # flattened at once
+
+
+def test_a_non_finite_loss_or_gradient_or_a_catastrophic_plan_cost_reverts_at_once():
     for bad in ({"loss": math.nan}, {"loss": 2.5, "finite_grads": False}):
         guard = _guard([2.5] * 10)
         guard.on_switch(10, {"a": "fp8"})
         revert = guard.observe(10, bad["loss"], finite_grads=bad.get("finite_grads", True))
-        assert revert is not None and "non-finite" in revert.reason
-    guard = _guard([2.5 + 0.01 * (i % 3) for i in range(10)])
-    guard.on_switch(10, {"a": "fp8"})
-    for step in range(10, 10 + WINDOW):
-        assert guard.observe(step, 2.6) is None
-    assert guard.observe(10 + WINDOW, 100.0) is None and not guard.watching  # after its window: not the plan's
+        assert isinstance(revert, Revert) and "non-finite" in revert.reason
+    for cost in (math.nan, 1.0):
+        guard = _guard(_noisy(20))
+        guard.on_switch(20, {"a": "fp8"})
+        revert = guard.set_plan_cost(20, cost)
+        assert isinstance(revert, Revert) and "switch's batch" in revert.reason and not guard.watching
     short = _guard([2.5] * (MIN_HISTORY - 1))
     short.on_switch(MIN_HISTORY, {"a": "fp8"})
     assert not short.watching  # too little history to judge by
 
 
-def test_the_baseline_is_where_the_trend_ends_and_its_noise_around_it():
-    """A loss falling along a line with noise: the level is the line's end (a plain mean would sit half the
-    fall above it), the noise the residuals' spread (the fall itself is not noise)."""
-    from lightning_snip.spike_guard import baseline
+def test_the_baseline_is_where_the_loss_is_now_and_its_noise_around_the_trend():
+    """A loss falling along a line with noise: the level is the mean of the last LEVEL_STEPS (a plain mean of all
+    would sit half the fall above it), the noise the residuals' spread around the line (the fall is not noise)."""
+    from lightning_snip.spike_guard import LEVEL_STEPS, baseline
 
     g = torch.Generator().manual_seed(0)
     noise = [0.01 * float(torch.randn((), generator=g)) for _ in range(32)]
-    level, sigma = baseline([5.0 - 0.05 * t + e for t, e in enumerate(noise)])
-    assert level == pytest.approx(5.0 - 0.05 * 31, abs=0.02)
-    assert 0.005 < sigma < 0.02
-    # so a rise of 0.3 after a fall of 1.55 is 20 sigma, not inside the history's spread
-    guard = _guard([5.0 - 0.05 * t + e for t, e in enumerate(noise)])
-    guard.on_switch(32, {"a": "fp8"})
-    assert guard.observe(32, level + 0.3) is None and guard.observe(33, level + 0.3) is not None
+    level, sigma, slope = baseline([5.0 - 0.05 * t + e for t, e in enumerate(noise)])
+    assert level == pytest.approx(5.0 - 0.05 * (31 - (LEVEL_STEPS - 1) / 2), abs=0.02)
+    assert 0.005 < sigma < 0.02 and slope == pytest.approx(-0.05, abs=0.005)
 
 
 def test_the_guard_is_checked_and_can_be_off():
@@ -99,7 +142,8 @@ def _broken_run(tmp_path, monkeypatch, mode, **kw):
     import lightning_snip.linear as linear
     from faults import broken_fp4_forward
 
-    settings = dict(overhead_budget=None, warmup_steps=10, interval=100, fp4_fraction=0.6, max_rows=128)
+    # the loss watch alone (the plan canary, on by default, puts such layers back before the step: test_plan_canary.py)
+    settings = dict(overhead_budget=None, warmup_steps=10, interval=100, fp4_fraction=0.6, max_rows=128, plan_canary=False)
     snip = SNIPCallback(SNIPConfig(**{**settings, **kw}))
 
     class InjectFault(Callback):  # the fault comes with the layers (converted at fit start)
@@ -121,8 +165,9 @@ def test_a_plan_onto_a_broken_fp4_forward_is_reverted_and_the_loss_comes_back(tm
     events = EventAccumulator(glob.glob(str(tmp_path / "tb" / "version_0"))[0])
     events.Reload()
     reverted = events.Scalars("snip/plan_reverted")
-    # the plan applies at step 11; a NaN reverts after that step, a finite spike after PATIENCE steps
-    assert [e.step for e in reverted] == [11 if mode == "nan" else 10 + PATIENCE]
+    # the plan applies at step 11; what it costs on that step's batch (NaN, or far above the loss's noise) reverts it
+    # before the step's forward
+    assert [e.step for e in reverted] == [11]
     assert "snip/plan_reverted_reason/text_summary" in events.Tags()["tensors"]
     # every layer back in its format from before the plan (fp8), and its FP4 choices avoided
     assert all(layer.format is Format.FP8 and layer.backward_format in (None, Format.FP8)
@@ -150,20 +195,28 @@ def test_healthy_runs_are_never_reverted(tmp_path):
 
 
 def test_a_resumed_run_reverts_as_the_uninterrupted_one(tmp_path, monkeypatch):
-    """A checkpoint written while the guard watches a plan (one strike counted) resumes watching: the revert
-    comes at the same step, and the avoided formats and the guard's counts are the uninterrupted run's."""
+    """A checkpoint written while the loss watch watches a plan resumes watching: a fault that begins after the
+    checkpoint (the FP4 forward broken from step 13) is reverted at the same step, with the avoided formats and
+    the guard's counts of the uninterrupted run."""
     import lightning.pytorch as pl
 
     import lightning_snip.linear as linear
     from faults import broken_fp4_forward
 
     def run(path, max_steps, ckpt_path=None, save_every=None):
-        snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=10, interval=100, fp4_fraction=0.6, max_rows=128))
+        snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=10, interval=100, fp4_fraction=0.6,
+                                       max_rows=128, plan_canary=False))
+        step = {"now": 0}
 
         class InjectFault(Callback):
             def on_fit_start(self, trainer, pl_module):
+                broken = broken_fp4_forward(list(snip.layers.values()), Format.MXFP4, mode="noise")
+                real = linear.quantized_matmul
                 monkeypatch.setattr(linear, "quantized_matmul",
-                                    broken_fp4_forward(list(snip.layers.values()), Format.MXFP4, mode="noise"))
+                                    lambda *a, **kw: (broken if step["now"] >= 13 else real)(*a, **kw))
+
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                step["now"] = trainer.global_step
 
         callbacks = [InjectFault()]
         if save_every:
@@ -176,11 +229,11 @@ def test_a_resumed_run_reverts_as_the_uninterrupted_one(tmp_path, monkeypatch):
 
     full = run(tmp_path / "full", 20)
     first = run(tmp_path / "first", 12, save_every=12)
-    assert first.controller.guard.watching and first.controller.guard.watch["strikes"] == 1
+    assert first.controller.guard.watching and first.controller.guard.watch["cost"] is not None
     resumed = run(tmp_path / "resumed", 20, ckpt_path=glob.glob(str(tmp_path / "first" / "ckpt" / "*.ckpt"))[0])
     for snip in (full, resumed):
         assert snip.controller.guard.num_reverts == 1 and not snip.controller.guard.watching
-    assert resumed.controller.guard.avoid == full.controller.guard.avoid
+    assert resumed.controller.guard.avoid == full.controller.guard.avoid and full.controller.guard.avoid
     assert dict(resumed.plan) == dict(full.plan)
 
 
@@ -221,7 +274,8 @@ def test_under_torch_compile_a_revert_returns_to_a_compiled_assignment(tmp_path,
     from test_training_setups import _CompileCounter, _CompiledLM
 
     torch._dynamo.reset()
-    snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=10, interval=100, fp4_fraction=0.6, max_rows=128))
+    snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=10, interval=100, fp4_fraction=0.6, max_rows=128,
+                                   plan_canary=False))
     counter = _CompileCounter(snip)
 
     class InjectFault(Callback):
