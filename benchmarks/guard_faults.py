@@ -24,10 +24,8 @@ Prints a markdown report; commit it under benchmarks/results/guard_faults_<date>
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -42,21 +40,12 @@ from lightning_snip.config import SNIPConfig
 from lightning_snip.demo.lightning import ByteTextDataModule, CausalLM, DemoLM
 from lightning_snip.demo.model import LlamaConfig
 
-from harness import TRAINING_PATH_FAULTS, training_path_fault
+from harness import TRAINING_PATH_FAULTS, cached_json, mean_std, training_path_fault
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = LlamaConfig(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=160)
 FAULT_STEPS = 60
 FAULT_SETTINGS = dict(warmup_steps=10, interval=20, fp4_fraction=0.6, max_rows=128, overhead_budget=None)
-
-
-def _cached(path: Path, run):
-    if path.exists():
-        return json.loads(path.read_text())
-    result = run()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result))
-    return result
 
 
 class _Events(pl.Callback):
@@ -204,10 +193,6 @@ def overhead_pair(seed: int, steps: int = 160) -> dict:
     return out
 
 
-def _mean_std(values):
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan
-
-
 def fault_report(out: Path, seeds) -> list[str]:
     lines = ["## Training-path faults (demo, 60 steps, first plan at step 11)", "",
              "Steps to revert: from the first plan's step to the first revert (0: before that step's forward). Loss "
@@ -216,14 +201,14 @@ def fault_report(out: Path, seeds) -> list[str]:
              "| the loss watch alone: seeds reverted, cost |",
              "|---|---|---|---|---|---|---|"]
     for kind in TRAINING_PATH_FAULTS:
-        runs = {mode: [_cached(out / f"fault_{kind}_{mode}_{s}.json", lambda s=s, m=mode: fault_run(kind, s, m))
+        runs = {mode: [cached_json(out / f"fault_{kind}_{mode}_{s}.json", lambda s=s, m=mode: fault_run(kind, s, m))
                        for s in seeds] for mode in ("guard", "watch_only", "unguarded", "never")}
         guarded = runs["guard"]
         delays = [r["reverted_at"][0] - r["applied_at"][0] for r in guarded if r["reverted_at"] and r["applied_at"]]
         cost = [g["val_loss"] - n["val_loss"] for g, n in zip(guarded, runs["never"])]
         bare = [u["val_loss"] - n["val_loss"] for u, n in zip(runs["unguarded"], runs["never"])]
         alone = [w["val_loss"] - n["val_loss"] for w, n in zip(runs["watch_only"], runs["never"])]
-        (cm, cs), (bm, bs), (am, as_) = _mean_std(cost), _mean_std(bare), _mean_std(alone)
+        (cm, cs), (bm, bs), (am, as_) = mean_std(cost), mean_std(bare), mean_std(alone)
         lines.append(f"| {kind} | {sum(bool(r['reverted_at']) for r in guarded)} of {len(guarded)} | "
                      f"{', '.join(str(d) for d in delays) or '-'} | {sum(r['canary_reverts'] for r in guarded)} / "
                      f"{sum(r['watch_reverts'] for r in guarded)} | {cm:+.4f} ± {cs:.4f} (max {max(cost):+.4f}) | "
@@ -233,11 +218,11 @@ def fault_report(out: Path, seeds) -> list[str]:
 
 
 def healthy_report(out: Path, seeds, smollm2: bool) -> list[str]:
-    runs = [_cached(out / f"healthy_app_tiny_{s}.json", lambda s=s: app_run(out / f"tiny{s}", s)) for s in seeds]
+    runs = [cached_json(out / f"healthy_app_tiny_{s}.json", lambda s=s: app_run(out / f"tiny{s}", s)) for s in seeds]
     if smollm2:
-        runs.append(_cached(out / "healthy_app_smollm2_0.json", lambda: app_run(out / "smollm2", 0, "smollm2")))
-    runs += [_cached(out / f"healthy_hf_scratch_{s}.json", lambda s=s: hf_scratch_run(s)) for s in seeds[:3]]
-    runs += [_cached(out / f"healthy_data_shift_{s}.json", lambda s=s: data_shift_run(s)) for s in seeds[:3]]
+        runs.append(cached_json(out / "healthy_app_smollm2_0.json", lambda: app_run(out / "smollm2", 0, "smollm2")))
+    runs += [cached_json(out / f"healthy_hf_scratch_{s}.json", lambda s=s: hf_scratch_run(s)) for s in seeds[:3]]
+    runs += [cached_json(out / f"healthy_data_shift_{s}.json", lambda s=s: data_shift_run(s)) for s in seeds[:3]]
     lines = ["## Healthy runs: false reverts", "",
              "| run | seed | plans | canary reverts | watch reverts | alarms not the plan's | largest rise (sigma) | val loss |",
              "|---|---|---|---|---|---|---|---|"]
@@ -251,8 +236,8 @@ def healthy_report(out: Path, seeds, smollm2: bool) -> list[str]:
 
 
 def overhead_report(out: Path, seeds) -> list[str]:
-    pairs = [_cached(out / f"overhead_{s}.json", lambda s=s: overhead_pair(s)) for s in seeds[:3]]
-    mean, std = _mean_std([p["ratio"] for p in pairs])
+    pairs = [cached_json(out / f"overhead_{s}.json", lambda s=s: overhead_pair(s)) for s in seeds[:3]]
+    mean, std = mean_std([p["ratio"] for p in pairs])
     lines = ["## The guard's cost (demo at the defaults, 160 steps, on / off in one process)", "",
              "| seed | off s | on s | on / off |", "|---|---|---|---|"]
     lines += [f"| {i} | {p['off']:.1f} | {p['on']:.1f} | {p['ratio']:.3f} |" for i, p in enumerate(pairs)]

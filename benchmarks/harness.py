@@ -644,3 +644,21 @@ def training_path_fault(kind: str):
         return out
 
     return quantized_matmul
+
+
+def cached_json(path: Path, run):
+    """``run()``'s result, cached as JSON at ``path``: a benchmark rerun resumes from the runs that finished."""
+    import json
+
+    if path.exists():
+        return json.loads(path.read_text())
+    result = run()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result))
+    return result
+
+
+def mean_std(values) -> tuple[float, float]:
+    """(mean, sample standard deviation; NaN for one value)."""
+    values = list(values)
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else float("nan")

@@ -20,10 +20,7 @@ Prints a markdown report; commit it under benchmarks/results/spike_guard_<date>.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -31,16 +28,9 @@ from pathlib import Path
 
 import torch
 
+from harness import cached_json, mean_std
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _cached(path: Path, run):
-    if path.exists():
-        return json.loads(path.read_text())
-    result = run()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result))
-    return result
 
 
 def healthy_run(out: Path, seed: int, model: str = "tiny") -> dict:
@@ -134,10 +124,6 @@ def overhead_pair(seed: int, steps: int = 120) -> dict:
     return out
 
 
-def _mean_std(values):
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", nargs="+", default=["healthy", "fault", "overhead"])
@@ -148,10 +134,10 @@ def main() -> None:
     torch.set_num_threads(1)
     lines = []
     if "healthy" in args.parts:
-        runs = [_cached(args.out / f"healthy_tiny_{s}.json", lambda s=s: healthy_run(args.out / f"tiny{s}", s))
+        runs = [cached_json(args.out / f"healthy_tiny_{s}.json", lambda s=s: healthy_run(args.out / f"tiny{s}", s))
                 for s in args.seeds]
         if args.smollm2:
-            runs.append(_cached(args.out / "healthy_smollm2_0.json",
+            runs.append(cached_json(args.out / "healthy_smollm2_0.json",
                                 lambda: healthy_run(args.out / "smollm2", 0, "smollm2")))
         lines += ["## Healthy runs (the app at its defaults)", "",
                   "| model | seed | plans applied | watched | reverted | largest loss rise (sigma) | train loss | val loss "
@@ -162,11 +148,11 @@ def main() -> None:
         lines += ["", f"Reverts: {sum(r['reverted'] for r in runs)} in {sum(r['watched'] for r in runs)} watched plans "
                   f"over {len(runs)} runs.", ""]
     if "fault" in args.parts:
-        pairs = [(_cached(args.out / f"fault_guard_{s}.json", lambda s=s: fault_run(s, True)),
-                  _cached(args.out / f"fault_noplan_{s}.json", lambda s=s: fault_run(s, False))) for s in args.seeds]
+        pairs = [(cached_json(args.out / f"fault_guard_{s}.json", lambda s=s: fault_run(s, True)),
+                  cached_json(args.out / f"fault_noplan_{s}.json", lambda s=s: fault_run(s, False))) for s in args.seeds]
         diffs = [g["val_loss"] - n["val_loss"] for g, n in pairs]
-        mean, std = _mean_std(diffs)
-        spread = _mean_std([n["val_loss"] for _, n in pairs])[1]
+        mean, std = mean_std(diffs)
+        spread = mean_std([n["val_loss"] for _, n in pairs])[1]
         lines += ["## A plan onto a broken FP4 forward (every MXFP4 forward noise 10x its output)", "",
                   "| seed | reverts (guard) | val loss, guard | val loss, never planned | difference |", "|---|---|---|---|---|"]
         lines += [f"| {g['seed']} | {g['reverts']} | {g['val_loss']:.4f} | {n['val_loss']:.4f} | {d:+.4f} |"
@@ -174,9 +160,9 @@ def main() -> None:
         lines += ["", f"Paired difference {mean:+.4f} ± {std:.4f} (n {len(diffs)}); the never-planned runs' seed "
                   f"spread (std) {spread:.4f}.", ""]
     if "overhead" in args.parts:
-        pairs = [_cached(args.out / f"overhead_{s}.json", lambda s=s: overhead_pair(s)) for s in args.seeds[:3]]
+        pairs = [cached_json(args.out / f"overhead_{s}.json", lambda s=s: overhead_pair(s)) for s in args.seeds[:3]]
         ratios = [p["ratio"] for p in pairs]
-        mean, std = _mean_std(ratios)
+        mean, std = mean_std(ratios)
         lines += ["## Overhead (demo model at the defaults, 120 steps, guard on / off in one process)", "",
                   "| seed | off s | on s | on / off |", "|---|---|---|---|"]
         lines += [f"| {i} | {p['off']:.1f} | {p['on']:.1f} | {p['ratio']:.3f} |" for i, p in enumerate(pairs)]

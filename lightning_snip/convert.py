@@ -185,7 +185,9 @@ def log_output_head(layers: Mapping[str, SNIPLinear], pins: Collection[str], hea
 
 def _declared_embedding(module: nn.Module, getter: str) -> nn.Module | None:
     """What a Hugging Face-style ``get_output_embeddings`` / ``get_input_embeddings`` returns, or None where
-    the module has none (its base class raises NotImplementedError where a model has no such layer)."""
+    the module has none: transformers' PreTrainedModel.get_input_embeddings (modeling_utils.py) raises
+    NotImplementedError for a model whose embedding it cannot find, and a user's module may lack the attribute
+    the getter reads; both mean "no declared embedding", not an error of the run."""
     method = getattr(module, getter, None)
     if not callable(method):
         return None
