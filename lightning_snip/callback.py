@@ -197,7 +197,7 @@ class SNIPCallback(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
-        if self.controller.guard.watching and _amp_loss_scale(trainer) == 1.0:  # (AMP's scaler skips such steps)
+        if self.controller.guard.checks_gradients(trainer.global_step) and _amp_loss_scale(trainer) == 1.0:  # (AMP skips them)
             self._step_loss.check_gradients(pl_module, self._collective)
 
     @override

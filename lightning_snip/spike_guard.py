@@ -50,6 +50,7 @@ DRIFT = 1.0  # the CUSUM's allowance per step, in sigma: a rise below it never a
 NOISE_FLOOR = 1e-3  # sigma's floor, a share of |level|
 CONFIRM_SHARE = 0.5  # an alarm is the plan's when its formats cost this share of the rise on the same batch
 AVOID_ROUNDS = 3  # solves that keep a reverted (direction, format) out
+GRADIENT_STEPS = 16  # steps after a switch whose gradients are checked for finiteness (a host sync each)
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,11 @@ class SpikeGuard:
     def watching(self) -> bool:
         return self.watch is not None
 
+    def checks_gradients(self, step: int) -> bool:
+        """Whether ``step``'s gradients are checked for finiteness: the GRADIENT_STEPS steps after a switch, where
+        a plan's formats first meet them (the watch itself goes on; a non-finite loss is caught at every step)."""
+        return self.watch is not None and step - self.watch.get("switched", self.watch["step"]) < GRADIENT_STEPS
+
     @property
     def limit(self) -> float:
         """The CUSUM's alarm level, in sigma."""
@@ -139,7 +145,7 @@ class SpikeGuard:
         if not self.enabled or len(self.losses) < MIN_HISTORY:
             self.watch = None
             return
-        self.watch = {"step": step, "previous": dict(previous), "cost": None, "offset": 0.0}
+        self.watch = {"step": step, "switched": step, "previous": dict(previous), "cost": None, "offset": 0.0}
         self._rebase(step)
         self.num_watched += 1
 

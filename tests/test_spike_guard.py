@@ -289,3 +289,16 @@ def test_under_torch_compile_a_revert_returns_to_a_compiled_assignment(tmp_path,
     formats = [f for f, _ in counter.rows]
     assert formats[-1] == formats[0]  # back to the formats before the plan
     assert sum(frames for f, frames in counter.rows[PATIENCE + 11:]) == 0  # nothing compiled after the revert
+
+
+def test_gradients_are_checked_only_in_the_steps_after_a_switch_the_loss_every_step():
+    """The gradient check is a host sync per step: the GRADIENT_STEPS after a switch, not the whole watch."""
+    from lightning_snip.spike_guard import GRADIENT_STEPS
+
+    guard = _guard(_noisy(20))
+    assert not guard.checks_gradients(20)
+    guard.on_switch(20, {"a": "fp8"})
+    guard.set_plan_cost(20, 0.0)
+    assert guard.checks_gradients(20) and guard.checks_gradients(20 + GRADIENT_STEPS - 1)
+    assert not guard.checks_gradients(20 + GRADIENT_STEPS) and guard.watching
+    assert isinstance(guard.observe(20 + GRADIENT_STEPS, math.nan), Revert)  # a non-finite loss: still every step
