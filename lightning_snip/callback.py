@@ -23,6 +23,7 @@ from lightning_snip.formats import Format, Fp8Scaling
 from lightning_snip.plan import Plan
 from lightning_snip.reporting import log_to_loggers
 from lightning_snip.stats import slice_batch
+from lightning_snip.step_loss import StepLosses
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class SNIPCallback(Callback):
             per layer/format, before the clamp at 0 that planning applies.
         ``snip/wd/<fqn>/<format>``: backward weight divergence (relative update deviation).
         ``snip/stats_seconds``: wall time of the statistics round (statistics step).
-        ``snip/overhead``: SNIP's measured time over training's so far (statistics and apply steps; see
+        ``snip/overhead``: SNIP's measured time over training's so far (at SNIP's steps and at the end; see
             lightning_snip.budget: the steps it worked in, their excess over its recent steps without).
         ``snip/invalid_formats``: (layer, format) candidates the round found non-finite (left out of
             its evidence; one warning per round names them). Non-zero is a fault to look into.
@@ -106,7 +107,8 @@ class SNIPCallback(Callback):
         self._collective: Collective | None = None  # the trainer's ranks, built once per fit
         self._fp8_auto = self.controller.config.fp8_scaling == FP8_SCALING_AUTO
         self._restored_fp8_scaling: str | None = None  # fp8_scaling=auto's choice, from a checkpoint
-        self._step_loss = _StepLoss()  # the spike guard's view of each optimizer step
+        self._step_losses = StepLosses()  # the loss watch's view of each optimizer step, read a few steps late
+        self._last_batch = None  # (batch, batch_idx) of the last closed step
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -135,8 +137,10 @@ class SNIPCallback(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
         controller, step, collective = self.controller, trainer.global_step, self._collective
-        self._step_loss.begin(step)
+        self._step_losses.begin(step)
         controller.begin_batch(step, batch_idx, trainer.global_rank)
+        if controller.guard.enabled and self._step_losses.pending and controller.works_at(step):
+            self._observe(trainer, pl_module, batch, batch_idx)  # each plan's watch from every loss before it
         applied = controller.apply_due(pl_module, step, collective)
         if applied is not None:
             log_to_loggers(trainer.loggers, step, *applied)
@@ -155,18 +159,31 @@ class SNIPCallback(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
         self.controller.end_batch()
-        if self.controller.guard.enabled:
-            observed = self._step_loss.end(trainer, outputs, self._collective)
-            if observed is not None:  # the optimizer stepped: a step boundary, the same on every rank
-                step, loss, finite_grads = observed
-                reverted = self.controller.observe_step(pl_module, step, loss, finite_grads=finite_grads,
-                                                        collective=self._collective,
-                                                        same_batch_cost=self._same_batch_cost(trainer, pl_module, batch,
-                                                                                              batch_idx))
-                if reverted is not None:
-                    scalars, reason = reverted
-                    log_to_loggers(trainer.loggers, step, scalars,
-                                   text={"snip/plan_reverted_reason": reason} if reason else None)
+        if self.controller.guard.enabled and self._step_losses.end(outputs, trainer.global_step):
+            self._last_batch = (batch, batch_idx)  # (the end of training confirms an alarm on it)
+            if self._step_losses.full:
+                self._observe(trainer, pl_module, batch, batch_idx)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.controller.guard.enabled and self._step_losses.pending:
+            self._observe(trainer, pl_module, *self._last_batch)  # the last steps' losses
+        self._last_batch = None
+        log_to_loggers(trainer.loggers, trainer.global_step, {"snip/overhead": self.controller.overhead})
+
+    def _observe(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
+        """The pending steps' losses (at most StepLosses.READ_EVERY, so a revert lands at most that many steps late),
+        read in one copy (the same on every rank), to the loss watch in order; an alarm is confirmed on this batch
+        (any batch prices the plan's formats against the ones before it)."""
+        collective = self._collective
+        for step, loss, finite_grads in self._step_losses.read(collective.all_sum, collective.world_size):
+            reverted = self.controller.observe_step(
+                pl_module, step, loss, finite_grads=finite_grads, collective=collective,
+                same_batch_cost=_same_batch_cost(self.controller, trainer, pl_module, batch, batch_idx, collective))
+            if reverted is not None:
+                scalars, reason = reverted
+                log_to_loggers(trainer.loggers, step, scalars,
+                               text={"snip/plan_reverted_reason": reason} if reason else None)
 
     def _check_plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int, step: int) -> None:
         """The plan canary on a slice of this batch, then (after a switch) what the plan costs on it."""
@@ -184,21 +201,10 @@ class SNIPCallback(Callback):
                 scalars, reason = measured
                 log_to_loggers(trainer.loggers, step, scalars, text={"snip/plan_reverted_reason": reason} if reason else None)
 
-    def _same_batch_cost(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int):
-        """The loss watch's confirmation: this batch's loss (a max_rows slice) under the formats in force minus
-        under ``previous``."""
-        loss_of = _statistics_loss(trainer, pl_module, batch_idx)
-
-        def cost(previous):
-            sliced = slice_batch(batch, self.controller.config.max_rows)
-            return self.controller.plan_cost(pl_module, lambda: loss_of(sliced), previous, self._collective)
-
-        return cost
-
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
         if self.controller.guard.checks_gradients(trainer.global_step) and _amp_loss_scale(trainer) == 1.0:  # (AMP skips them)
-            self._step_loss.check_gradients(pl_module, self._collective)
+            self._step_losses.check_gradients(pl_module)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -215,6 +221,7 @@ class SNIPCallback(Callback):
     @override
     def state_dict(self) -> dict:
         state = self.controller.state_dict()
+        state["step_losses"] = self._step_losses.state_dict()  # (losses the loss watch has not read yet)
         if self._fp8_auto and self.controller.config.fp8_scaling != FP8_SCALING_AUTO:
             state["fp8_scaling_auto"] = self.controller.config.fp8_scaling.value  # a resumed run keeps it
         return state
@@ -222,6 +229,7 @@ class SNIPCallback(Callback):
     @override
     def load_state_dict(self, state_dict: dict) -> None:
         self.controller.load_state_dict(state_dict)
+        self._step_losses.load_state_dict(state_dict.get("step_losses", {}))
         self._restored_fp8_scaling = state_dict.get("fp8_scaling_auto")
 
 
@@ -233,6 +241,19 @@ def _controller_attribute(name: str) -> property:
 
 for _name in _STATE:  # the public state is the controller's (see the class docstring)
     setattr(SNIPCallback, _name, _controller_attribute(_name))
+
+
+def _same_batch_cost(controller: SNIPController, trainer: pl.Trainer, pl_module: pl.LightningModule, batch,
+                     batch_idx: int, collective: Collective):
+    """The loss watch's confirmation: this batch's loss (a max_rows slice) under the formats in force minus under
+    ``previous``."""
+    loss_of = _statistics_loss(trainer, pl_module, batch_idx)
+
+    def cost(previous):
+        sliced = slice_batch(batch, controller.config.max_rows)
+        return controller.plan_cost(pl_module, lambda: loss_of(sliced), previous, collective)
+
+    return cost
 
 
 def _check_strategy(strategy, config: SNIPConfig) -> None:
@@ -288,49 +309,6 @@ def _timed_fp8_scaling(config: SNIPConfig, model: torch.nn.Module, device) -> Fp
                 f"fp8 GEMMs with casts of the model's {len(shapes)} layer shapes: {timed}" if times
                 else "no native FP8 GEMM here: emulated, the finer scales")
     return chosen
-
-
-class _StepLoss:
-    """Each optimizer step's loss for the spike guard: the micro-batches' losses summed on the device (Lightning
-    divides each by accumulate_grad_batches: the sum is the step's mean), read once per step, averaged over
-    ranks with the gradients' finiteness, so every rank's guard sees the same numbers."""
-
-    def __init__(self) -> None:
-        self.step, self.total, self.finite_grads = -1, None, True
-        self.warned = False
-
-    def begin(self, step: int) -> None:
-        if step != self.step:
-            self.step, self.total, self.finite_grads = step, None, True
-
-    def end(self, trainer: pl.Trainer, outputs, collective: Collective) -> tuple[int, float, bool] | None:
-        """(step, loss, finite gradients) once the step's optimizer has stepped, else None."""
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if isinstance(loss, torch.Tensor):
-            loss = loss.detach().float().reshape(())
-            self.total = loss if self.total is None else self.total + loss
-        elif not self.warned:  # (manual optimization may return nothing)
-            self.warned = True
-            logger.warning("SNIP spike guard: the training step returned no loss (a tensor, or a dict with 'loss'); "
-                           "the guard watches nothing in this run (snip.spike_threshold=null silences this)")
-        if trainer.global_step == self.step or self.total is None:
-            return None
-        values = collective.all_sum(torch.stack([self.total.cpu(), torch.tensor(float(not self.finite_grads))]))
-        step, self.total = self.step, None
-        return step, float(values[0]) / collective.world_size, bool(values[1] == 0)
-
-    def check_gradients(self, module: torch.nn.Module, collective: Collective) -> None:
-        """Whether every gradient is finite (on every rank); if not, they are zeroed: AdamW's step then moves
-        by its momentum alone instead of writing NaN into the weights, and the guard reverts the plan."""
-        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                 for p in module.parameters() if p.grad is not None]
-        if not grads:
-            return
-        bad = torch.logical_not(torch.isfinite(torch.nn.utils.get_total_norm(grads))).float().cpu().reshape(1)
-        if float(collective.all_sum(bad)[0]) > 0:
-            self.finite_grads = False
-            for grad in grads:
-                grad.zero_()
 
 
 def _collective(trainer: pl.Trainer) -> Collective:

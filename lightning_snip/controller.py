@@ -165,11 +165,10 @@ class SNIPController:
         self.layers: dict[str, SNIPLinear] = {}
         self.plan: Plan | None = plan
         self.history: list[dict] = []
-        self.num_stats_rounds = 0
-        self.num_plans_applied = 0
+        self.num_stats_rounds = self.num_plans_applied = 0
         self.aggregate = DivergenceAggregate()
         self.pending: PendingSolve | None = None
-        self.restored_pending: tuple[int, int] | None = None  # (stats_step, apply_step) from a checkpoint
+        self.restored_pending: tuple[int, int] | None = None  # (stats_step, apply_step): a checkpoint's
         self.propagation = Propagation.PROBE  # exact after probes proved unsupported
         self.flops: dict[str, float] = {}
         self.schedule = OverheadBudget(self.config)  # when rounds run, and what SNIP's work costs
@@ -225,7 +224,7 @@ class SNIPController:
         except ValueError as err:  # name the config's field, not convert_linears' argument (pins is both)
             raise _config_field_error(err, cfg) from None
         self.flops = layer_flops(self.layers)
-        self.recorder = FirstOrderRecorder(self.layers, cfg)
+        self.recorder = FirstOrderRecorder(self.layers, cfg) if cfg.replan else None  # (no taps without rounds)
         if self.plan is not None:
             apply_plan(model, self.plan)  # a given plan that does not fit the model fails here
         if cfg.replan:
@@ -263,7 +262,7 @@ class SNIPController:
 
     # ------------------------------------------------------------------ schedule
 
-    def is_stats_step(self, step: int) -> bool:
+    def is_stats_step(self, step: int) -> bool:  # (the round's step, with every micro-batch of it)
         return self.schedule.is_round(step)
 
     def is_first_order_step(self, step: int) -> bool:
@@ -274,6 +273,10 @@ class SNIPController:
         """A statistics step whose round has not run yet (with gradient accumulation, only the
         step's first micro-batch runs it)."""
         return self.is_stats_step(step) and step != self.last_round_step
+
+    def works_at(self, step: int) -> bool:
+        """Whether SNIP works before ``step``'s forward: a round, a plan to apply, or the plan canary."""
+        return self.is_round_due(step) or self.pending is not None or self.canary_due
 
     def begin_batch(self, step: int, batch_idx: int = 0, rank: int = 0) -> None:
         """Time the steps (a new step closes the last one), and reseed stochastic rounding for this (rank, step,
@@ -565,16 +568,13 @@ class SNIPController:
         return {
             "plan": self.plan.to_json() if self.plan is not None else None,
             "history": json.dumps(self.history),
-            "num_stats_rounds": self.num_stats_rounds,
-            "num_plans_applied": self.num_plans_applied,
+            "num_stats_rounds": self.num_stats_rounds, "num_plans_applied": self.num_plans_applied,
             "aggregate": self.aggregate.state_dict(),
             "pending": None if self.pending is None else [self.pending.stats_step, self.pending.apply_step],
             "first_order_history": [[fqn, fmt.value, values] for (fqn, fmt), values in self.first_order_history.items()],
-            "num_consecutive_failures": self.num_consecutive_failures,
-            "spike_guard": self.guard.state_dict(),
-            "schedule": self.schedule.state_dict(),
+            "num_consecutive_failures": self.num_consecutive_failures, "num_canary_reverts": self.num_canary_reverts,
+            "spike_guard": self.guard.state_dict(), "schedule": self.schedule.state_dict(),
             "formats_before_switch": {key: fmt.value for key, fmt in self.formats_before_switch.items()},
-            "num_canary_reverts": self.num_canary_reverts,
         }
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -48,13 +48,15 @@ class FirstOrderSampler:
         """Sample the steps inside the block. ``offset`` shifts the rows sampled (a stride's phase), so
         successive steps sample all token positions, not every stride-th one alone."""
         taps = [(layer.first_order_tap, self._receiver(fqn, offset)) for fqn, layer in self.layers.items()]
-        for tap, receive in taps:
+        for (tap, receive), layer in zip(taps, self.layers.values()):
             set_tap_receiver(tap, receive)
+            layer.tap_open = True
         try:
             yield self
         finally:
-            for tap, _ in taps:
+            for (tap, _), layer in zip(taps, self.layers.values()):
                 set_tap_receiver(tap, None)
+                layer.tap_open = False
 
     def _receiver(self, fqn: str, offset: int):
         def receive(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor) -> None:

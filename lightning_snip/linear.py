@@ -99,8 +99,10 @@ class SNIPLinear(nn.Linear):
         # Random source of the stochastic rounding of gradient operands; None: torch's global one.
         # SNIPCallback gives every layer one generator per rank, seeded per step from the run's seed.
         self.generator = None
-        # The layer's first-order tap (new_tap): its backward hands X and G to the sampler that records it.
+        # The layer's first-order tap (new_tap): its backward hands X and G to the sampler that records it. Eager
+        # code calls it only while ``tap_open`` (the sampled steps); a compiled graph always holds it (see forward).
         self.first_order_tap: torch.Tensor | None = None
+        self.tap_open = False
         self._format = Format.BF16
         self.format = format
 
@@ -201,7 +203,10 @@ class SNIPLinear(nn.Linear):
         # Traced by torch.compile into the model's graph in every format (no graph break; the GEMMs'
         # quantizers fuse with their neighbours), guarded on the formats (_update_gemm_formats).
         forward_format, backward_format, recipe = _GEMM_FORMATS[self._gemm_formats]
-        tap = self.first_order_tap
+        # The tap is in an eager step's graph only on a sampled step (a bf16 layer keeps F.linear otherwise); a
+        # compiled graph always holds it (one opaque call per layer, a no-op on unsampled steps), so starting or
+        # stopping a sample recompiles nothing (``tap_open`` is not read while tracing: nothing guards on it).
+        tap = self.first_order_tap if torch.compiler.is_compiling() or self.tap_open else None
         if forward_format is Format.BF16 and backward_format is Format.BF16 and tap is None:
             return F.linear(x, self.weight, self.bias)
         weight, bias = self.weight, self.bias

@@ -50,7 +50,7 @@ DRIFT = 1.0  # the CUSUM's allowance per step, in sigma: a rise below it never a
 NOISE_FLOOR = 1e-3  # sigma's floor, a share of |level|
 CONFIRM_SHARE = 0.5  # an alarm is the plan's when its formats cost this share of the rise on the same batch
 AVOID_ROUNDS = 3  # solves that keep a reverted (direction, format) out
-GRADIENT_STEPS = 16  # steps after a switch whose gradients are checked for finiteness (a host sync each)
+GRADIENT_STEPS = 16  # steps after a switch whose gradients are checked for finiteness (on the device, step_loss.py)
 
 
 @dataclass(frozen=True)
