@@ -456,14 +456,15 @@ def overhead_ab(device, lines, steps, budget_s=420.0):
     """Issue 50's GPU check: benchmarks/overhead.py's A/B (SNIP at its defaults, the overhead budget on, against
     its plans replayed frozen) on a demo model of width 1024 x 4 blocks under bf16-mixed, eager at 2048 tokens per
     step (2 pairs), compiled at 2048 and eager at 8192 (1 pair each); pairs are run while ``budget_s`` lasts, each
-    printed as it ends."""
+    printed as it ends. Issue 61: the self-measured share is timed with CUDA events (lightning_snip.device_clock); each
+    line puts it beside the A/B of the whole runs and of their steps."""
     from argparse import Namespace
 
     import overhead as ab
     from lightning_snip.config import SNIPConfig
 
     cuda = device.type == "cuda"
-    start = time.perf_counter()
+    start, warmed = time.perf_counter(), False
     for compiled, batch, repeats in ((False, 16, 2), (True, 16, 1), (False, 64, 1)):
         args = Namespace(model="demo", steps=steps if cuda else 30, dim=1024 if cuda else 64, layers=4 if cuda else 2,
                          hidden_dim=2816 if cuda else 160, seq_len=128, compile=compiled, device=device.type,
@@ -473,9 +474,14 @@ def overhead_ab(device, lines, steps, budget_s=420.0):
                 lines.append(f"overhead: budget {budget_s:.0f} s spent, pairs left out")
                 return
             config = SNIPConfig() if cuda else SNIPConfig(warmup_steps=5, interval=10)
+            if not compiled and not warmed:  # (the quantizers compile once per process: overhead.warm_up)
+                ab.warm_up(args, config, batch)
+                warmed = True
             r = ab.pair(args, config, batch)
             lines.append(f"overhead compile {compiled} tokens/step {batch * 128} steps {args.steps}: A {r['a_seconds']:.1f} s "
                          f"B {r['b_seconds']:.1f} s A/B-1 {r['ratio']:+.2%} self-measured {r['self_measured']:.2%} "
+                         f"steps A/B-1 {r['a_step_seconds'] / r['b_step_seconds'] - 1:+.2%} median step A/B-1 "
+                         f"{r['median_step_ratio']:+.2%} "
                          f"rounds {r['rounds']} first_order_steps {r['first_order_steps']} round cost "
                          f"{[round(c, 1) for c in r['round_steps']]} B steps, B {r['step_b_ms']:.1f} ms/step, snip seconds "
                          f"{ {k: round(v, 2) for k, v in r['snip_seconds'].items()} }")

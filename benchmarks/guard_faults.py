@@ -40,7 +40,7 @@ from lightning_snip.config import SNIPConfig
 from lightning_snip.demo.lightning import ByteTextDataModule, CausalLM, DemoLM
 from lightning_snip.demo.model import LlamaConfig
 
-from harness import TRAINING_PATH_FAULTS, cached_json, mean_std, training_path_fault
+from harness import TRAINING_PATH_FAULTS, cached_json, mean_std, training_path_fault, warm_up_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = LlamaConfig(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=160)
@@ -177,14 +177,15 @@ def data_shift_run(seed: int, steps: int = 80) -> dict:
 
 
 def overhead_pair(seed: int, steps: int = 160) -> dict:
-    """Seconds of a demo run at the defaults with the guard off, then on (the same seed, in this process)."""
+    """Seconds of a demo run at the defaults with the guard off, then on (the same seed, in this process, after a
+    warm-up run that compiles the quantizers both use: harness.warm_up_config)."""
     out = {}
-    for name, settings in (("off", dict(plan_canary=False, spike_threshold=None)), ("on", {})):
+    for name, settings in (("warm_up", None), ("off", dict(plan_canary=False, spike_threshold=None)), ("on", {})):
         pl.seed_everything(seed)
         module, data = DemoLM(LlamaConfig()), ByteTextDataModule(seq_len=128, batch_size=16, val_batches=1, seed=seed)
-        snip = SNIPCallback(SNIPConfig(**settings))
-        trainer = pl.Trainer(max_steps=steps, callbacks=[snip], accelerator="cpu", logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+        snip = SNIPCallback(SNIPConfig(**settings) if settings is not None else warm_up_config(SNIPConfig()))
+        trainer = pl.Trainer(max_steps=steps if settings is not None else 8, callbacks=[snip], accelerator="cpu",
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
         start = time.perf_counter()
         trainer.fit(module, datamodule=data)
         out[name] = time.perf_counter() - start

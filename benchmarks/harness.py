@@ -662,3 +662,10 @@ def mean_std(values) -> tuple[float, float]:
     """(mean, sample standard deviation; NaN for one value)."""
     values = list(values)
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else float("nan")
+
+
+def warm_up_config(config: SNIPConfig) -> SNIPConfig:
+    """``config`` for a short warm-up run before an A/B in one process (8 steps: a round at step 4, its plan at 5).
+    lightning_snip's quantizer kernels compile on first use, once per process (lightning_snip.kernels): without a
+    warm-up the pair's first run pays every format's compile and the second reuses them."""
+    return dataclasses.replace(config, warmup_steps=4, interval=max(config.interval, 8), first_order_steps=2)

@@ -34,6 +34,8 @@ from lightning_snip.convert import apply_plan
 from lightning_snip.demo.lightning import ByteTextDataModule, CausalLM, DemoLM
 from lightning_snip.demo.model import LlamaConfig
 
+from harness import warm_up_config
+
 
 class FormatRecord(pl.Callback):
     """Run A: every step's format assignment as it starts (after SNIP's hooks: put it after the callback)."""
@@ -127,6 +129,15 @@ def _fresh_kernel_cache(args):
     return temporary_cache_dir(tempfile.mkdtemp(prefix="snip_overhead_inductor_"))
 
 
+def warm_up(args, config: SNIPConfig, batch_size: int) -> None:
+    """Eager: one short run with SNIP (a round and a plan; harness.warm_up_config) before the pairs. lightning_snip's
+    quantizer kernels compile on first use, once per process (lightning_snip.kernels.run_compiled): without this the
+    first A paid every format's compile (fp8 at step 0, FP4 in its round) and every B reused them (--quick on
+    2026-12-06: step 0 took 2.9 s in A, 0.08 s in B; A/B - 1 +477% against +19% warmed). Any run with SNIP's layers
+    pays them once, with rounds or without. (Under --compile dynamo's reset before each run: each compiles its own.)"""
+    train(argparse.Namespace(**{**vars(args), "steps": 8}), batch_size, [SNIPCallback(warm_up_config(config))])
+
+
 def pair(args, config: SNIPConfig, batch_size: int) -> dict:
     """One A run and its B run. Under --compile each run starts from dynamo's reset with inductor's caches off
     (TORCHINDUCTOR_FX_GRAPH_CACHE=0, TORCHINDUCTOR_AUTOGRAD_CACHE=0, set by main): B would otherwise reuse the
@@ -150,7 +161,11 @@ def pair(args, config: SNIPConfig, batch_size: int) -> dict:
             "first_order_steps": snip.controller.schedule.num_first_order,
             "snip_seconds": dict(snip.controller.schedule.snip_seconds),
             "round_steps": [(timer_a.times[r] - step_b) / step_b for r in rounds if r < len(timer_a.times)],
-            "step_b_ms": 1000 * step_b}
+            "step_b_ms": 1000 * step_b,
+            # where A - B goes: the steps (SNIP's work, and what its hooks cost on a plain step, which the self-measured
+            # share does not see: its baseline is A's own plain steps) and what the fit spends outside them
+            "a_step_seconds": sum(timer_a.times), "b_step_seconds": sum(timer_b.times),
+            "median_step_ratio": statistics.median(timer_a.times) / step_b - 1}
 
 
 def main() -> None:
@@ -171,6 +186,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-warmup", action="store_true", help="eager: no warm-up run before the pairs (see warm_up)")
     args = parser.parse_args()
     if args.compile:  # (read by inductor when it compiles: before the first run)
         os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
@@ -187,6 +203,8 @@ def main() -> None:
     config = SNIPConfig(**settings)
     batch_sizes = args.batch_sizes or ([4] if args.model == "smollm2" else [16])
     runs = []
+    if not args.compile and not args.no_warmup:
+        warm_up(args, config, batch_sizes[0])
     for batch_size in batch_sizes:
         for repeat in range(args.repeats):
             runs.append(pair(args, config, batch_size))
@@ -210,6 +228,13 @@ def main() -> None:
         print(f"| {batch_size * args.seq_len} | {len(rs)} | {statistics.mean(ratios):+.2%} ± {std:.2%} | "
               f"{statistics.mean(r['self_measured'] for r in rs):.2%} | {rs[0]['rounds']} | "
               f"{statistics.mean(cost) if cost else float('nan'):.1f} | {statistics.mean(r['step_b_ms'] for r in rs):.0f} |")
+    print()
+    print("| pair | A/B - 1 | self-measured | steps A/B - 1 | median step A/B - 1 | outside the steps, A - B (s) |")
+    print("|---|---|---|---|---|---|")
+    for i, r in enumerate(runs):
+        outside = (r["a_seconds"] - r["a_step_seconds"]) - (r["b_seconds"] - r["b_step_seconds"])
+        print(f"| {i} (batch {r['batch_size']}) | {r['ratio']:+.2%} | {r['self_measured']:.2%} | "
+              f"{r['a_step_seconds'] / r['b_step_seconds'] - 1:+.2%} | {r['median_step_ratio']:+.2%} | {outside:+.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "config": {k: str(v) for k, v in dataclasses.asdict(config).items()},

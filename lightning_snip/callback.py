@@ -65,8 +65,9 @@ class SNIPCallback(Callback):
             per layer/format, before the clamp at 0 that planning applies.
         ``snip/wd/<fqn>/<format>``: backward weight divergence (relative update deviation).
         ``snip/stats_seconds``: wall time of the statistics round (statistics step).
-        ``snip/overhead``: SNIP's measured time over training's so far (at SNIP's steps and at the end; see
-            lightning_snip.budget: the steps it worked in, their excess over its recent steps without).
+        ``snip/overhead``: SNIP's measured time over training's so far, on the device's timeline (logged at each
+            step where it has priced more of its own work, and at the end; lightning_snip.budget: the steps it
+            worked in, their excess over its recent steps without; lightning_snip.device_clock: CUDA events).
         ``snip/invalid_formats``: (layer, format) candidates the round found non-finite (left out of
             its evidence; one warning per round names them). Non-zero is a fault to look into.
         ``snip/wd_probe_rel_stderr``: (WD's probes, not the exact fallback) the median over layers and formats of
@@ -139,6 +140,8 @@ class SNIPCallback(Callback):
         controller, step, collective = self.controller, trainer.global_step, self._collective
         self._step_losses.begin(step)
         controller.begin_batch(step, batch_idx, trainer.global_rank)
+        if (overhead := controller.overhead_update()) is not None:  # (the work of a step the device has finished)
+            log_to_loggers(trainer.loggers, step, overhead)
         if controller.guard.enabled and self._step_losses.pending and controller.works_at(step):
             self._observe(trainer, pl_module, batch, batch_idx)  # each plan's watch from every loss before it
         applied = controller.apply_due(pl_module, step, collective)
@@ -169,7 +172,7 @@ class SNIPCallback(Callback):
         if self.controller.guard.enabled and self._step_losses.pending:
             self._observe(trainer, pl_module, *self._last_batch)  # the last steps' losses
         self._last_batch = None
-        log_to_loggers(trainer.loggers, trainer.global_step, {"snip/overhead": self.controller.overhead})
+        log_to_loggers(trainer.loggers, trainer.global_step, self.controller.overhead_update(final=True))
 
     def _observe(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
         """The pending steps' losses (at most StepLosses.READ_EVERY, so a revert lands at most that many steps late),

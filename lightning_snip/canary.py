@@ -193,6 +193,14 @@ class CanaryVerdict:
     def worst_ratio(self) -> float:
         return max((c.ratio for c in self.checks), default=0.0)
 
+    @property
+    def reason(self) -> str:
+        """The failed GEMM directions, one clause each: layer, direction, format and what disagreed."""
+        first: dict[tuple[str, str], GemmCheck] = {}  # (the first check of each direction)
+        for check in self.failed:
+            first.setdefault((check.fqn, check.direction), check)
+        return "; ".join(f"{c.fqn} {c.direction} in {c.format.value}: {c.detail}" for c in first.values())
+
 
 def _failed_on_any_rank(pairs: list[tuple[str, str]], checks: list[GemmCheck],
                         all_sum: Callable[[torch.Tensor], torch.Tensor]) -> set[tuple[str, str]]:

@@ -27,24 +27,24 @@ from __future__ import annotations
 import json
 import logging
 import math
-import threading
-import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import torch
 
 from lightning_snip.aggregate import METRICS, DivergenceAggregate
 from lightning_snip.budget import APPLY_DELAY, OverheadBudget
 from lightning_snip.canary import CanaryVerdict, check_plan, plan_cost
+from lightning_snip.collective import SINGLE_PROCESS, Collective
 from lightning_snip.config import SNIPConfig
+from lightning_snip.device_clock import Timeline
 from lightning_snip.divergence import reduce_result
 from lightning_snip.convert import UnmatchedPinsError, apply_plan, convert_linears, glob_filter, layer_assignment
 from lightning_snip.evidence import (aggregate_candidates, check_reachable, current_fp4_fraction, grad_noise_ratios,
-                                     guarded_formats, invalid_formats, layer_flops, solve_guarded)
+                                     guarded_formats, invalid_formats, layer_flops)
 from lightning_snip.first_order import FirstOrderRecorder
 from lightning_snip.formats import Format
 from lightning_snip.linear import SNIPLinear
+from lightning_snip.pending_solve import PendingSolve
 from lightning_snip.recompile import CompiledPlans
 from lightning_snip.rng import stream_seed
 from lightning_snip.plan import Granularity, Plan, SolveStatus, reverted_plan, split_key
@@ -61,69 +61,6 @@ logger = logging.getLogger(__name__)
 HISTORY_ROUNDS = 16
 # The longest fit end waits for a solve still running: the solver's own limit (planner.solve_plan, 10 s) and margin.
 SOLVE_JOIN_SECONDS = 30.0
-
-
-@dataclass(frozen=True)
-class Collective:
-    """How this process reaches the others of a data-parallel run. ``all_sum`` sums a CPU tensor over
-    ranks (and returns it on the CPU); ``broadcast`` returns rank 0's object on every rank. The
-    defaults are a single process."""
-
-    rank: int = 0
-    world_size: int = 1
-    all_sum: Callable[[torch.Tensor], torch.Tensor] = lambda values: values
-    broadcast: Callable[[object], object] = lambda obj: obj
-
-    @property
-    def is_rank_zero(self) -> bool:
-        return self.rank == 0
-
-
-SINGLE_PROCESS = Collective()
-
-
-@dataclass
-class PendingSolve:
-    """A solve started at ``stats_step`` whose plan takes effect at ``apply_step`` (rank 0 runs it)."""
-
-    stats_step: int
-    apply_step: int
-    thread: threading.Thread | None = None
-    plan: Plan | None = None
-    error: BaseException | None = None
-
-    def start(self, candidates, guarded: Mapping[str, frozenset[Format]], config: SNIPConfig,
-              avoided: Mapping[str, frozenset[str]] | None = None) -> None:
-        """Solve in a daemon thread (it never blocks exit)."""
-        self.thread = threading.Thread(target=self._solve, args=(candidates, guarded, config, avoided), daemon=True,
-                                       name="snip-solver")
-        self.thread.start()
-
-    def join(self, timeout: float) -> bool:
-        """Wait at most ``timeout`` seconds for the solve; whether it has ended."""
-        if self.thread is not None:
-            self.thread.join(timeout)
-        return self.thread is None or not self.thread.is_alive()
-
-    def _solve(self, candidates, guarded, config: SNIPConfig, avoided=None) -> None:
-        try:
-            self.plan = solve_guarded(candidates, guarded, config, avoided)
-        except BaseException as err:  # noqa: BLE001 - reported on the training thread at apply time
-            self.error = err
-
-    def outcome(self, collective: Collective) -> tuple[str | None, str | None]:
-        """(the plan as JSON or None, the failure's cause or None), the same on every rank: rank 0 joins
-        the thread (a failure logs a warning) and broadcasts."""
-        message, error = None, None
-        if collective.is_rank_zero:
-            if self.thread is not None:
-                self.thread.join()
-            if self.error is not None:
-                logger.warning("SNIP solve for step %d failed (%s: %s); keeping the current plan",
-                               self.stats_step, type(self.error).__name__, self.error)
-                error = f"solve for step {self.stats_step}: {type(self.error).__name__}: {self.error}"
-            message = self.plan.to_json() if self.plan is not None else None
-        return collective.broadcast((message, error))
 
 
 def _config_field_error(err: ValueError, cfg) -> ValueError:
@@ -172,7 +109,8 @@ class SNIPController:
         self.propagation = Propagation.PROBE  # exact after probes proved unsupported
         self.flops: dict[str, float] = {}
         self.schedule = OverheadBudget(self.config)  # when rounds run, and what SNIP's work costs
-        self.clock: Callable[[], float] = time.perf_counter  # the budget's clock, in seconds (a test may set its own)
+        self.timeline = Timeline(self.schedule)  # SNIP's clock: the device's timeline (lightning_snip.device_clock)
+        self.priced_seconds = 0.0  # SNIP's seconds the budget had priced when ``overhead_update`` last logged them
         self.recorder: FirstOrderRecorder | None = None
         self.last_round_step: int | None = None  # one round per optimizer step (not per micro-batch)
         # (fqn, format) -> first-order terms of the batches sampled since the last round.
@@ -235,6 +173,7 @@ class SNIPController:
         if device is None:
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.device = torch.device(device)
+        self.timeline.use_device(self.device)
         self.sr_generator = torch.Generator(device=self.device)
         self.sr_seed = torch.initial_seed()
         for layer in self.layers.values():
@@ -281,7 +220,7 @@ class SNIPController:
     def begin_batch(self, step: int, batch_idx: int = 0, rank: int = 0) -> None:
         """Time the steps (a new step closes the last one), and reseed stochastic rounding for this (rank, step,
         micro-batch)."""
-        self.schedule.step_started(step, self.clock())
+        self.timeline.step_started(step)
         self.sr_generator.manual_seed(stream_seed(self.sr_seed, rank, step, batch_idx))
 
     def set_horizon(self, max_steps: int | None, step: int = 0) -> None:
@@ -291,18 +230,29 @@ class SNIPController:
 
     @property
     def overhead(self) -> float:
-        """SNIP's measured time over training's so far (lightning_snip.budget)."""
+        """SNIP's measured time over training's so far (lightning_snip.budget), as far as the device has got."""
+        self.timeline.flush()
         return self.schedule.share
+
+    def overhead_update(self, *, final: bool = False) -> dict[str, float] | None:
+        """``snip/overhead`` to log when the budget has priced more of SNIP's work since the last one (a step SNIP worked
+        in is priced once it closes and the device has run it), and at the end (``final``: waits for the device)."""
+        self.timeline.flush(wait=final)
+        priced = sum(self.schedule.snip_seconds.values())
+        if priced == self.priced_seconds and not final:
+            return None
+        self.priced_seconds = priced
+        return {"snip/overhead": self.schedule.share}
 
     def start_first_order(self, step: int, grad_scale: float = 1.0) -> None:
         """Sample the first-order term on this training step's forward and backward (until
         end_batch); ``grad_scale``: the factor the step's gradients carry (accumulation, loss scale)."""
         self.recorder.start(step, grad_scale)
-        self.schedule.mark("first_order")
+        self.timeline.mark("first_order")
 
     def end_batch(self) -> None:
         """Stop sampling and keep what this micro-batch's steps sampled; the micro-batch's time ends."""
-        self.schedule.batch_ended(self.clock())
+        self.timeline.batch_ended()
         if self.recorder is None:
             return
         for key, values in self.recorder.stop_and_take().items():
@@ -322,8 +272,8 @@ class SNIPController:
         loss), then the solve. Returns the round's scalars to log, or None when it failed (on any rank)."""
         cfg = self.config
         self.last_round_step = step
-        self.schedule.mark("round")
-        start = self.clock()
+        self.timeline.mark("round")
+        start = self.timeline.stamp()
         result = None
         try:
             sliced = slice_batch(batch, cfg.max_rows)
@@ -342,7 +292,7 @@ class SNIPController:
         # Every rank reaches the reduction (a failed rank contributes NaN, which invalidates the round).
         result = reduce_result(result, list(self.layers), self.config.formats, collective)
         self.num_stats_rounds += 1
-        seconds = self.clock() - start
+        seconds = self.timeline.seconds_since(start)  # (the budget up to date: its decision reads it)
         # when the next round comes (one decision for every rank: rank 0's times decide)
         self.schedule.follow(collective.broadcast(self.schedule.decide(step, seconds)))
         if result is None:
@@ -351,7 +301,7 @@ class SNIPController:
         self.grad_noise_ratios = grad_noise_ratios(self.layers, cfg.formats, result)
         self.invalid_formats = invalid_formats(self.layers, cfg.formats, result)
         scalars = {} if probe_noise is None else {"snip/wd_probe_rel_stderr": probe_noise}
-        scalars.update({**divergence_scalars(result), "snip/stats_seconds": seconds, "snip/overhead": self.overhead,
+        scalars.update({**divergence_scalars(result), "snip/stats_seconds": seconds,
                         "snip/invalid_formats": float(len(self.invalid_formats)),
                         **{f"snip/grad_noise_ratio/{fqn}": r for fqn, r in self.grad_noise_ratios.items()}})
         self.history.append({"step": step, "divergence": result.as_dict()})
@@ -425,7 +375,7 @@ class SNIPController:
         self.num_consecutive_failures = 0
         self.plan = plan
         self.num_plans_applied += 1
-        self.schedule.mark("switch")
+        self.timeline.mark("switch")
         if self.history and self.history[-1]["step"] == pending.stats_step:
             self.history[-1]["plan"] = json.loads(message)
         # Layers with a changed format (in a per-GEMM plan: in either direction).
@@ -439,7 +389,6 @@ class SNIPController:
         scalars = applied_plan_scalars(plan, num_changed, agreement)
         scalars["snip/fp4_fraction_switchable"] = self.switchable_fp4_fraction
         scalars["snip/round_stretch"] = float(self.schedule.stretch)
-        scalars["snip/overhead"] = self.overhead
         status = "" if plan.status is SolveStatus.OPTIMAL else f" ({plan.status.value})"
         if collective.is_rank_zero:  # every rank applied it; one line for the run
             logger.info("SNIP plan applied at step %d: FP4 FLOPs fraction %.3f of the switchable layers (%.3f of the "
@@ -477,7 +426,7 @@ class SNIPController:
         applied = {key: self.plan[key].value for key in revert.formats if self.plan is not None and key in self.plan}
         apply_plan(model, revert.formats)
         self.compiled_plans.note_plan(self.layers)
-        self.schedule.mark("switch", next_step=at_step_end)
+        self.timeline.mark("switch", next_step=at_step_end)
         self.schedule.plan_reverted(revert.step if at_step_end else revert.step - 1)
         self.guard.mark(revert, applied)
         self.plan = reverted_plan(self.plan, revert.formats)
@@ -519,7 +468,7 @@ class SNIPController:
         self.canary_due = False
         if not self.config.plan_canary or not self.layers:
             return None
-        start = self.clock()
+        start = self.timeline.stamp()
         try:
             verdict = check_plan(model, loss_fn, self.layers, Granularity(self.config.granularity),
                                  self.formats_before_switch, seed=stream_seed(self.sr_seed, collective.rank, step, 1 << 20),
@@ -530,7 +479,7 @@ class SNIPController:
                                type(err).__name__, err)
             return None
         reason = self._restore_canary(model, verdict, step, collective)
-        scalars = {"snip/canary_seconds": self.clock() - start, "snip/canary_worst_ratio": verdict.worst_ratio,
+        scalars = {"snip/canary_seconds": self.timeline.seconds_since(start), "snip/canary_worst_ratio": verdict.worst_ratio,
                    "snip/canary_reverts": float(self.num_canary_reverts)}
         return scalars, reason
 
@@ -549,12 +498,7 @@ class SNIPController:
         self.schedule.plan_reverted(step - 1)  # (a changed plan: the budget's spacing again)
         if self.pending is not None:
             self.start_solve(self.pending.stats_step, self.pending.apply_step, collective, count=False)
-        seen, lines = set(), []
-        for check in verdict.failed:
-            if (check.fqn, check.direction) not in seen:
-                seen.add((check.fqn, check.direction))
-                lines.append(f"{check.fqn} {check.direction} in {check.format.value}: {check.detail}")
-        reason = "; ".join(lines)
+        reason = verdict.reason
         if collective.is_rank_zero:
             logger.warning("SNIP plan canary at step %d: %d GEMM direction(s) whose training path disagrees with the "
                            "round's path put back (%s), their formats avoided for the next %d solves: %s", step,
@@ -565,6 +509,7 @@ class SNIPController:
     # ------------------------------------------------------------------ checkpoint
 
     def state_dict(self) -> dict:
+        self.timeline.flush(wait=True)  # (the budget's times up to now)
         return {
             "plan": self.plan.to_json() if self.plan is not None else None,
             "history": json.dumps(self.history),

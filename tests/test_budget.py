@@ -164,7 +164,10 @@ def test_a_budgeted_run_logs_its_overhead_and_stops_rounds_at_its_horizon(tmp_pa
     assert 0 < snip.controller.overhead == snip.controller.schedule.share
     events = EventAccumulator(glob.glob(str(tmp_path / "tb" / "*"))[0]).Reload()
     overhead = events.Scalars("snip/overhead")
-    assert [e.step for e in overhead] == [3, 4]  # the round's step and the apply step
+    # The sample (step 2), the round (3) and the switch (4) are priced once 3 plain steps are timed (0, 1, 5): logged
+    # at step 6, when step 5 closes; then once at the end, with the round in it.
+    assert [e.step for e in overhead] == [6, 12]
+    assert overhead[-1].value == pytest.approx(snip.controller.overhead) and overhead[0].value > 0
     state = snip.state_dict()["schedule"]
     assert state["next_round"] is None and state["train_seconds"] > 0 and state["costs"]["round"] > 0
 
@@ -221,10 +224,10 @@ def test_a_trainer_run_whose_plans_hold_stretches_its_rounds(tmp_path, monkeypat
     after the third four times, and TensorBoard says so."""
     from test_callback import _fit, _snip
 
-    import lightning_snip.controller as controller_module
+    import lightning_snip.pending_solve as pending_solve
 
-    real, first = controller_module.solve_guarded, []
-    monkeypatch.setattr(controller_module, "solve_guarded",
+    real, first = pending_solve.solve_guarded, []
+    monkeypatch.setattr(pending_solve, "solve_guarded",
                         lambda *a, **k: first[0] if first else first.append(real(*a, **k)) or first[0])
     decisions = []
     decide = OverheadBudget.decide

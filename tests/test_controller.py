@@ -152,10 +152,10 @@ def test_close_joins_a_solve_still_running_within_its_bound(monkeypatch, caplog)
     import logging
     import threading
 
-    import lightning_snip.controller as controller_module
+    import lightning_snip.pending_solve as pending_solve
 
     release = threading.Event()
-    monkeypatch.setattr(controller_module, "solve_guarded", lambda *a: release.wait(10) and None)
+    monkeypatch.setattr(pending_solve, "solve_guarded", lambda *a: release.wait(10) and None)
     controller = SNIPController(SNIPConfig(pins=[]))
     controller.attach(TinyLlama(LlamaConfig(dim=64, num_layers=1, num_heads=4, num_kv_heads=2, hidden_dim=160)))
     controller.aggregate.update({"loss_divergence": {}, "weight_divergence": {}})

@@ -53,7 +53,7 @@ class _TickClock:
 
     def __init__(self, snip):
         self.now, self.tick = 0.0, 1.0
-        snip.controller.clock = self
+        snip.controller.timeline.clock = self
 
     def __call__(self) -> float:
         self.now += self.tick
