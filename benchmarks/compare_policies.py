@@ -154,7 +154,7 @@ SETTINGS = {
 }
 
 
-def _model_config(s: Setup):
+def model_config(s: Setup):
     from lightning_snip.demo.model import LlamaConfig
 
     return LlamaConfig(dim=s.dim, num_layers=s.num_layers, num_heads=4, num_kv_heads=2, hidden_dim=s.hidden_dim)
@@ -168,7 +168,7 @@ def _smollm2():
     return load_smollm2(progress=False)
 
 
-def _module(s: Setup, *, continuation: bool = False):
+def run_module(s: Setup, *, continuation: bool = False):
     """The LightningModule of a run: the demo's DemoLM (the continuation decays its learning rate
     linearly to 0: its final iterate depends far less on the data order, which lowers the seed-to-seed
     noise floor of the comparison), or SmolLM2 in CausalLM (linear warmup over the shared
@@ -181,8 +181,8 @@ def _module(s: Setup, *, continuation: bool = False):
     if s.model == "smollm2":
         return CausalLM(copy.deepcopy(_smollm2()[0]), lr=s.lr, warmup_steps=s.pretrain_steps, cosine=True, min_lr_ratio=0.1)
     if continuation:
-        return DemoLM(_model_config(s), lr=s.lr, lr_decay_start=s.pretrain_steps, lr_decay_steps=s.continue_steps)
-    return DemoLM(_model_config(s), lr=s.lr)
+        return DemoLM(model_config(s), lr=s.lr, lr_decay_start=s.pretrain_steps, lr_decay_steps=s.continue_steps)
+    return DemoLM(model_config(s), lr=s.lr)
 
 
 def _data(s: Setup, seed: int):
@@ -217,14 +217,14 @@ def pretrain(s: Setup, root: Path, *, with_truths: bool = True) -> tuple[Path, d
 
     torch.set_num_threads(2)
     pl.seed_everything(1234)
-    module = _module(s)
+    module = run_module(s)
     data = _data(s, seed=1234)
     trainer = _trainer(s, s.pretrain_steps, [], root)
     trainer.fit(module, datamodule=data)
     ckpt = root / "pretrained.ckpt"
     trainer.save_checkpoint(ckpt)
 
-    model, layers = _truth_model(s, module)
+    model, layers = truth_model(s, module)
     low = Format.parse(s.low)
     device = next(module.parameters()).device
     batch = [t.to(device) for t in slice_batch(next(iter(data.train_dataloader())), 1024)]
@@ -268,7 +268,7 @@ def same_checkpoint(mine: str, theirs: str) -> bool:
     return abs(a - b) <= 1e-9 * abs(b)
 
 
-def _truth_model(s: Setup, module):
+def truth_model(s: Setup, module):
     """(the model with ``loss(batch)`` the truths and rel_error measure, its switchable linears but the
     LM head): the demo's TinyLlama, or SmolLM2 wrapped in harness.HFLoss."""
     from harness import HFLoss
@@ -284,7 +284,7 @@ def from_checkpoint(s: Setup, ckpt: Path):
     import torch
 
     torch.set_num_threads(2)
-    module = _module(s)
+    module = run_module(s)
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
     module.load_state_dict(state["state_dict"])
     module.to("cuda" if s.accelerator == "gpu" else "cpu")
@@ -357,7 +357,7 @@ def measure_truths(s: Setup, model, optimizer, layers, data, parts: Path | None 
     return {"truths": truths, "ceilings": ceilings, "truth_seconds": seconds}
 
 
-def _candidates(module, measured: dict | None, candidates=CANDIDATES):
+def plan_candidates(module, measured: dict | None, candidates=CANDIDATES):
     """The planner's LayerCandidates for the continuation's model, as SNIP's own are built
     (evidence.layer_candidates: the shape's formats, its FLOPs, the clamp at 0): the oracle's truths
     where given, else zeros and bf16 as a candidate (the fixed rules need only the FLOPs, candidates and
@@ -383,7 +383,7 @@ def _candidates(module, measured: dict | None, candidates=CANDIDATES):
             if c.pinned is not None else c for c in out]
 
 
-def _oracle_lambda(policy: str) -> float:
+def oracle_lambda(policy: str) -> float:
     """The oracle is SNIP's ILP fed with truths: by default at SNIP's lambda (0.1), as SNIP's runs are;
     "oracle@1" / "oracle_gemm@1" at another (the 2026-11-30 runs were made at 1, before SNIP's default
     became 0.1)."""
@@ -451,11 +451,11 @@ def fixed_plan(policy: str, fraction: float, seed: int, module, s: Setup, measur
     if base.startswith("oracle"):
         truths = pooled_truths(measured["truths"]) if base.startswith("oracle_pooled") else measured["truths"]
         solve = planner.solve_gemm_plan if base.endswith("_gemm") else planner.solve_plan
-        return solve(_candidates(module, truths, s.candidates), fp4_fraction=fraction,
-                     weight_divergence_weight=_oracle_lambda(policy))
+        return solve(plan_candidates(module, truths, s.candidates), fp4_fraction=fraction,
+                     weight_divergence_weight=oracle_lambda(policy))
     context = PolicyContext(fp4_fraction=fraction, seed=seed, low=Format.parse(s.low), high=Format.FP8,
                             relative_error=measured.get("rel_error"))
-    return baseline_plan(policy, _candidates(module, None, s.candidates), context)
+    return baseline_plan(policy, plan_candidates(module, None, s.candidates), context)
 
 
 def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measured: dict, root: str) -> dict:
@@ -473,7 +473,7 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
     if s.model == "smollm2":
         _smollm2()  # loaded once per worker, before the seed: every run's random streams start alike
     pl.seed_everything(seed)
-    module = _module(s, continuation=True)
+    module = run_module(s, continuation=True)
     base, _, lam = policy.partition("@")  # "snip_gemm@0.3": SNIP with weight_divergence_weight 0.3
     # "snip_gemm+rows2048": SNIP with max_rows 2048 (since 2026-12-04 also the first-order sample's rows; the
     # committed rows2048 study sampled 1024 rows there, the then default of first_order_rows)
@@ -504,7 +504,7 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
                             **({"weight_divergence_weight": float(lam)} if lam else {}))
         callback = SNIPCallback(config)
     else:
-        plan = fixed_plan(policy, fraction, seed, _module(s), s, measured)
+        plan = fixed_plan(policy, fraction, seed, run_module(s), s, measured)
         callback = SNIPCallback(SNIPConfig(replan=False, fp4_fraction=fraction or 0.0, target_scope="model", pins=PINS,
                                            spike_threshold=None,
                                            granularity=granularity, candidate_formats=s.candidates), plan=plan)
@@ -520,7 +520,7 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
         eval_loss = held_out_loss(module, data)  # the trained weights, evaluated in high precision (the headline)
     eval_loss_plan = held_out_loss(module, data)  # ... and with every forward GEMM in its plan's format (serving in it)
     plan = callback.plan
-    extra = {"oracle_lambda": _oracle_lambda(policy)} if base.startswith("oracle") else {}
+    extra = {"oracle_lambda": oracle_lambda(policy)} if base.startswith("oracle") else {}
     if trajectory:  # [continuation step, high-precision held-out loss], the end's included
         extra["trajectory"] = trajectory.points + [[s.continue_steps, eval_loss]]
         extra["eval_seconds"] = trajectory.seconds
@@ -582,7 +582,7 @@ def natural_fractions(s: Setup) -> dict[str, float]:
     """The FP4 fractions the industry rule and backward-only FP4 reach by themselves on this model."""
     from lightning_snip.baselines import backward_only_plan, natural_fp4_fraction
 
-    cands = _candidates(_module(s), None, s.candidates)
+    cands = plan_candidates(run_module(s), None, s.candidates)
     return {"industry_tail": round(natural_fp4_fraction(cands), 6),
             "backward_only": round(backward_only_plan(cands, low=s.low).fp4_fraction, 6)}
 
@@ -701,7 +701,7 @@ def run_jobs(s: Setup, ckpt, measured, jobs, store: Path, workers: int, root: Pa
         for line in done_path.read_text().splitlines():
             row = json.loads(line)
             # An oracle run made at another lambda (the default changed from 1 to SNIP's 0.1) is not this job.
-            if row["policy"].startswith("oracle") and row.get("oracle_lambda") != _oracle_lambda(row["policy"]):
+            if row["policy"].startswith("oracle") and row.get("oracle_lambda") != oracle_lambda(row["policy"]):
                 stale += 1
                 continue
             done[row["policy"], row["fraction"], row["seed"]] = row
@@ -812,7 +812,7 @@ def objective_study(rows: list[dict], measured: dict) -> list[str]:
     part of the run)."""
     from scipy.stats import spearmanr
 
-    lam = _oracle_lambda("oracle")
+    lam = oracle_lambda("oracle")
     pricings = {"truths": measured.get("truths"), "snip_estimates": snip_estimates(rows)}
     pricings = {k: v for k, v in pricings.items() if v}
     bf16 = {m: {r["seed"]: r[m] for r in rows if r["policy"] == "all_bf16" and m in r} for m in ("eval_loss", "eval_loss_plan")}
@@ -890,7 +890,7 @@ def structure_study(rows: list[dict], s: Setup) -> list[str]:
     classes are equivalent, and a rule that orders the classes right leaves an oracle little headroom."""
     import numpy as np
 
-    flops = {c.fqn: c.flops for c in _candidates(_module(s), None, s.candidates) if c.pinned is None}
+    flops = {c.fqn: c.flops for c in plan_candidates(run_module(s), None, s.candidates) if c.pinned is None}
     names = [n for n, _, _ in STRUCTURE_FEATURES]
     lines = []
     for metric in ("eval_loss", "eval_loss_plan"):
@@ -978,14 +978,14 @@ def _structural_headroom(runs: list[dict], gaps, coef, offset: float, flops: dic
     return lines
 
 
-def _setting(s: Setup) -> dict:
+def setting_record(s: Setup) -> dict:
     out = json.loads(json.dumps(asdict(s)))  # as the JSON cache holds it (tuples as lists)
     if not out["trajectory_every"]:
         del out["trajectory_every"]  # the settings cached before the field existed stay the same setting
     return out
 
 
-def _prefix(name: str) -> str:
+def results_prefix(name: str) -> str:
     """The results files' name: compare_policies_v2* (the demo's settings), compare_policies_<setting>*
     for SmolLM2's (issue 32: compare_policies_smollm2*, the GPU protocol's compare_policies_smollm2_gpu*)."""
     return f"compare_policies_{name}" if SETTINGS[name].model == "smollm2" else "compare_policies_v2"
@@ -1026,7 +1026,7 @@ def prepare(s: Setup, work: Path, store: Path, truths: bool = True) -> tuple[Pat
     lightning_snip or run_one, use a fresh store."""
     cache, ckpt = store / "measured.json", work / "pretrained.ckpt"
     cached = json.loads(cache.read_text()) if cache.exists() else None
-    if cached is not None and cached["setting"] != _setting(s):
+    if cached is not None and cached["setting"] != setting_record(s):
         cached = None
     if cached is not None and ckpt.exists() and "fingerprint" in cached["measured"]:
         return ckpt, cached["measured"]
@@ -1037,7 +1037,7 @@ def prepare(s: Setup, work: Path, store: Path, truths: bool = True) -> tuple[Pat
     for old in ("rows.jsonl", "truth_parts.json"):
         if (store / old).exists():  # runs of another setting or checkpoint: never mixed in
             (store / old).rename(store / f"{Path(old).stem}_stale_{int(time.time())}{Path(old).suffix}")
-    cache.write_text(json.dumps({"setting": _setting(s), "measured": measured}))
+    cache.write_text(json.dumps({"setting": setting_record(s), "measured": measured}))
     return ckpt, measured
 
 
@@ -1106,9 +1106,9 @@ def main() -> None:
         def truths(s=s, ckpt=ckpt, measured=measured, store=store):
             t = time.perf_counter()
             module, optimizer, data = from_checkpoint(s, ckpt)
-            model, layers = _truth_model(s, module)
+            model, layers = truth_model(s, module)
             measured.update(measure_truths(s, model, optimizer, layers, data, parts=store / "truth_parts.json", chunk=30))
-            (store / "measured.json").write_text(json.dumps({"setting": _setting(s), "measured": measured}))
+            (store / "measured.json").write_text(json.dumps({"setting": setting_record(s), "measured": measured}))
             print(f"# [{s.model}] truths in {time.perf_counter() - t:.0f} s; ceilings "
                   + ", ".join(f"{k} {v:.2f}" for k, v in measured["ceilings"].items()), flush=True)
 
@@ -1163,7 +1163,7 @@ def main() -> None:
             noise = {"bf16_eval_loss_mean": statistics.fmean(bf16), "bf16_eval_loss_std": statistics.stdev(bf16) if len(bf16) > 1 else None,
                      "seeds": bf16, "note": "the seed-to-seed spread of the all-bf16 run's eval loss (all_bf16's "
                      "own gap is 0 by construction)"}
-            prefix = _prefix(name)
+            prefix = results_prefix(name)
             (args.out / f"{prefix}.json").write_text(json.dumps(dict(summary, noise_floor=noise), indent=2))
             (args.out / f"{prefix}_plan_precision.json").write_text(json.dumps(summary_plan, indent=2))
             (args.out / f"{prefix}_runs.json").write_text(json.dumps(
@@ -1175,7 +1175,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     # A --policies study is named by its policies: two studies of a day do not overwrite each other.
     suffix = f"study_{'-'.join(args.policies)}_" if args.policies else "search_" if args.search else ""
-    prefix = _prefix(names[0]) if len(names) == 1 else "compare_policies_v2"
+    prefix = results_prefix(names[0]) if len(names) == 1 else "compare_policies_v2"
     (args.out / f"{prefix}_{suffix}{date}.md").write_text("\n".join(report) + "\n")
 
 

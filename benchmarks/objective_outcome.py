@@ -63,7 +63,7 @@ def measure_rounds(s: cp.Setup, ckpt: Path, batches: int, seed: int = 0) -> list
     from lightning_snip.stats import slice_batch
 
     module, optimizer, data = cp.from_checkpoint(s, ckpt)
-    model, layers = cp._truth_model(s, module)
+    model, layers = cp.truth_model(s, module)
     cfg = SNIPConfig(candidate_formats=s.candidates, max_rows=s.max_rows)
     stream = _stream(s, data)
     device = next(model.parameters()).device
@@ -91,7 +91,7 @@ def step_seconds(s: cp.Setup, ckpt: Path, repeats: int = 3) -> float:
     import torch
 
     module, optimizer, data = cp.from_checkpoint(s, ckpt)
-    model, _ = cp._truth_model(s, module)
+    model, _ = cp.truth_model(s, module)
     stream = _stream(s, data)
     times = []
     for _ in range(repeats + 1):

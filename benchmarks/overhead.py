@@ -34,8 +34,6 @@ from lightning_snip.convert import apply_plan
 from lightning_snip.demo.lightning import ByteTextDataModule, CausalLM, DemoLM
 from lightning_snip.demo.model import LlamaConfig
 
-from harness import warm_up_config
-
 
 class FormatRecord(pl.Callback):
     """Run A: every step's format assignment as it starts (after SNIP's hooks: put it after the callback)."""
@@ -130,12 +128,16 @@ def _fresh_kernel_cache(args):
 
 
 def warm_up(args, config: SNIPConfig, batch_size: int) -> None:
-    """Eager: one short run with SNIP (a round and a plan; harness.warm_up_config) before the pairs. lightning_snip's
-    quantizer kernels compile on first use, once per process (lightning_snip.kernels.run_compiled): without this the
-    first A paid every format's compile (fp8 at step 0, FP4 in its round) and every B reused them (--quick on
-    2026-12-06: step 0 took 2.9 s in A, 0.08 s in B; A/B - 1 +477% against +19% warmed). Any run with SNIP's layers
-    pays them once, with rounds or without. (Under --compile dynamo's reset before each run: each compiles its own.)"""
-    train(argparse.Namespace(**{**vars(args), "steps": 8}), batch_size, [SNIPCallback(warm_up_config(config))])
+    """Eager: before the pairs, a few frozen steps in each candidate format (no round: replan=False), so that the
+    quantizer kernels training itself uses are compiled before either run of a pair. lightning_snip's kernels
+    compile on first use, once per process (lightning_snip.kernels.run_compiled): without this the first A paid
+    every training format's compile (fp8 at step 0, FP4 in its round) and every B reused them (--quick on
+    2026-12-06: step 0 took 2.9 s in A, 0.08 s in B; A/B - 1 +477% against +19% warmed). The kernels only SNIP's
+    round uses (AdamW's update deviation and sensitivity, ~4 s on this CPU) are left for A to compile: they are SNIP's
+    cost, once per process. (Under --compile dynamo's reset before each run: each compiles its own.)"""
+    for fmt in config.candidate_formats:
+        frozen = dataclasses.replace(config, replan=False, initial_format=fmt)
+        train(argparse.Namespace(**{**vars(args), "steps": 3}), batch_size, [SNIPCallback(frozen)])
 
 
 def pair(args, config: SNIPConfig, batch_size: int) -> dict:
@@ -144,6 +146,7 @@ def pair(args, config: SNIPConfig, batch_size: int) -> dict:
     graphs A compiled (on 2026-12-04 a first, cached run made SmolLM2's B 6x faster than its A)."""
     snip = SNIPCallback(config)
     timer_a, record = StepTimer(), FormatRecord(snip)
+    hooks = time_hooks(snip)
     if args.compile:
         torch._dynamo.reset()
     with _fresh_kernel_cache(args):
@@ -158,14 +161,32 @@ def pair(args, config: SNIPConfig, batch_size: int) -> dict:
     rounds = [h["step"] for h in snip.history]
     return {"batch_size": batch_size, "a_seconds": seconds_a, "b_seconds": seconds_b, "ratio": seconds_a / seconds_b - 1,
             "self_measured": snip.controller.overhead, "rounds": rounds, "plans_applied": snip.num_plans_applied,
-            "first_order_steps": snip.controller.schedule.num_first_order,
-            "snip_seconds": dict(snip.controller.schedule.snip_seconds),
+            "first_order_steps": snip.controller.budget.num_first_order,
+            "snip_seconds": dict(snip.controller.budget.snip_seconds),
             "round_steps": [(timer_a.times[r] - step_b) / step_b for r in rounds if r < len(timer_a.times)],
             "step_b_ms": 1000 * step_b,
             # where A - B goes: the steps (SNIP's work, and what its hooks cost on a plain step, which the self-measured
             # share does not see: its baseline is A's own plain steps) and what the fit spends outside them
             "a_step_seconds": sum(timer_a.times), "b_step_seconds": sum(timer_b.times),
-            "median_step_ratio": statistics.median(timer_a.times) / step_b - 1}
+            "median_step_ratio": statistics.median(timer_a.times) / step_b - 1,
+            # SNIP's hooks on a plain step (the median step's), which the self-measured share does not count
+            "median_hook_ms": 1000 * statistics.median(hooks.values()), "hook_share": statistics.median(hooks.values()) / step_b}
+
+
+def time_hooks(snip: SNIPCallback) -> dict[int, float]:
+    """The seconds SNIPCallback's per-step hooks take at each step (Lightning looks a callback's hooks up on the
+    instance, so the timed wrappers stand in for them). On a CPU the host time is the cost; on a GPU it is launches."""
+    seconds: dict[int, float] = {}
+    for name in ("on_train_batch_start", "on_train_batch_end", "on_before_optimizer_step"):
+        def timed(trainer, *args, _hook=getattr(snip, name), _end=name == "on_train_batch_end"):
+            start = time.perf_counter()
+            out = _hook(trainer, *args)
+            step = trainer.global_step - 1 if _end else trainer.global_step  # (the end hook runs after the step)
+            seconds[step] = seconds.get(step, 0.0) + time.perf_counter() - start
+            return out
+
+        setattr(snip, name, timed)
+    return seconds
 
 
 def main() -> None:
@@ -229,12 +250,14 @@ def main() -> None:
               f"{statistics.mean(r['self_measured'] for r in rs):.2%} | {rs[0]['rounds']} | "
               f"{statistics.mean(cost) if cost else float('nan'):.1f} | {statistics.mean(r['step_b_ms'] for r in rs):.0f} |")
     print()
-    print("| pair | A/B - 1 | self-measured | steps A/B - 1 | median step A/B - 1 | outside the steps, A - B (s) |")
-    print("|---|---|---|---|---|---|")
+    print("| pair | A/B - 1 | self-measured | SNIP's hooks, plain step | steps A/B - 1 | median step A/B - 1 | "
+          "A/B - 1 less the median step's | outside the steps, A - B (s) |")
+    print("|---|---|---|---|---|---|---|---|")
     for i, r in enumerate(runs):
         outside = (r["a_seconds"] - r["a_step_seconds"]) - (r["b_seconds"] - r["b_step_seconds"])
-        print(f"| {i} (batch {r['batch_size']}) | {r['ratio']:+.2%} | {r['self_measured']:.2%} | "
-              f"{r['a_step_seconds'] / r['b_step_seconds'] - 1:+.2%} | {r['median_step_ratio']:+.2%} | {outside:+.1f} |")
+        print(f"| {i} (batch {r['batch_size']}) | {r['ratio']:+.2%} | {r['self_measured']:.2%} | {r['hook_share']:.2%} | "
+              f"{r['a_step_seconds'] / r['b_step_seconds'] - 1:+.2%} | {r['median_step_ratio']:+.2%} | "
+              f"{r['ratio'] - r['median_step_ratio']:+.2%} | {outside:+.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "config": {k: str(v) for k, v in dataclasses.asdict(config).items()},

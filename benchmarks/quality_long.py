@@ -155,7 +155,7 @@ def plan_prices(rows: list[dict], measured: dict) -> list[str]:
     plan should cost by the oracle's measurements), beside its gap at the end, per seed; then compare_policies'
     objective-vs-gap Spearman over the runs. A SNIP plan comes from its seed's own sample, so its price varies
     by seed; a fixed rule's does not."""
-    lam = cp._oracle_lambda("oracle")
+    lam = cp.oracle_lambda("oracle")
     bf16 = {r["seed"]: r["eval_loss"] for r in rows if r["policy"] == "all_bf16"}
     lines = ["", f"Plans priced by the checkpoint's truths (ILP objective at lambda {lam:g}; lower is better) and "
              "their gap to bf16 at the end, per seed:", "", "| policy | objective per seed | gap per seed |", "|---|---|---|"]
@@ -174,10 +174,10 @@ def snip_solver(s: cp.Setup, fraction: float):
     lambda), on the continuation model's layers: as compare_policies plans the oracle."""
     from lightning_snip import planner
 
-    module = cp._module(s, continuation=True)
-    return lambda estimates: planner.solve_gemm_plan(cp._candidates(module, estimates, s.candidates),
+    module = cp.run_module(s, continuation=True)
+    return lambda estimates: planner.solve_gemm_plan(cp.plan_candidates(module, estimates, s.candidates),
                                                      fp4_fraction=fraction,
-                                                     weight_divergence_weight=cp._oracle_lambda("oracle"))
+                                                     weight_divergence_weight=cp.oracle_lambda("oracle"))
 
 
 def _estimate_ranks(runs: dict[int, dict], measured: dict) -> str:
@@ -213,7 +213,7 @@ def pooled_plans(rows: list[dict], measured: dict, solve, fraction: float) -> li
     objective whose rank the runs' gaps follow (objective_vs_gap above)."""
     from itertools import combinations
 
-    lam = cp._oracle_lambda("oracle")
+    lam = cp.oracle_lambda("oracle")
     runs = {r["seed"]: r for r in rows if r["policy"] == SNIP and r.get("estimates") and r["fraction"] == fraction}
     if len(runs) < 2:
         return []
@@ -317,10 +317,10 @@ def main() -> None:
 
     def truths():
         module, optimizer, data = cp.from_checkpoint(s, ckpt)
-        model, layers = cp._truth_model(s, module)
+        model, layers = cp.truth_model(s, module)
         measured.update(cp.measure_truths(s, model, optimizer, layers, data, parts=args.store / "truth_parts.json",
                                           chunk=30))
-        (args.store / "measured.json").write_text(json.dumps({"setting": cp._setting(s), "measured": measured}))
+        (args.store / "measured.json").write_text(json.dumps({"setting": cp.setting_record(s), "measured": measured}))
 
     todo = jobs(args.fraction, args.seeds, POLICIES if not args.policies else
                 [p for p in POLICIES if p in set(args.policies) | {"all_bf16"}])
@@ -344,7 +344,7 @@ def main() -> None:
     bf16 = [r["eval_loss"] for r in sorted(rows, key=lambda r: r["seed"]) if r["policy"] == "all_bf16"]
     noise = {"bf16_eval_loss_mean": statistics.fmean(bf16), "bf16_eval_loss_std": statistics.stdev(bf16)
              if len(bf16) > 1 else None, "seeds": bf16}
-    prefix = cp._prefix(SETTING)
+    prefix = cp.results_prefix(SETTING)
     (args.out / f"{prefix}.json").write_text(json.dumps(dict(cp.summarize(rows), noise_floor=noise, trajectory=traj),
                                                         indent=2))
     (args.out / f"{prefix}_runs.json").write_text(json.dumps({"setting": dataclasses.asdict(s), "rows": rows}, indent=1))

@@ -73,13 +73,12 @@ def fault_run(seed: int, replan: bool, max_steps: int = 60) -> dict:
 
     from harness import broken_fp4_forward  # the fault the tests inject
 
-    from lightning_snip import statistics_round
+    from lightning_snip.statistics_round import RoundSettings
 
-    draws = statistics_round.NOISE_DRAWS
-    statistics_round.NOISE_DRAWS = 1  # the protocol's one error-probe draw (snip.noise_draws=1 until 2026-12-04)
     module, data = _module_and_data(seed)
     snip = SNIPCallback(SNIPConfig(warmup_steps=10, interval=100, fp4_fraction=0.6, max_rows=128,
-                                   replan=replan, overhead_budget=None))
+                                   replan=replan, overhead_budget=None),
+                        round_settings=RoundSettings(noise_draws=1))  # the protocol's draw (1 until 2026-12-04)
     real = linear.quantized_matmul
 
     class Fault(pl.Callback):
@@ -93,7 +92,6 @@ def fault_run(seed: int, replan: bool, max_steps: int = 60) -> dict:
         trainer.fit(module, datamodule=data)
     finally:
         linear.quantized_matmul = real
-        statistics_round.NOISE_DRAWS = draws  # (the overhead pairs measure the library's own)
     return {"seed": seed, "replan": replan, "reverts": snip.controller.guard.num_reverts,
             "largest_rise": snip.controller.guard.max_rise,
             "plans": snip.num_plans_applied, "val_loss": float(trainer.callback_metrics["val/loss"])}

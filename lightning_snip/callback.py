@@ -15,8 +15,9 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelPa
 from typing_extensions import override
 
 from lightning_snip.canary import CANARY_ROWS
-from lightning_snip.config import FP8_SCALING_AUTO, SNIPConfig
+from lightning_snip.config import SNIPConfig
 from lightning_snip.controller import SINGLE_PROCESS, Collective, SNIPController
+from lightning_snip.statistics_round import RoundSettings
 from lightning_snip.convert import glob_filter
 from lightning_snip.gemm import choose_fp8_scaling
 from lightning_snip.formats import Format, Fp8Scaling
@@ -60,35 +61,19 @@ class SNIPCallback(Callback):
     The statistics loss is ``pl_module.snip_loss(batch)`` if the module defines it, else the loss
     returned by ``training_step(batch, batch_idx)``.
 
-    Logged metrics (every Lightning logger; image and text to TensorBoard only):
-        ``snip/ld/<fqn>/<format>``: forward loss divergence (relative loss increase) of the round,
-            per layer/format, before the clamp at 0 that planning applies.
-        ``snip/wd/<fqn>/<format>``: backward weight divergence (relative update deviation).
-        ``snip/stats_seconds``: wall time of the statistics round (statistics step).
-        ``snip/overhead``: SNIP's measured time over training's so far, on the device's timeline (logged at each
-            step where it has priced more of its own work, and at the end; lightning_snip.budget: the steps it
-            worked in, their excess over its recent steps without; lightning_snip.device_clock: CUDA events).
-        ``snip/invalid_formats``: (layer, format) candidates the round found non-finite (left out of
-            its evidence; one warning per round names them). Non-zero is a fault to look into.
-        ``snip/wd_probe_rel_stderr``: (WD's probes, not the exact fallback) the median over layers and formats of
-            the probes' relative standard error of WD's propagated term in the round (this rank's).
-        ``snip/solver_seconds``: ILP solve time (apply step).
-        ``snip/fp4_fraction``: FP4 share of the converted layers' linear FLOPs under the applied plan.
-        ``snip/fp4_fraction_switchable``: the same share of the switchable (unpinned) layers' FLOPs.
-        ``snip/relative_gemm_cost``: GEMM cost of the applied plan relative to all-bf16.
-        ``snip/plan_changes``: layers whose format the applied plan changed.
-        ``snip/plan_agreement``: share of the switched layers whose format the new plan keeps.
-        ``snip/round_stretch``: the round spacing's multiple of the budget's (1-8: steady plans stretch it,
-            lightning_snip.budget).
-        ``snip/canary_reverts``: GEMM directions the plan canary put back so far (lightning_snip.canary);
-            ``snip/canary_worst_ratio``: the largest ratio of a training path's error to the round's path's in
-            the check; ``snip/canary_seconds``: its time; ``snip/canary_reason`` (text): what it put back and why.
-        ``snip/plan_cost_at_switch``: what the new plan's formats cost on the switch's batch (the loss watch's
-            offset); ``snip/loss_watch_unconfirmed``: alarms of the loss watch the same batch found were not the
-            plan's (lightning_snip.spike_guard); ``snip/plan_reverted``, ``snip/spike_reverts`` and
-            ``snip/plan_reverted_reason`` (text): a revert by the loss watch.
-        ``snip/plan`` (image): blocks x layer types colored by format.
-        ``snip/plan_table`` (text): the plan as a table.
+    Logged metrics (every Lightning logger; image and text to TensorBoard only), each explained in
+    lightning_snip.tags.TAGS and docs/metrics.md:
+        statistics round: ``snip/ld/<fqn>/<format>`` (LD, before the clamp at 0 that planning applies),
+            ``snip/wd/<fqn>/<format>`` (WD), ``snip/stats_seconds``, ``snip/wd_probe_rel_stderr``,
+            ``snip/invalid_formats`` (non-zero is a fault to look into), ``snip/grad_noise_ratio/<fqn>``;
+        plan applied: ``snip/solver_seconds``, ``snip/fp4_fraction``, ``snip/fp4_fraction_switchable``,
+            ``snip/relative_gemm_cost``, ``snip/plan_changes``, ``snip/plan_agreement``, ``snip/round_stretch``,
+            ``snip/noise_guarded_layers``, ``snip/plan`` (image), ``snip/plan_table`` (text);
+        the guard: ``snip/canary_reverts``, ``snip/canary_worst_ratio``, ``snip/canary_seconds``,
+            ``snip/canary_reason`` (text), ``snip/plan_cost_at_switch``, ``snip/loss_watch_unconfirmed``,
+            ``snip/plan_reverted``, ``snip/spike_reverts``, ``snip/plan_reverted_reason`` (text);
+        ``snip/overhead``: SNIP's measured time over training's so far, on the device's timeline (logged where
+            it has priced more of its own work, and at the end).
 
     The loop itself is lightning_snip.controller.SNIPController (``self.controller``); this class
     is its Lightning adapter. Public state (the controller's): ``layers`` (fqn -> SNIPLinear),
@@ -97,16 +82,19 @@ class SNIPCallback(Callback):
     ``grad_noise_ratios``, ``invalid_formats``, ``fp4_fraction``, ``switchable_fp4_fraction``.
     """
 
-    def __init__(self, config: SNIPConfig | None = None, *, plan: Plan | None = None) -> None:
+    def __init__(self, config: SNIPConfig | None = None, *, plan: Plan | None = None,
+                 round_settings: RoundSettings | None = None) -> None:
         """Args:
             config: the settings (SNIPConfig defaults when None).
             plan: a plan to apply at fit start instead of ``initial_format`` (checked against the
                 model at setup); with ``config.replan=False`` it holds for the whole run.
+            round_settings: the estimator's settings (lightning_snip.statistics_round.RoundSettings; None: the
+                library's, fixed by their studies; for benchmarks and studies, not a user's setting).
         """
         super().__init__()
-        self.controller = SNIPController(config, plan=plan)
+        self.controller = SNIPController(config, plan=plan, round_settings=round_settings)
         self._collective: Collective | None = None  # the trainer's ranks, built once per fit
-        self._fp8_auto = self.controller.config.fp8_scaling == FP8_SCALING_AUTO
+        self._fp8_auto = self.controller.config.fp8_scaling is Fp8Scaling.AUTO
         self._restored_fp8_scaling: str | None = None  # fp8_scaling=auto's choice, from a checkpoint
         self._step_losses = StepLosses()  # the loss watch's view of each optimizer step, read a few steps late
         self._last_batch = None  # (batch, batch_idx) of the last closed step
@@ -225,7 +213,7 @@ class SNIPCallback(Callback):
     def state_dict(self) -> dict:
         state = self.controller.state_dict()
         state["step_losses"] = self._step_losses.state_dict()  # (losses the loss watch has not read yet)
-        if self._fp8_auto and self.controller.config.fp8_scaling != FP8_SCALING_AUTO:
+        if self._fp8_auto and self.controller.config.fp8_scaling is not Fp8Scaling.AUTO:
             state["fp8_scaling_auto"] = self.controller.config.fp8_scaling.value  # a resumed run keeps it
         return state
 
@@ -281,7 +269,7 @@ def resolve_fp8_scaling(config: SNIPConfig, model: torch.nn.Module, device, coll
     over the shapes of the linears the config selects, but those pinned to another format), logged once and
     the same on every rank; ``restored``: the choice a checkpoint holds, kept (a resumed run does not switch
     recipe mid-run); any other config unchanged. A timing that fails leaves rowwise, with a warning."""
-    if config.fp8_scaling != FP8_SCALING_AUTO:
+    if config.fp8_scaling is not Fp8Scaling.AUTO:
         return config
     chosen = None
     if restored is not None:

@@ -19,7 +19,6 @@ from lightning_snip.formats import Choice, Format, Fp8Scaling, QuantRecipe
 from lightning_snip.plan import Granularity
 from lightning_snip.planner import DEFAULT_WEIGHT_DIVERGENCE_WEIGHT
 
-FP8_SCALING_AUTO = "auto"  # SNIPConfig.fp8_scaling: the faster FP8 scaling on the run's device
 
 DEFAULT_PINS = ("*lm_head=bf16",)
 """SNIPConfig's default pins: the LM head in bf16 (a model without an ``lm_head`` simply has none to pin). Beside
@@ -80,17 +79,6 @@ def check_field(condition: bool, name: str, value, allowed: str) -> None:
     """Raise ValueError naming the field, the bad value and what is allowed, unless ``condition``."""
     if not condition:
         raise ValueError(f"{name}: invalid value {value!r}; allowed: {allowed}")
-
-
-def _parse_fp8_scaling(value):
-    """An Fp8Scaling (as Choice.parse reads it: its value or its name, any case), or "auto": resolved on the
-    run's device (lightning_snip.callback.resolve_fp8_scaling)."""
-    if isinstance(value, str) and not isinstance(value, Fp8Scaling) and value.strip().lower() == FP8_SCALING_AUTO:
-        return FP8_SCALING_AUTO
-    try:
-        return Fp8Scaling.parse(value, field_name="fp8_scaling")
-    except ValueError:
-        raise ValueError(f"fp8_scaling: invalid value {value!r}; allowed: rowwise, tensorwise or auto") from None
 
 
 def _check_counts_and_targets(cfg: "SNIPConfig") -> None:
@@ -155,7 +143,7 @@ class SNIPConfig:
     exclude: tuple[str, ...] = ()
     pins: Any = field(default_factory=lambda: list(DEFAULT_PINS))  # Any: a list (as overrides write it) or a mapping
     extra_pins: Any = field(default_factory=list)
-    fp8_scaling: Any = Fp8Scaling.ROWWISE  # Any: an Fp8Scaling or "auto"
+    fp8_scaling: Fp8Scaling = Fp8Scaling.ROWWISE  # AUTO: the faster on the run's device, resolved at fit start
     # estimator
     max_rows: int = 1024
     first_order_steps: int = 32
@@ -176,7 +164,7 @@ class SNIPConfig:
         _check_counts_and_targets(self)
         for name, choice in (("granularity", Granularity), ("target_scope", TargetScope)):
             object.__setattr__(self, name, choice.parse(getattr(self, name), field_name=name))
-        object.__setattr__(self, "fp8_scaling", _parse_fp8_scaling(self.fp8_scaling))
+        object.__setattr__(self, "fp8_scaling", Fp8Scaling.parse(self.fp8_scaling, field_name="fp8_scaling"))
         check_field(self.noise_guard_threshold is None or (
             isinstance(self.noise_guard_threshold, (int, float)) and not isinstance(self.noise_guard_threshold, bool)
             and 0 < self.noise_guard_threshold < math.inf), "noise_guard_threshold", self.noise_guard_threshold,
@@ -253,7 +241,7 @@ class SNIPConfig:
 
     @property
     def recipe(self) -> QuantRecipe:
-        if self.fp8_scaling == FP8_SCALING_AUTO:
+        if self.fp8_scaling is Fp8Scaling.AUTO:
             raise RuntimeError("fp8_scaling: 'auto' has no recipe until it is resolved on the run's device "
                                "(SNIPCallback does at fit start; elsewhere call lightning_snip.callback.resolve_fp8_scaling)")
         return QuantRecipe(fp8_scaling=self.fp8_scaling)

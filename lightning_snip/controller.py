@@ -52,7 +52,7 @@ from lightning_snip.reporting import applied_plan_scalars, divergence_scalars, p
 from lightning_snip.setup_report import log_setup
 from lightning_snip.stats import Propagation, slice_batch
 from lightning_snip.spike_guard import AVOID_ROUNDS, Alarm, Revert, SpikeGuard, log_revert
-from lightning_snip.statistics_round import probe_rel_stderr, round_generator, run_statistics_round
+from lightning_snip.statistics_round import RoundSettings, probe_rel_stderr, round_generator, run_statistics_round
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +93,13 @@ class SNIPController:
     (the last round's), ``sr_generator`` (stochastic rounding's random source).
     """
 
-    def __init__(self, config: SNIPConfig | None = None, *, plan: Plan | None = None) -> None:
+    def __init__(self, config: SNIPConfig | None = None, *, plan: Plan | None = None,
+                 round_settings: RoundSettings | None = None) -> None:
         self.config = config if config is not None else SNIPConfig()
+        if round_settings is not None and not isinstance(round_settings, RoundSettings):
+            raise TypeError(f"round_settings: expected a lightning_snip.statistics_round.RoundSettings, got "
+                            f"{type(round_settings).__name__}")
+        self.round_settings = round_settings  # the estimator's (None: the library's; benchmarks vary them)
         if not isinstance(self.config, SNIPConfig):
             raise TypeError(f"config: expected a SNIPConfig, got {type(self.config).__name__}")
         if plan is not None and not isinstance(plan, Plan):
@@ -108,8 +113,8 @@ class SNIPController:
         self.restored_pending: tuple[int, int] | None = None  # (stats_step, apply_step): a checkpoint's
         self.propagation = Propagation.PROBE  # exact after probes proved unsupported
         self.flops: dict[str, float] = {}
-        self.schedule = OverheadBudget(self.config)  # when rounds run, and what SNIP's work costs
-        self.timeline = Timeline(self.schedule)  # SNIP's clock: the device's timeline (lightning_snip.device_clock)
+        self.budget = OverheadBudget(self.config)  # when rounds run, and what SNIP's work costs
+        self.timeline = Timeline(self.budget)  # SNIP's clock: the device's timeline (lightning_snip.device_clock)
         self.priced_seconds = 0.0  # SNIP's seconds the budget had priced when ``overhead_update`` last logged them
         self.recorder: FirstOrderRecorder | None = None
         self.last_round_step: int | None = None  # one round per optimizer step (not per micro-batch)
@@ -202,11 +207,11 @@ class SNIPController:
     # ------------------------------------------------------------------ schedule
 
     def is_stats_step(self, step: int) -> bool:  # (the round's step, with every micro-batch of it)
-        return self.schedule.is_round(step)
+        return self.budget.is_round(step)
 
     def is_first_order_step(self, step: int) -> bool:
         """Whether ``step`` is one of the steps before a statistics round that sample LD's first-order term."""
-        return self.schedule.is_first_order(step)
+        return self.budget.is_first_order(step)
 
     def is_round_due(self, step: int) -> bool:
         """A statistics step whose round has not run yet (with gradient accumulation, only the
@@ -226,23 +231,23 @@ class SNIPController:
     def set_horizon(self, max_steps: int | None, step: int = 0) -> None:
         """The run's number of optimizer steps (None: unknown), at ``step`` (where a resumed run starts): under a
         budget, no round is scheduled whose plan would come after the run's end."""
-        self.schedule.set_horizon(max_steps, step)
+        self.budget.set_horizon(max_steps, step)
 
     @property
     def overhead(self) -> float:
         """SNIP's measured time over training's so far (lightning_snip.budget), as far as the device has got."""
         self.timeline.flush()
-        return self.schedule.share
+        return self.budget.share
 
     def overhead_update(self, *, final: bool = False) -> dict[str, float] | None:
         """``snip/overhead`` to log when the budget has priced more of SNIP's work since the last one (a step SNIP worked
         in is priced once it closes and the device has run it), and at the end (``final``: waits for the device)."""
         self.timeline.flush(wait=final)
-        priced = sum(self.schedule.snip_seconds.values())
+        priced = sum(self.budget.snip_seconds.values())
         if priced == self.priced_seconds and not final:
             return None
         self.priced_seconds = priced
-        return {"snip/overhead": self.schedule.share}
+        return {"snip/overhead": self.budget.share}
 
     def start_first_order(self, step: int, grad_scale: float = 1.0) -> None:
         """Sample the first-order term on this training step's forward and backward (until
@@ -281,7 +286,7 @@ class SNIPController:
                 model, lambda: loss_of(sliced), self.layers, cfg, optimizer=optimizer, loss_scale=loss_scale,
                 propagation=self.propagation, first_order_history=self.first_order_history,
                 generator=lambda: round_generator(self.device, step, collective.rank),
-                on_exact=lambda: setattr(self, "propagation", Propagation.EXACT))
+                on_exact=lambda: setattr(self, "propagation", Propagation.EXACT), settings=self.round_settings)
         except Exception as err:  # noqa: BLE001 - a failed round must not take training down
             logger.warning("SNIP statistics at step %d failed (%s: %s); keeping the current plan", step, type(err).__name__, err)
             cause = f"statistics at step {step}: {type(err).__name__}: {err}"
@@ -294,7 +299,7 @@ class SNIPController:
         self.num_stats_rounds += 1
         seconds = self.timeline.seconds_since(start)  # (the budget up to date: its decision reads it)
         # when the next round comes (one decision for every rank: rank 0's times decide)
-        self.schedule.follow(collective.broadcast(self.schedule.decide(step, seconds)))
+        self.budget.follow(collective.broadcast(self.budget.decide(step, seconds)))
         if result is None:
             self.count_failure(cause)
             return None
@@ -385,10 +390,10 @@ class SNIPController:
         self.formats_before_switch = dict(before)
         agreement = plan_agreement(plan, before, self.layers)
         if self.num_plans_applied > 1:  # (the first plan's agreement is with the initial format: no evidence)
-            self.schedule.plan_applied(step, agreement)
+            self.budget.plan_applied(step, agreement)
         scalars = applied_plan_scalars(plan, num_changed, agreement)
         scalars["snip/fp4_fraction_switchable"] = self.switchable_fp4_fraction
-        scalars["snip/round_stretch"] = float(self.schedule.stretch)
+        scalars["snip/round_stretch"] = float(self.budget.stretch)
         status = "" if plan.status is SolveStatus.OPTIMAL else f" ({plan.status.value})"
         if collective.is_rank_zero:  # every rank applied it; one line for the run
             logger.info("SNIP plan applied at step %d: FP4 FLOPs fraction %.3f of the switchable layers (%.3f of the "
@@ -427,7 +432,7 @@ class SNIPController:
         apply_plan(model, revert.formats)
         self.compiled_plans.note_plan(self.layers)
         self.timeline.mark("switch", next_step=at_step_end)
-        self.schedule.plan_reverted(revert.step if at_step_end else revert.step - 1)
+        self.budget.plan_reverted(revert.step if at_step_end else revert.step - 1)
         self.guard.mark(revert, applied)
         self.plan = reverted_plan(self.plan, revert.formats)
         if self.pending is not None:  # solved without the avoided formats: solve it again (its thread's answer is dropped)
@@ -495,7 +500,7 @@ class SNIPController:
             self.guard.avoid[key, current[key].value] = AVOID_ROUNDS
         self.plan = reverted_plan(self.plan, {key: fmt.value for key, fmt in verdict.restore.items()})
         self.num_canary_reverts += len(changed)
-        self.schedule.plan_reverted(step - 1)  # (a changed plan: the budget's spacing again)
+        self.budget.plan_reverted(step - 1)  # (a changed plan: the budget's spacing again)
         if self.pending is not None:
             self.start_solve(self.pending.stats_step, self.pending.apply_step, collective, count=False)
         reason = verdict.reason
@@ -518,7 +523,7 @@ class SNIPController:
             "pending": None if self.pending is None else [self.pending.stats_step, self.pending.apply_step],
             "first_order_history": [[fqn, fmt.value, values] for (fqn, fmt), values in self.first_order_history.items()],
             "num_consecutive_failures": self.num_consecutive_failures, "num_canary_reverts": self.num_canary_reverts,
-            "spike_guard": self.guard.state_dict(), "schedule": self.schedule.state_dict(),
+            "spike_guard": self.guard.state_dict(), "schedule": self.budget.state_dict(),  # (the key checkpoints hold)
             "formats_before_switch": {key: fmt.value for key, fmt in self.formats_before_switch.items()},
         }
 
@@ -540,6 +545,6 @@ class SNIPController:
         if state_dict.get("spike_guard"):
             self.guard.load_state_dict(state_dict["spike_guard"])
         if state_dict.get("schedule"):
-            self.schedule.load_state_dict(state_dict["schedule"])
+            self.budget.load_state_dict(state_dict["schedule"])
         self.formats_before_switch = {key: Format(fmt) for key, fmt in state_dict.get("formats_before_switch", {}).items()}
         self.num_canary_reverts = int(state_dict.get("num_canary_reverts", 0))

@@ -101,6 +101,12 @@ class Fp8Scaling(Choice):
 
     ROWWISE = "rowwise"  # one scale per row of the contraction axis (torchao's AXISWISE)
     TENSORWISE = "tensorwise"
+    AUTO = "auto"  # SNIPConfig's choice only: the faster of the two on the run's device, resolved at fit start
+
+    @classmethod
+    def resolved(cls) -> tuple["Fp8Scaling", ...]:
+        """The scalings a QuantRecipe can hold (AUTO is resolved to one of them before a recipe exists)."""
+        return tuple(m for m in cls if m is not cls.AUTO)
 
 
 class Fp8Dtype(Choice):
@@ -145,8 +151,11 @@ class QuantRecipe:
                 try:
                     object.__setattr__(self, name, enum_type(value))
                 except ValueError:
-                    valid = ", ".join(e.value for e in enum_type)
+                    valid = ", ".join(e.value for e in enum_type if e is not Fp8Scaling.AUTO)
                     raise ValueError(f"{name}: invalid value {value!r}; valid: {valid}") from None
+        if self.fp8_scaling is Fp8Scaling.AUTO:
+            raise ValueError("fp8_scaling: 'auto' is SNIPConfig's choice, resolved on the run's device; a QuantRecipe "
+                             "takes rowwise or tensorwise (lightning_snip.callback.resolve_fp8_scaling)")
 
 
 @dataclass(frozen=True)

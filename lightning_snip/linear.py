@@ -266,7 +266,7 @@ def _first_order_tap_fake(x, g, weight, tap) -> None:
 
 
 _RECIPES = {r.key: r for r in (QuantRecipe(fp8_scaling=a, fp8_grad_dtype=b, fp4_grad_rounding=c)
-                               for a in Fp8Scaling for b in Fp8Dtype for c in Rounding)}
+                               for a in Fp8Scaling.resolved() for b in Fp8Dtype for c in Rounding)}
 # "fwd/bwd|recipe" -> (forward Format, backward Format, QuantRecipe): SNIPLinear._gemm_formats' values.
 _GEMM_FORMATS = {f"{f.value}/{b.value}|{key}": (f, b, r) for f in Format for b in Format for key, r in _RECIPES.items()}
 

@@ -1,4 +1,4 @@
-"""The SNIP plan as an integer linear program on python-mip, and the baseline policies.
+"""The SNIP plan as an integer linear program on python-mip (the fixed-rule baselines are in lightning_snip.baselines).
 
 Pure Python: imports no torch, so a plan can be solved offline from saved metrics.
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from dataclasses import dataclass
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -27,6 +28,30 @@ WD_PROBES = 4  # forward-mode probes of WD's propagated term
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class RoundSettings:
+    """The estimator's settings of a round: fixed for users by their studies, varied by benchmarks by argument (never
+    by patching this module). ``noise_draws``: error-probe passes of LD's second-order term per FP4 format;
+    ``wd_probes``: forward-mode probes of WD's propagated term; ``group_layers``: the most layers of one shape batched
+    into one call (None: the device's default, lightning_snip.groups). The rows a round takes are a user's setting,
+    SNIPConfig.max_rows."""
+
+    noise_draws: int = NOISE_DRAWS
+    wd_probes: int = WD_PROBES
+    group_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("noise_draws", "wd_probes", "group_layers"):
+            value = getattr(self, name)
+            if not (value is None and name == "group_layers") and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}: expected a positive int{' or None' if name == 'group_layers' else ''}, "
+                                 f"got {value!r}")
+
+
+DEFAULT_ROUND = RoundSettings()  # what a round takes unless given its own (the test suite's conftest lowers its draws)
+
+
 def measured_formats(layers: Mapping[str, SNIPLinear]) -> dict[str, frozenset[Format]]:
     """fqn -> the formats a round measures the layer in: those its shape allows, and a pinned layer only
     in its pin (bf16: none). A plan never moves a pinned layer, so its other formats' LD and WD were
@@ -40,7 +65,8 @@ def run_statistics_round(model: torch.nn.Module, loss_fn: Callable[[], torch.Ten
                          config: SNIPConfig, *, optimizer=None, loss_scale: float = 1.0,
                          propagation: Propagation | None = None, first_order_history=None,
                          generator: Callable[[], torch.Generator] | torch.Generator | None = None,
-                         on_exact: Callable[[], None] | None = None, group_layers: int | None = None) -> DivergenceResult:
+                         on_exact: Callable[[], None] | None = None,
+                         settings: RoundSettings | None = None) -> DivergenceResult:
     """One statistics round as the controller runs it: record (collect_stats; under fp16 a loss scale
     that overflows is lowered by 2^8 as often as it takes, down to 1, instead of losing the round),
     estimate LD and WD with ``config``'s settings, and return the result with LD unclamped (rounds and
@@ -51,8 +77,10 @@ def run_statistics_round(model: torch.nn.Module, loss_fn: Callable[[], torch.Ten
     returning a fresh one: then an attempt repeated with exact propagation (where the model has no
     forward-mode derivatives, probes switch to exact once, loudly, and ``on_exact`` is called at once,
     so the caller keeps exact even if the repeat fails) draws what a round configured exact draws.
-    ``propagation``: WD's propagated term (probe unless given); ``group_layers``: estimate_divergence's."""
+    ``propagation``: WD's propagated term (probe unless given); ``settings``: the estimator's (None: DEFAULT_ROUND,
+    read at the call)."""
     cfg = config
+    settings = DEFAULT_ROUND if settings is None else settings
     propagation = Propagation.PROBE if propagation is None else Propagation(propagation)
     result = None
     with buffers_restored(model):  # the recording pass and every noise re-run
@@ -60,10 +88,10 @@ def run_statistics_round(model: torch.nn.Module, loss_fn: Callable[[], torch.Ten
             stats = _collect(model, loss_fn, layers, optimizer, loss_scale, propagation)
             try:
                 result = estimate_divergence(
-                    stats, cfg.formats, recipe=cfg.recipe, noise_draws=NOISE_DRAWS,
+                    stats, cfg.formats, recipe=cfg.recipe, noise_draws=settings.noise_draws,
                     first_order_history=first_order_history or {}, allowed=measured_formats(layers),
-                    generator=generator() if callable(generator) else generator, probes=WD_PROBES,
-                    group_layers=group_layers)
+                    generator=generator() if callable(generator) else generator, probes=settings.wd_probes,
+                    group_layers=settings.group_layers)
             except ForwardModeUnsupportedError as err:
                 if stats.sharded or propagation is Propagation.EXACT:
                     raise

@@ -331,6 +331,8 @@ def run(config: TrainConfig, *, output_folder: str | None = None, quiet: bool = 
         "unconfirmed_alarms": snip.controller.guard.num_unconfirmed,
         "canary_reverts": snip.controller.num_canary_reverts,
         "overhead": snip.controller.overhead,
+        "snip_seconds": sum(snip.controller.budget.snip_seconds.values()),
+        "train_seconds": snip.controller.budget.train_seconds,
         "invalid_formats": len(snip.invalid_formats),
         "log_dir": tb.log_dir,
         "checkpoint": str(final_ckpt),
@@ -428,10 +430,12 @@ def _print_summary(summary: dict, config: TrainConfig, snip, progress, *, model_
           "directions put back")
     budget = snip.config.overhead_budget
     print(f"SNIP's own time: {summary['overhead']:.2%} of training's"
-          + (f" (budget {budget:.0%})" if budget is not None else " (no budget: a round every interval steps)"))
-    if budget is not None and summary["overhead"] > budget and summary["stats_rounds"] <= 1:
-        print("  over the budget: the first round always runs (a plan is needed) and a run this short does not repay "
-              "it; the budget spaces the rounds after it")
+          + (f" (budget {budget:.0%}" if budget is not None else " (no budget: a round every interval steps")
+          + f"; {summary['snip_seconds']:.1f} s beside {summary['train_seconds']:.1f} s of training steps)")
+    if budget is not None and summary["stats_rounds"] <= 1:
+        print(f"  in a run of {summary['steps']} steps, that is its first round, which runs whatever it costs (a plan is "
+              "needed); the budget spaces the rounds after it, so a long run's share stays within the budget. Not "
+              "SNIP's cost at scale (docs/method.md, section 12)")
     if summary["invalid_formats"]:
         print(f"WARNING: the last statistics round found {summary['invalid_formats']} (layer, format) candidates "
               "non-finite and left them out of the plan (snip/invalid_formats; the log names them)")

@@ -34,7 +34,7 @@ def _seed(request, monkeypatch):
     from lightning_snip import statistics_round
 
     draws = pytest.MonkeyPatch()
-    draws.setattr(statistics_round, "NOISE_DRAWS", 1)
+    draws.setattr(statistics_round, "DEFAULT_ROUND", statistics_round.RoundSettings(noise_draws=1))
     torch.manual_seed(0)
     yield
     draws.undo()

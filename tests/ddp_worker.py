@@ -16,7 +16,7 @@ from lightning_snip.demo.lightning import ByteTextDataModule, DemoLM
 from lightning_snip.demo.model import LlamaConfig
 from lightning_snip import statistics_round
 
-statistics_round.NOISE_DRAWS = 1  # one error-probe draw per round, as the in-process tests (conftest.py)
+statistics_round.DEFAULT_ROUND = statistics_round.RoundSettings(noise_draws=1)  # one error-probe draw per round, as the in-process tests (conftest.py)
 
 ROUNDS = []  # every round's local and reduced divergences on this rank
 

@@ -22,7 +22,7 @@ from lightning_snip.demo.model import LlamaConfig
 from lightning_snip.formats import Format
 from lightning_snip import statistics_round
 
-statistics_round.NOISE_DRAWS = 1  # one error-probe draw per round, as the in-process tests (conftest.py)
+statistics_round.DEFAULT_ROUND = statistics_round.RoundSettings(noise_draws=1)  # one error-probe draw per round, as the in-process tests (conftest.py)
 
 MODEL = LlamaConfig(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=160)
 

@@ -99,3 +99,33 @@ def test_benchmarks_use_the_public_api_only():
             elif isinstance(node, ast.Import):
                 bad += [f"{path.name}: import {a.name}" for a in node.names if a.name.startswith(("test_", "tests"))]
     assert not bad, bad
+
+
+def _private_names_from_other_benchmarks(path: Path, benchmarks: set[str]) -> list[str]:
+    """``from other import _name`` and ``other._name`` (other: a benchmark script imported by this one)."""
+    tree, aliases, bad = ast.parse(path.read_text()), {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update({a.asname or a.name: a.name for a in node.names if a.name in benchmarks - {path.stem}})
+        elif isinstance(node, ast.ImportFrom) and node.module in benchmarks - {path.stem}:
+            bad += [f"{path.name}: from {node.module} import {a.name}" for a in node.names if a.name.startswith("_")]
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            bad.append(f"{path.name}:{node.lineno} {aliases[node.value.id]}.{node.attr}")
+    return bad
+
+
+def test_benchmarks_share_helpers_by_public_names_only(tmp_path):
+    """What one benchmark takes from another (compare_policies' protocol, harness) is public: a private helper that
+    another benchmark needs is made public where it lives (issue 62)."""
+    scripts = list((ROOT / "benchmarks").glob("*.py"))
+    names = {p.stem for p in scripts}
+    bad = [b for p in scripts for b in _private_names_from_other_benchmarks(p, names)]
+    assert not bad, bad
+    # and the check sees one
+    probe = ROOT / "benchmarks" / "quality_long.py"
+    assert _private_names_from_other_benchmarks(probe, names) == []
+    fake = tmp_path / "probe_bench.py"
+    fake.write_text("import compare_policies as cp\nfrom harness import _x\ncp._truth_model(1)\n")
+    assert len(_private_names_from_other_benchmarks(fake, names)) == 2

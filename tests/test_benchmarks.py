@@ -152,7 +152,7 @@ def test_quality_per_gemm_layer_type_baseline_fills_backward_gemms_first():
 
     cp = _benchmark("compare_policies")
     s = cp.SETTINGS["deep8"]
-    plan = cp.fixed_plan("layer_type_gemm", 0.75, 0, DemoLM(cp._model_config(s)), s, {})
+    plan = cp.fixed_plan("layer_type_gemm", 0.75, 0, DemoLM(cp.model_config(s)), s, {})
     assert plan.policy == "layer_type_gemm" and abs(plan.fp4_fraction - 0.75) < 0.02
     unpinned = {k: f for k, f in plan.items() if not split_key(k)[0].endswith("lm_head")}
     assert all(f is Format.NVFP4 for k, f in unpinned.items() if split_key(k)[1] == BACKWARD)
@@ -163,7 +163,7 @@ def test_quality_per_gemm_layer_type_baseline_fills_backward_gemms_first():
     # layer_type_edges_gemm: the same with first_last's rule: no forward of the first or last block, and
     # within a type the middle blocks first (11 MLP forwards: up in blocks 1-6, then gate in 3, 4, 2, 5 and,
     # of the equally central 1 and 6, the earlier). layer_type_gemm's are up and gate of blocks 0-2, up of 3-7.
-    edges = cp.fixed_plan("layer_type_edges_gemm", 0.75, 0, DemoLM(cp._model_config(s)), s, {})
+    edges = cp.fixed_plan("layer_type_edges_gemm", 0.75, 0, DemoLM(cp.model_config(s)), s, {})
     assert edges.policy == "layer_type_edges_gemm" and abs(edges.fp4_fraction - 0.75) < 0.02
     forward = {split_key(k)[0].split(".", 2)[2] for k, f in edges.items() if split_key(k)[1] != BACKWARD and f.is_fp4}
     assert forward == {f"{b}.mlp.up" for b in range(1, 7)} | {f"{b}.mlp.gate" for b in range(1, 6)}, forward
@@ -179,8 +179,8 @@ def test_quality_oracle_plans_at_snips_lambda_unless_named():
 
     cp = _benchmark("compare_policies")
     s = cp.SETTINGS["quick"]
-    module = DemoLM(cp._model_config(s))
-    fqns = [c.fqn for c in cp._candidates(module, None) if not c.fqn.endswith("lm_head")]
+    module = DemoLM(cp.model_config(s))
+    fqns = [c.fqn for c in cp.plan_candidates(module, None) if not c.fqn.endswith("lm_head")]
     truths = {"loss_divergence": {}, "weight_divergence": {}}
     for i, fqn in enumerate(fqns):
         mlp = ".mlp." in fqn
@@ -190,7 +190,7 @@ def test_quality_oracle_plans_at_snips_lambda_unless_named():
             truths["weight_divergence"][f"{fqn}|{fmt}"] = scale * (5.0 if mlp else 0.5) * (1 + 0.01 * i)
     measured = {"truths": truths}
     for policy, solve in (("oracle", planner.solve_plan), ("oracle_gemm", planner.solve_gemm_plan)):
-        cands = cp._candidates(module, truths)
+        cands = cp.plan_candidates(module, truths)
         default = cp.fixed_plan(policy, 0.5, 0, module, s, measured)
         assert dict(default.items()) == dict(solve(cands, fp4_fraction=0.5,
                                                    weight_divergence_weight=planner.DEFAULT_WEIGHT_DIVERGENCE_WEIGHT).items())
@@ -214,7 +214,7 @@ def test_quality_structure_study_recovers_known_costs_and_bounds_the_headroom():
 
     cp = _benchmark("compare_policies")
     s = cp.SETTINGS["quick"]  # 3 blocks: first 0, inner 1, last 2; MLP 3/4 of a block's FLOPs
-    cands = cp._candidates(DemoLM(cp._model_config(s)), None)
+    cands = cp.plan_candidates(DemoLM(cp.model_config(s)), None)
     flops = {c.fqn: c.flops for c in cands if c.pinned is None}
     truth = np.array([1.0, 2.0, 3.0, 0.5, 0.1])
     offset = {seed: 0.01 * seed for seed in range(4)}
@@ -323,12 +323,12 @@ def test_quality_pooled_oracle_plans_from_class_means():
     assert ld["model.layers.1.x.up|fp8"] == 11.5 and pooled["weight_divergence"]["model.layers.2.x.up|fp8"] == -1.5
 
     s = cp.SETTINGS["deep8"]  # 6 inner blocks per class: pooling changes the plan
-    module = DemoLM(cp._model_config(s))
+    module = DemoLM(cp.model_config(s))
     real = {m: {f"{c.fqn}|{fmt}": (1.0 + (37 * i) % 11) * (0.1 if fmt == "fp8" else 1.0)
-                for i, c in enumerate(cp._candidates(module, None)) if c.pinned is None for fmt in cp.CANDIDATES}
+                for i, c in enumerate(cp.plan_candidates(module, None)) if c.pinned is None for fmt in cp.CANDIDATES}
             for m in truths}
     plan = cp.fixed_plan("oracle_pooled_gemm", 0.5, 0, module, s, {"truths": real})
-    expected = planner.solve_gemm_plan(cp._candidates(module, cp.pooled_truths(real)), fp4_fraction=0.5,
+    expected = planner.solve_gemm_plan(cp.plan_candidates(module, cp.pooled_truths(real)), fp4_fraction=0.5,
                                        weight_divergence_weight=planner.DEFAULT_WEIGHT_DIVERGENCE_WEIGHT)
     assert dict(plan.items()) == dict(expected.items())
     assert dict(plan.items()) != dict(cp.fixed_plan("oracle_gemm", 0.5, 0, module, s, {"truths": real}).items())
@@ -421,14 +421,14 @@ def test_quality_cache_keeps_runs_only_for_the_same_checkpoint(tmp_path, monkeyp
     assert measured["fingerprint"] == "1.0" and calls == [False]  # SmolLM2's truths are measured later
     (store / "rows.jsonl").write_text('{"policy": "all_bf16"}\n')
     measured["truths"] = {"x": 1}
-    (store / "measured.json").write_text(json.dumps({"setting": cp._setting(s), "measured": measured}))
+    (store / "measured.json").write_text(json.dumps({"setting": cp.setting_record(s), "measured": measured}))
     assert cp.prepare(s, work, store)[1]["truths"] == {"x": 1} and len(calls) == 1  # all cached
     ckpt.unlink()  # a new session: the checkpoint is regenerated, the same weights
     assert cp.prepare(s, work, store)[1]["truths"] == {"x": 1} and (store / "rows.jsonl").exists()
     ckpt.unlink()  # regenerated with other weights: nothing cached is this checkpoint's
     assert "truths" not in cp.prepare(s, work, store)[1]
     assert not (store / "rows.jsonl").exists() and len(list(store.glob("rows_stale_*.jsonl"))) == 1
-    other = cp.Setup(**{**cp._setting(s), "continue_steps": s.continue_steps + 1})
+    other = cp.Setup(**{**cp.setting_record(s), "continue_steps": s.continue_steps + 1})
     assert cp.prepare(other, work, store)[1]["fingerprint"] == "3.0"  # another protocol: measured afresh
     # SmolLM2's 4 pretraining steps regenerated in another session: 1e-11 apart, the same checkpoint.
     assert cp.same_checkpoint("1.861693311702e+07", "1.861693311684e+07")

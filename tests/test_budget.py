@@ -148,7 +148,7 @@ def test_every_rank_follows_rank_zeros_schedule():
         if controller.is_round_due(step):
             controller.statistics_round(model, tokens, loss_of, step=step, collective=rank_one)
         controller.end_batch()
-    assert (controller.schedule.next_round, controller.schedule.num_first_order) == (123, 5)
+    assert (controller.budget.next_round, controller.budget.num_first_order) == (123, 5)
     assert controller.is_stats_step(123) and controller.is_first_order_step(118) and not controller.is_first_order_step(117)
     controller.close()
 
@@ -160,8 +160,8 @@ def test_a_budgeted_run_logs_its_overhead_and_stops_rounds_at_its_horizon(tmp_pa
     _fit(tmp_path, snip, max_steps=12)
     # A round costs several of these small steps: at 2%, the next one would come after the run's 12 steps.
     assert snip.num_stats_rounds == 1 and snip.num_plans_applied == 1
-    assert snip.controller.schedule.next_round is None
-    assert 0 < snip.controller.overhead == snip.controller.schedule.share
+    assert snip.controller.budget.next_round is None
+    assert 0 < snip.controller.overhead == snip.controller.budget.share
     events = EventAccumulator(glob.glob(str(tmp_path / "tb" / "*"))[0]).Reload()
     overhead = events.Scalars("snip/overhead")
     # The sample (step 2), the round (3) and the switch (4) are priced once 3 plain steps are timed (0, 1, 5): logged
@@ -239,7 +239,7 @@ def test_a_trainer_run_whose_plans_hold_stretches_its_rounds(tmp_path, monkeypat
     # (next round, sample steps, round step, the budget's gap) per round; plans apply one step after their round
     assert rounds[1] == decisions[0][0] == rounds[0] + decisions[0][3]  # the first plan: no evidence yet
     assert rounds[2] == rounds[1] + 2 * decisions[1][3]  # the second kept every format: twice the spacing
-    assert snip.controller.schedule.stretch >= 4
+    assert snip.controller.budget.stretch >= 4
     events = EventAccumulator(glob.glob(str(tmp_path / "tb" / "*"))[0]).Reload()
     stretch = [(e.step, e.value) for e in events.Scalars("snip/round_stretch")]
     assert stretch[:3] == [(rounds[0] + 1, 1.0), (rounds[1] + 1, 2.0), (rounds[2] + 1, 4.0)]
@@ -274,11 +274,11 @@ def test_the_budget_on_a_hugging_face_llama_under_bf16_mixed_and_accumulation(tm
                               overhead_budget=0.02, warmup_steps=4, interval=2, first_order_steps=2))
     closed = []
     real_close = OverheadBudget._close
-    snip.controller.schedule._close = lambda seconds: (closed.append(seconds), real_close(snip.controller.schedule, seconds))
+    snip.controller.budget._close = lambda seconds: (closed.append(seconds), real_close(snip.controller.budget, seconds))
     _fit(tmp_path, snip, module=_HFLlamaLM(), precision="bf16-mixed", accumulate_grad_batches=2, max_steps=10)
     assert len(closed) == 9  # steps 0-8 closed by the next step's start (the last one never is)
     assert snip.num_stats_rounds == 1 and snip.num_plans_applied == 1
-    assert snip.controller.schedule.next_round is None and snip.controller.overhead > 0
+    assert snip.controller.budget.next_round is None and snip.controller.overhead > 0
 
 
 def test_a_switch_marked_for_the_next_step_is_priced_there():

@@ -513,10 +513,9 @@ def test_estimator_settings_reach_the_round(tmp_path, monkeypatch):
     monkeypatch.setattr(rounds, "collect_stats", lambda *a, **kw: modes.append(kw["propagation"]) or real_collect(*a, **kw))
     monkeypatch.setattr(rounds, "estimate_divergence",
                         lambda *a, **kw: probes.append((kw["probes"], kw["noise_draws"])) or real_estimate(*a, **kw))
-    monkeypatch.setattr(rounds, "WD_PROBES", 3)
-    snip = SNIPCallback(_snip())
+    snip = SNIPCallback(_snip(), round_settings=rounds.RoundSettings(wd_probes=3, noise_draws=1))
     _fit(tmp_path, snip, max_steps=4)
-    assert modes == [Propagation.PROBE] and probes == [(3, rounds.NOISE_DRAWS)]
+    assert modes == [Propagation.PROBE] and probes == [(3, 1)]
     layer = snip.history[-1]["divergence"]["layers"]["model.layers.0.mlp.down"]
     assert 0 < layer["weight_divergence"]["mxfp4"] < math.inf
     assert math.isfinite(layer["loss_divergence"]["mxfp4"])  # unclamped in the history (clamped when planning)

@@ -112,7 +112,8 @@ def test_python_api_takes_a_mapping_of_pins():
 
 
 def test_group_layers_reaches_the_round(monkeypatch):
-    """run_statistics_round's group_layers (None: the device's default) is estimate_divergence's."""
+    """RoundSettings.group_layers (None: the device's default) is estimate_divergence's; bad settings fail naming the
+    field."""
     import lightning_snip.statistics_round as statistics_round
 
     seen = []
@@ -129,8 +130,11 @@ def test_group_layers_reaches_the_round(monkeypatch):
     model = TinyLlama(LlamaConfig(dim=32, num_layers=1, num_heads=2, num_kv_heads=1, hidden_dim=64))
     layers = convert_linears(model)
     tokens = torch.randint(0, 256, (2, 9))
-    for group_layers in (3, None):
+    for settings in (statistics_round.RoundSettings(group_layers=3), statistics_round.RoundSettings()):
         with pytest.raises(RuntimeError, match="stop here"):
             statistics_round.run_statistics_round(model, lambda: model.loss((tokens[:, :-1], tokens[:, 1:])), layers,
-                                                  SNIPConfig(), group_layers=group_layers)
+                                                  SNIPConfig(), settings=settings)
     assert seen == [3, None]
+    for bad in (dict(noise_draws=0), dict(wd_probes=2.0), dict(group_layers=True)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            statistics_round.RoundSettings(**bad)

@@ -1,5 +1,5 @@
 """The documentation against the code and the tree: docs/configuration.md documents exactly the app's
-config schema with its defaults, the README stays one screen and links every document, and no
+config schema with its defaults, the README stays one screen (90 lines) and links every document, and no
 document or source file points outside the repository or at a file that does not exist."""
 
 import dataclasses
@@ -97,7 +97,7 @@ def test_the_checker_sees_a_field_added_removed_or_a_default_changed():
 
 def test_readme_is_one_screen_and_links_every_document():
     readme = (ROOT / "README.md").read_text()
-    assert len(readme.splitlines()) <= 200
+    assert len(readme.splitlines()) <= 90  # one screen (issue 62); the rest is in docs/ and benchmarks/README.md
     linked = {(ROOT / target.split("#")[0]).resolve() for target in _LINK.findall(readme) if "://" not in target}
     for doc in [*DOCS, ROOT / "benchmarks" / "README.md", ROOT / "CHANGELOG.md"]:
         assert doc.resolve() in linked, f"README.md does not link {doc.relative_to(ROOT)}"

@@ -113,7 +113,7 @@ def test_a_run_resumed_from_a_checkpoint_without_snip_plans_as_a_fresh_run_start
         assert seen.rounds == [14, 18, 22] and snip.num_plans_applied == 3
     else:
         assert snip.num_plans_applied >= 1
-    assert snip.controller.schedule.snip_seconds["first_order"] != 0.0 or overhead_budget is None
+    assert snip.controller.budget.snip_seconds["first_order"] != 0.0 or overhead_budget is None
 
 
 def test_snip_added_mid_run_counts_its_schedule_from_its_first_step():
@@ -164,8 +164,8 @@ def test_a_resumed_run_under_the_budget_plans_exactly_as_the_uninterrupted_one(t
     # the budget spaced the rounds beyond the interval, and the resumed run's fell at the same steps
     assert len(full_seen.rounds) >= 3 and any(b - a > 2 for a, b in zip(full_seen.rounds, full_seen.rounds[1:]))
     assert [s for s in full_seen.rounds if s >= 9] == resumed_seen.rounds
-    assert full.controller.schedule.state_dict()["next_round"] == resumed.controller.schedule.state_dict()["next_round"]
-    assert resumed.controller.schedule.share == pytest.approx(full.controller.schedule.share)
+    assert full.controller.budget.state_dict()["next_round"] == resumed.controller.budget.state_dict()["next_round"]
+    assert resumed.controller.budget.share == pytest.approx(full.controller.budget.share)
     for step, plan in resumed_seen.plans.items():
         assert plan == full_seen.plans[step], step
 

