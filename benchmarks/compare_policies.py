@@ -1041,7 +1041,7 @@ def prepare(s: Setup, work: Path, store: Path, truths: bool = True) -> tuple[Pat
     return ckpt, measured
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--setting", choices=sorted(SETTINGS), default="deep8")
     parser.add_argument("--quick", action="store_true",
@@ -1072,6 +1072,115 @@ def main() -> None:
     parser.add_argument("--structure-study", type=Path, metavar="RUNS_JSON",
                         help="from a compare_policies_v2_runs.json: each fixed-plan run's gap fitted on its plan's FP4 "
                              "FLOP shares per GEMM class (forward, attention, first / last block, backward), then exit")
+    return parser
+
+
+def _jobs(args, s: Setup, parser: argparse.ArgumentParser) -> list[tuple]:
+    """The (policy, fraction, seed) runs this invocation asks of setting ``s``."""
+    seeds = 1 if args.quick else args.seeds
+    if args.search:
+        jobs = jobs_for([0.75], args.seeds, SEARCH_POLICIES, uniform=False)
+    else:
+        # SmolLM2: no runs at the rules' natural fractions (a run there costs what one at 0.75 does)
+        natural = natural_fractions(s) if s.model == "demo" else None
+        jobs = jobs_for(args.fractions, seeds, natural=natural, natural_seeds=args.natural_seeds)
+        jobs += [(f"{p}@{lam:g}", f, seed) for seed in range(seeds) for f in args.fractions for lam in args.lambdas
+                 for p in ("snip", "snip_gemm", "oracle", "oracle_gemm")]
+        # SNIP with max_rows=<n> ("snip_gemm+rows2048") or rounds every <n> steps ("snip_gemm+every60"), only
+        # where --policies names it
+        named = [p for p in args.policies or () if re.fullmatch(r"snip(_gemm)?\+(rows|every)[1-9]\d*", p)]
+        jobs += [(p, f, seed) for p in named for seed in range(seeds) for f in args.fractions]
+    if args.policies:
+        unknown = set(args.policies) - {j[0] for j in jobs}
+        if unknown:
+            parser.error(f"--policies: {sorted(unknown)} not among this invocation's policies "
+                         f"{sorted({j[0] for j in jobs})} (snip@<lambda> needs --lambdas <lambda>)")
+        jobs = [j for j in jobs if j[0] in set(args.policies) | {"all_bf16"}]
+    return jobs
+
+
+def _measure_truths(s: Setup, ckpt, measured: dict, store: Path) -> None:
+    """The oracle's truths at the checkpoint, into ``measured`` and store/measured.json."""
+    t = time.perf_counter()
+    module, optimizer, data = from_checkpoint(s, ckpt)
+    model, layers = truth_model(s, module)
+    measured.update(measure_truths(s, model, optimizer, layers, data, parts=store / "truth_parts.json", chunk=30))
+    (store / "measured.json").write_text(json.dumps({"setting": setting_record(s), "measured": measured}))
+    print(f"# [{s.model}] truths in {time.perf_counter() - t:.0f} s; ceilings "
+          + ", ".join(f"{k} {v:.2f}" for k, v in measured["ceilings"].items()), flush=True)
+
+
+def _setting_lines(name: str, s: Setup, rows: list[dict], measured: dict, t0: float, args) -> list[str]:
+    """One setting's section of the report: its wall time, ceilings, table, verdicts and studies."""
+    summary = summarize(rows)
+    summary_plan = summarize(rows, "eval_loss_plan") if all("eval_loss_plan" in r for r in rows) else {}
+    bf16 = [r["eval_loss"] for r in sorted(rows, key=lambda r: r["seed"]) if r["policy"] == "all_bf16"]
+    lines = [f"## setting {name}: {asdict(s)}"] + (
+        [f"interim (--cached-only): the {len({r['seed'] for r in rows})} seeds every job has finished"]
+        if args.cached_only else []) + [
+             f"wall {time.perf_counter() - t0:.0f} s (this invocation: pretraining and truths unless cached, and the "
+             f"runs not cached); truth ceilings (split-half "
+             f"Spearman; loss: batches 1..K/2 vs the rest, weights: SR seeds; nan: one seed) "
+             + ", ".join(f"{k} {v:.2f}" for k, v in measured.get("ceilings", {}).items()),
+             wall_times(rows),
+             f"bf16 eval loss over seeds: mean {statistics.fmean(bf16):.4f}, std "
+             f"{statistics.stdev(bf16) if len(bf16) > 1 else 0.0:.5f}", ""] + table(summary) + [""]
+    lines += [f"    {v}" for v in verdicts(summary)] + [""]
+    if not args.search:
+        lines += [f"    {v}" for v in objective_study(rows, measured) + structure_study(rows, s)] + [""]
+    if summary_plan:
+        lines += ["The same runs evaluated with every forward GEMM in its plan's format (the model served as it "
+                  "trained; the oracle's LD truth is this loss's first-order change):", ""]
+        lines += table(summary_plan) + [""] + [f"    {v}" for v in verdicts(summary_plan)] + [""]
+    if not (args.quick or args.search or args.policies):  # a --policies study leaves the headline files
+        _write_headline(args.out, name, s, summary, summary_plan, bf16, rows, measured)
+    return lines
+
+
+def _write_headline(out: Path, name: str, s: Setup, summary: dict, summary_plan: dict, bf16: list[float],
+                    rows: list[dict], measured: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    noise = {"bf16_eval_loss_mean": statistics.fmean(bf16), "bf16_eval_loss_std": statistics.stdev(bf16) if len(bf16) > 1 else None,
+             "seeds": bf16, "note": "the seed-to-seed spread of the all-bf16 run's eval loss (all_bf16's "
+             "own gap is 0 by construction)"}
+    prefix = results_prefix(name)
+    (out / f"{prefix}.json").write_text(json.dumps(dict(summary, noise_floor=noise), indent=2))
+    (out / f"{prefix}_plan_precision.json").write_text(json.dumps(summary_plan, indent=2))
+    (out / f"{prefix}_runs.json").write_text(json.dumps({"setting": asdict(s), "measured": measured, "rows": rows}, indent=1))
+    plot(summary, out / f"{prefix}.png")
+
+
+def run_setting(name: str, args, parser: argparse.ArgumentParser, bench: Path) -> list[str]:
+    """Prepare setting ``name``'s checkpoint (and truths), run or read its jobs, and return its report lines."""
+    s = SETTINGS[name]
+    work = bench / name
+    store = args.store or (RESULTS / f"compare_policies_{name}_cache" if s.model == "smollm2" else work)
+    work.mkdir(parents=True, exist_ok=True)
+    store.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    ckpt, measured = prepare(s, work, store, truths=not args.no_truths)
+    release_memory()  # the pretraining's model and optimizer, before the workers start
+    print(f"# [{name}] checkpoint after {s.pretrain_steps} high-precision steps ({time.perf_counter() - t0:.0f} s; "
+          f"fingerprint {measured['fingerprint']}); truth ceilings (split-half Spearman) "
+          + (", ".join(f"{k} {v:.2f}" for k, v in measured["ceilings"].items()) if "ceilings" in measured
+             else "not measured yet"), flush=True)
+
+    def truths():
+        _measure_truths(s, ckpt, measured, store)
+
+    if s.accelerator == "gpu" and "truths" not in measured and not args.cached_only:
+        truths()  # a GPU measures them in seconds: first, so that a cut-off run has whole seeds
+    jobs = _jobs(args, s, parser)
+    rows = run_jobs(s, ckpt, measured, jobs, store, args.workers, work, truths, args.cached_only)
+    if args.cached_only:
+        rows = complete_seeds(rows, jobs)
+    lines = _setting_lines(name, s, rows, measured, t0, args)
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+def main() -> None:
+    parser = _parser()
     args = parser.parse_args()
     if args.objective_study:
         data = json.loads(args.objective_study.read_text())
@@ -1090,85 +1199,7 @@ def main() -> None:
     report = [f"# compare_policies v2 {'setting search ' if args.search else ''}— {date}",
               f"command: `{command.strip()}`; {args.seeds} seeds; machine: {machine}", ""]
     for name in names:
-        s = SETTINGS[name]
-        work = bench / name
-        store = args.store or (RESULTS / f"compare_policies_{name}_cache" if s.model == "smollm2" else work)
-        work.mkdir(parents=True, exist_ok=True)
-        store.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        ckpt, measured = prepare(s, work, store, truths=not args.no_truths)
-        release_memory()  # the pretraining's model and optimizer, before the workers start
-        print(f"# [{name}] checkpoint after {s.pretrain_steps} high-precision steps ({time.perf_counter() - t0:.0f} s; "
-              f"fingerprint {measured['fingerprint']}); truth ceilings (split-half Spearman) "
-              + (", ".join(f"{k} {v:.2f}" for k, v in measured["ceilings"].items()) if "ceilings" in measured
-                 else "not measured yet"), flush=True)
-
-        def truths(s=s, ckpt=ckpt, measured=measured, store=store):
-            t = time.perf_counter()
-            module, optimizer, data = from_checkpoint(s, ckpt)
-            model, layers = truth_model(s, module)
-            measured.update(measure_truths(s, model, optimizer, layers, data, parts=store / "truth_parts.json", chunk=30))
-            (store / "measured.json").write_text(json.dumps({"setting": setting_record(s), "measured": measured}))
-            print(f"# [{s.model}] truths in {time.perf_counter() - t:.0f} s; ceilings "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in measured["ceilings"].items()), flush=True)
-
-        if s.accelerator == "gpu" and "truths" not in measured and not args.cached_only:
-            truths()  # a GPU measures them in seconds: first, so that a cut-off run has whole seeds
-        if args.search:
-            jobs = jobs_for([0.75], args.seeds, SEARCH_POLICIES, uniform=False)
-        else:
-            # SmolLM2: no runs at the rules' natural fractions (a run there costs what one at 0.75 does)
-            natural = natural_fractions(s) if s.model == "demo" else None
-            jobs = jobs_for(args.fractions, 1 if args.quick else args.seeds, natural=natural, natural_seeds=args.natural_seeds)
-            jobs += [(f"{p}@{lam:g}", f, seed) for seed in range(1 if args.quick else args.seeds)
-                     for f in args.fractions for lam in args.lambdas for p in ("snip", "snip_gemm", "oracle", "oracle_gemm")]
-            # SNIP with max_rows=<n> ("snip_gemm+rows2048") or rounds every <n> steps ("snip_gemm+every60"), only
-            # where --policies names it
-            named = [p for p in args.policies or () if re.fullmatch(r"snip(_gemm)?\+(rows|every)[1-9]\d*", p)]
-            jobs += [(p, f, seed) for p in named
-                     for seed in range(1 if args.quick else args.seeds) for f in args.fractions]
-        if args.policies:
-            unknown = set(args.policies) - {j[0] for j in jobs}
-            if unknown:
-                parser.error(f"--policies: {sorted(unknown)} not among this invocation's policies "
-                             f"{sorted({j[0] for j in jobs})} (snip@<lambda> needs --lambdas <lambda>)")
-            jobs = [j for j in jobs if j[0] in set(args.policies) | {"all_bf16"}]
-        rows = run_jobs(s, ckpt, measured, jobs, store, args.workers, work, truths, args.cached_only)
-        if args.cached_only:
-            rows = complete_seeds(rows, jobs)
-        summary = summarize(rows)
-        summary_plan = summarize(rows, "eval_loss_plan") if all("eval_loss_plan" in r for r in rows) else {}
-        bf16 = [r["eval_loss"] for r in sorted(rows, key=lambda r: r["seed"]) if r["policy"] == "all_bf16"]
-        lines = [f"## setting {name}: {asdict(s)}"] + (
-            [f"interim (--cached-only): the {len({r['seed'] for r in rows})} seeds every job has finished"]
-            if args.cached_only else []) + [
-                 f"wall {time.perf_counter() - t0:.0f} s (this invocation: pretraining and truths unless cached, and the "
-                 f"runs not cached); truth ceilings (split-half "
-                 f"Spearman; loss: batches 1..K/2 vs the rest, weights: SR seeds; nan: one seed) "
-                 + ", ".join(f"{k} {v:.2f}" for k, v in measured.get("ceilings", {}).items()),
-                 wall_times(rows),
-                 f"bf16 eval loss over seeds: mean {statistics.fmean(bf16):.4f}, std "
-                 f"{statistics.stdev(bf16) if len(bf16) > 1 else 0.0:.5f}", ""] + table(summary) + [""]
-        lines += [f"    {v}" for v in verdicts(summary)] + [""]
-        if not args.search:
-            lines += [f"    {v}" for v in objective_study(rows, measured) + structure_study(rows, s)] + [""]
-        if summary_plan:
-            lines += ["The same runs evaluated with every forward GEMM in its plan's format (the model served as it "
-                      "trained; the oracle's LD truth is this loss's first-order change):", ""]
-            lines += table(summary_plan) + [""] + [f"    {v}" for v in verdicts(summary_plan)] + [""]
-        print("\n".join(lines), flush=True)
-        report += lines
-        if not (args.quick or args.search or args.policies):  # a --policies study leaves the headline files
-            args.out.mkdir(parents=True, exist_ok=True)
-            noise = {"bf16_eval_loss_mean": statistics.fmean(bf16), "bf16_eval_loss_std": statistics.stdev(bf16) if len(bf16) > 1 else None,
-                     "seeds": bf16, "note": "the seed-to-seed spread of the all-bf16 run's eval loss (all_bf16's "
-                     "own gap is 0 by construction)"}
-            prefix = results_prefix(name)
-            (args.out / f"{prefix}.json").write_text(json.dumps(dict(summary, noise_floor=noise), indent=2))
-            (args.out / f"{prefix}_plan_precision.json").write_text(json.dumps(summary_plan, indent=2))
-            (args.out / f"{prefix}_runs.json").write_text(json.dumps(
-                {"setting": asdict(s), "measured": measured, "rows": rows}, indent=1))
-            plot(summary, args.out / f"{prefix}.png")
+        report += run_setting(name, args, parser, bench)
     report.append(f"total {(time.perf_counter() - start) / 60:.1f} min")
     if args.quick:
         return

@@ -601,7 +601,7 @@ def batches_like(ck: Checkpoint):
                                ck.seq_len), ck.batch_size, torch.Generator().manual_seed(8))
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small models, few batches (about 2 minutes)")
     parser.add_argument("--models", nargs="+", choices=["demo", "deep", "hf", "smollm2"], default=["demo", "deep"],
@@ -658,7 +658,11 @@ def main() -> None:
                         help="<probes>x<curvature draws> per setting of --settings-study")
     parser.add_argument("--history-study", metavar="DUMP",
                         help="print the accumulated estimator's fidelity vs the number of sampled batches from a --dump file, and exit")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = _parser().parse_args()
     if args.draw_seeds < 1:
         raise SystemExit(f"--draw-seeds: invalid value {args.draw_seeds}; allowed: an integer >= 1")
     if args.history_study:

@@ -456,6 +456,78 @@ def count_kernel_ops(fn) -> int:
     return count
 
 
+class _RoundBench:
+    """measure_one's model, optimizer, batches and the two things it times: a training step in a format, and a
+    statistics round (or a RoundVariant of it)."""
+
+    def __init__(self, width: int, blocks: int, seed: int, device: str) -> None:
+        torch.manual_seed(seed)
+        self.cfg, self.seed, self.device = SNIPConfig(), seed, device
+        self.model = TinyLlama(model_config(width, blocks)).to(device)
+        # the LM head pinned to bf16, as SNIPCallback's default
+        self.layers = convert_linears(self.model, pins=self.cfg.pin_formats)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.vocab = self.model.config.vocab_size if hasattr(self.model, "config") else 256
+        tokens = torch.randint(0, 256, (BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(seed)).to(device)
+        self.batch = (tokens[:, :-1], tokens[:, 1:])
+        self.tiny = (tokens[:1, :32], tokens[:1, 1:33])
+
+    def autocast(self):
+        """On a GPU both the steps and the round run under bf16 autocast, as bf16-mixed training does."""
+        return torch.autocast(self.device, torch.bfloat16) if self.device != "cpu" else contextlib.nullcontext()
+
+    def loss_of(self, b):
+        return F.cross_entropy(self.model(b[0]).reshape(-1, self.vocab), b[1].reshape(-1))
+
+    def step(self, b, fmt: Format) -> None:
+        for layer in self.layers.values():
+            layer.format = fmt
+        self.opt.zero_grad(set_to_none=True)
+        with self.autocast():
+            loss = self.loss_of(b)
+        loss.backward()
+        self.opt.step()
+        for layer in self.layers.values():
+            layer.format = Format.BF16
+
+    def round_on(self, b, propagation: Propagation, probes: int = WD_PROBES,
+                 precision: RoundPrecision = RoundPrecision.TRAINING, unbatched: bool = False,
+                 group_layers: int | None = None, pinned_measured: bool = False) -> None:
+        cfg = self.cfg
+        sliced = slice_batch(b, cfg.max_rows)
+        if unbatched:  # the probes one forward-mode pass each (the round before 2026-12-02, night)
+            unbatch_probes(self.model)
+
+        def loss_fn():
+            with self.autocast():
+                return self.loss_of(sliced)
+
+        stats = collect_stats(self.model, loss_fn, layers=self.layers, optimizer=self.opt, propagation=propagation)
+        try:
+            estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=NOISE_DRAWS, probes=probes,
+                                precision=precision, group_layers=group_layers,
+                                generator=torch.Generator(device=self.device).manual_seed(self.seed),
+                                allowed=round_formats(self.layers, pinned_measured))
+        finally:
+            stats.release()
+            if unbatched:  # (a model that fell back on its own stays unbatched)
+                unbatch_probes(self.model, False)
+
+    def variant_round(self, v: RoundVariant):
+        """The round of variant ``v`` on the batch, as a callable (timed, counted, measured)."""
+        return lambda: self.round_on(self.batch, Propagation.PROBE, v.probes, unbatched=v.unbatched,
+                                     group_layers=v.group_layers, pinned_measured=v.pinned_measured)
+
+    def timed(self, fn) -> float:
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+
 def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, mode: str,
                 variants: list[RoundVariant] = (), device: str = "cpu", fp32_round: bool = False) -> dict:
     """One configuration's measurement. ``device="cuda"`` (benchmarks/gpu_check.py) times on a GPU with
@@ -465,110 +537,61 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
     2026-11-30 night; the default takes them in the training dtype, bf16 under the GPU's autocast)."""
     if mode == "memory" and device != "cpu":
         raise ValueError(f"mode='memory' measures RSS and needs device='cpu', got device={device!r}")
-    torch.manual_seed(seed)
-    cfg = SNIPConfig()
-    model = TinyLlama(model_config(width, blocks)).to(device)
-    layers = convert_linears(model, pins=cfg.pin_formats)  # the LM head pinned to bf16, as SNIPCallback's default
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    vocab = model.config.vocab_size if hasattr(model, "config") else 256
-    tokens = torch.randint(0, 256, (BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(seed)).to(device)
-    batch = (tokens[:, :-1], tokens[:, 1:])
-    tiny = (tokens[:1, :32], tokens[:1, 1:33])
-
-    def loss_of(b):
-        return F.cross_entropy(model(b[0]).reshape(-1, vocab), b[1].reshape(-1))
-
-    # on a GPU both the steps and the round run under bf16 autocast, as bf16-mixed training does
-    autocast = (lambda: torch.autocast(device, torch.bfloat16)) if device != "cpu" else contextlib.nullcontext
-
-    def step(b, fmt: Format):
-        for layer in layers.values():
-            layer.format = fmt
-        opt.zero_grad(set_to_none=True)
-        with autocast():
-            loss = loss_of(b)
-        loss.backward()
-        opt.step()
-        for layer in layers.values():
-            layer.format = Format.BF16
-
-    def round_on(b, propagation: Propagation, probes: int = WD_PROBES,
-                 precision: RoundPrecision = RoundPrecision.TRAINING, unbatched: bool = False,
-                 group_layers: int | None = None, pinned_measured: bool = False):
-        sliced = slice_batch(b, cfg.max_rows)
-        if unbatched:  # the probes one forward-mode pass each (the round before 2026-12-02, night)
-            unbatch_probes(model)
-
-        def loss_fn():
-            with autocast():
-                return loss_of(sliced)
-
-        stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt, propagation=propagation)
-        try:
-            estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=NOISE_DRAWS, probes=probes,
-                                precision=precision, group_layers=group_layers,
-                                generator=torch.Generator(device=device).manual_seed(seed),
-                                allowed=round_formats(layers, pinned_measured))
-        finally:
-            stats.release()
-            if unbatched:  # (a model that fell back on its own stays unbatched)
-                unbatch_probes(model, False)
-
-    def variant_round(v: RoundVariant):
-        """The round of variant ``v`` on the batch, as a callable (timed, counted, measured)."""
-        return lambda: round_on(batch, Propagation.PROBE, v.probes, unbatched=v.unbatched,
-                                group_layers=v.group_layers, pinned_measured=v.pinned_measured)
-
+    bench = _RoundBench(width, blocks, seed, device)
     # Adam state and every compiled quantizer kernel, on a tiny batch (no large temporaries yet).
-    step(tiny, Format.BF16)
-    step(tiny, Format.MXFP4)
-    round_on(tiny, Propagation.PROBE)
-    opt.zero_grad(set_to_none=True)
-
-    out = {"width": width, "blocks": blocks, "layers": len(layers), "rows": BATCH * SEQ_LEN, "max_rows": cfg.max_rows}
+    bench.step(bench.tiny, Format.BF16)
+    bench.step(bench.tiny, Format.MXFP4)
+    bench.round_on(bench.tiny, Propagation.PROBE)
+    bench.opt.zero_grad(set_to_none=True)
+    model = bench.model
+    out = {"width": width, "blocks": blocks, "layers": len(bench.layers), "rows": BATCH * SEQ_LEN,
+           "max_rows": bench.cfg.max_rows}
     out["block_param_mib"] = sum(p.numel() for p in model.layers[0].parameters()) * 4 / 2**20
     out["model_param_mib"] = sum(p.numel() for p in model.parameters()) * 4 / 2**20
     if mode == "memory":
-        sliced = slice_batch(batch, cfg.max_rows)
-        holder = []
-        out["slice_activation_mib"] = peak_rise(lambda: holder.append(loss_of(sliced)))
-        holder.clear()
-        out["round_extra_mib"] = peak_rise(lambda: round_on(batch, Propagation.PROBE))
-        if exact:
-            out["round_extra_mib_exact"] = peak_rise(lambda: round_on(batch, Propagation.EXACT))
-        out["round_extra_mib_variants"] = [[v.name, peak_rise(variant_round(v))] for v in variants]
-        return out
+        return {**out, **_round_memory(bench, exact, variants)}
     if mode == "ops":
-        def warm_count(fn) -> int:  # the second call: the first one's compilations (new shapes) dispatch ops too
-            fn()
-            return count_kernel_ops(fn)
+        return {**out, **_round_ops(bench, variants)}
+    return {**out, **_round_times(bench, repeats, exact, variants, fp32_round)}
 
-        out["ops_hp_step"] = warm_count(lambda: step(batch, Format.BF16))
-        out["ops_round"] = warm_count(lambda: round_on(batch, Propagation.PROBE))
-        out["ops_variants"] = [[v.name, warm_count(variant_round(v))] for v in variants]
-        return out
 
-    def timed(fn) -> float:
-        if device != "cpu":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+def _round_memory(bench: _RoundBench, exact: bool, variants) -> dict:
+    out, batch = {}, bench.batch
+    sliced = slice_batch(batch, bench.cfg.max_rows)
+    holder = []
+    out["slice_activation_mib"] = peak_rise(lambda: holder.append(bench.loss_of(sliced)))
+    holder.clear()
+    out["round_extra_mib"] = peak_rise(lambda: bench.round_on(batch, Propagation.PROBE))
+    if exact:
+        out["round_extra_mib_exact"] = peak_rise(lambda: bench.round_on(batch, Propagation.EXACT))
+    out["round_extra_mib_variants"] = [[v.name, peak_rise(bench.variant_round(v))] for v in variants]
+    return out
+
+
+def _round_ops(bench: _RoundBench, variants) -> dict:
+    def warm_count(fn) -> int:  # the second call: the first one's compilations (new shapes) dispatch ops too
         fn()
-        if device != "cpu":
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return count_kernel_ops(fn)
 
+    return {"ops_hp_step": warm_count(lambda: bench.step(bench.batch, Format.BF16)),
+            "ops_round": warm_count(lambda: bench.round_on(bench.batch, Propagation.PROBE)),
+            "ops_variants": [[v.name, warm_count(bench.variant_round(v))] for v in variants]}
+
+
+def _round_times(bench: _RoundBench, repeats: int, exact: bool, variants, fp32_round: bool) -> dict:
+    batch, timed, out = bench.batch, bench.timed, {}
     hp, emulated, probe, exact_times, fp32_times = [], [], [], [], []
     variant_times = {v: [] for v in variants}
     for _ in range(repeats):  # interleaved: the machine is shared
-        hp.append(timed(lambda: step(batch, Format.BF16)))
-        emulated.append(timed(lambda: step(batch, Format.MXFP4)))
-        probe.append(timed(lambda: round_on(batch, Propagation.PROBE)))
+        hp.append(timed(lambda: bench.step(batch, Format.BF16)))
+        emulated.append(timed(lambda: bench.step(batch, Format.MXFP4)))
+        probe.append(timed(lambda: bench.round_on(batch, Propagation.PROBE)))
         if fp32_round:
-            fp32_times.append(timed(lambda: round_on(batch, Propagation.PROBE, precision=RoundPrecision.FP32)))
+            fp32_times.append(timed(lambda: bench.round_on(batch, Propagation.PROBE, precision=RoundPrecision.FP32)))
         for v, times in variant_times.items():
-            times.append(timed(variant_round(v)))
+            times.append(timed(bench.variant_round(v)))
         if exact:
-            exact_times.append(timed(lambda: round_on(batch, Propagation.EXACT)))
+            exact_times.append(timed(lambda: bench.round_on(batch, Propagation.EXACT)))
     out["hp_step_seconds"] = statistics.median(hp)
     out["emulated_step_seconds"] = statistics.median(emulated)
     out["round_seconds"] = statistics.median(probe)
@@ -577,7 +600,7 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
         out["round_seconds_exact"] = statistics.median(exact_times)
     if fp32_round:
         out["round_seconds_fp32"] = statistics.median(fp32_times)
-    if device != "cpu":  # peak GPU memory over what was allocated before: the round's (and its variants') extra
+    if bench.device != "cpu":  # peak GPU memory over what was allocated before: the round's (and its variants') extra
         def peak_extra_mib(fn) -> float:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -586,11 +609,10 @@ def measure_one(width: int, blocks: int, repeats: int, exact: bool, seed: int, m
             torch.cuda.synchronize()
             return (torch.cuda.max_memory_allocated() - before) / 2**20
 
-        out["hp_step_peak_extra_mib"] = peak_extra_mib(lambda: step(batch, Format.BF16))
-        out["round_peak_extra_mib"] = peak_extra_mib(lambda: round_on(batch, Propagation.PROBE))
-        out["variants_peak_extra_mib"] = [[v.name, peak_extra_mib(variant_round(v))] for v in variants]
+        out["hp_step_peak_extra_mib"] = peak_extra_mib(lambda: bench.step(batch, Format.BF16))
+        out["round_peak_extra_mib"] = peak_extra_mib(lambda: bench.round_on(batch, Propagation.PROBE))
+        out["variants_peak_extra_mib"] = [[v.name, peak_extra_mib(bench.variant_round(v))] for v in variants]
     return out
-
 
 def broken_fp4_forward(layers, fmt: Format, *, mode: str = "nan"):
     """A replacement for lightning_snip.linear's ``quantized_matmul`` (for monkeypatch.setattr) whose forward

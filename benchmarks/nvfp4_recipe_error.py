@@ -120,6 +120,14 @@ def check_2d_quantizer() -> None:
     assert torch.equal(nvfp4_tiles(w, TILE).t(), nvfp4_tiles(w.t().contiguous(), TILE)), "2D scales not transposable"
 
 
+def check_rht(rht: torch.Tensor) -> None:
+    """Before quantization the transform cancels: (B^T G)^T (B^T X) = G^T X; else the study stops."""
+    generator = torch.Generator().manual_seed(1)
+    g, x = torch.randn(64, 24, generator=generator), torch.randn(64, 40, generator=generator)
+    assert torch.allclose(rht_tokens(g, rht).t() @ rht_tokens(x, rht), g.t() @ x, atol=1e-4), "RHT does not cancel"
+    assert not torch.allclose(rht_tokens(g, rht), g), "RHT is the identity"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=3, help="batches (each its own seed: data, RHT signs, SR draws)")
@@ -134,6 +142,7 @@ def main() -> None:
         operands = capture_operands(seed)
         signs = tuple(int(s) for s in torch.randint(0, 2, (TILE,), generator=torch.Generator().manual_seed(seed)) * 2 - 1)
         rht = get_rht_matrix(signs, "cpu", torch.float32, TILE)
+        check_rht(rht)
         errors = {v: {k: [] for k in GEMMS} for v in VARIANTS}
         for variant in VARIANTS:
             generator = torch.Generator().manual_seed(1000 + seed)  # the same SR draws for every variant
