@@ -77,6 +77,8 @@ class Timeline:
     # ------------------------------------------------------------------ the budget's calls, replayed in order
 
     def step_started(self, step: int) -> None:
+        if not self.budget.anchored:  # the schedule, not a time: at once (a round check follows in this step)
+            self.budget.anchor(step)
         self._feed(self.budget.step_started, step, self.stamp())
 
     def batch_ended(self) -> None:

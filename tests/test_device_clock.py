@@ -53,11 +53,12 @@ class _Stamp:
         return self.at
 
 
-def _simulate_on_device(timeline: Timeline, device: _Device, num_steps: int) -> tuple[list[int], list[float]]:
+def _simulate_on_device(timeline: Timeline, device: _Device, num_steps: int, first_step: int = 0
+                        ) -> tuple[list[int], list[float]]:
     """_simulate's steps as the controller feeds them on a GPU: the work is launched, the stamps resolve late, a round
     synchronises (its reduction reads the host). Returns the round steps and the round seconds the budget decided on."""
     budget, rounds, seconds_seen, apply_at = timeline.budget, [], [], None
-    for step in range(num_steps):
+    for step in range(first_step, first_step + num_steps):
         timeline.step_started(step)
         device.launch(STEP)
         if apply_at == step:
@@ -77,7 +78,7 @@ def _simulate_on_device(timeline: Timeline, device: _Device, num_steps: int) -> 
             timeline.mark("first_order")
             device.launch(SAMPLE)
         timeline.batch_ended()
-    timeline.step_started(num_steps)
+    timeline.step_started(first_step + num_steps)
     timeline.flush(wait=True)
     return rounds, seconds_seen
 
@@ -96,6 +97,18 @@ def test_stamps_resolving_late_give_the_budget_what_a_clock_read_at_once_gives(b
     assert seconds == pytest.approx([ROUND] * len(rounds))  # the round alone, not the training work queued before it
     assert late.pending == 0
     _same_state(late.budget, at_once)
+
+
+def test_a_run_joined_mid_way_counts_its_schedule_from_its_first_step_though_its_stamps_resolve_late():
+    """SNIP added at step 100 (or resumed from a checkpoint without its state): the first round comes warmup_steps
+    later, as with a clock read at once, although the step's time is still on the device when the round is checked."""
+    cfg = SNIPConfig(warmup_steps=20, interval=10, first_order_steps=4, overhead_budget=None)
+    late = Timeline(OverheadBudget(cfg))
+    device = _Device(lag=3 * STEP)
+    device.launched = 3 * STEP  # the steps before SNIP's first are still running on the device
+    late.stamps = device.stamp
+    rounds, _ = _simulate_on_device(late, device, 40, first_step=100)
+    assert rounds == [120, 130]
 
 
 def _same_state(a: OverheadBudget, b: OverheadBudget) -> None:
