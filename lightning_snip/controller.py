@@ -528,6 +528,7 @@ class SNIPController:
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self.timeline.discard()  # (calls left from a fit that ended in an exception: the checkpoint's state replaces them)
         self.plan = Plan.from_json(state_dict["plan"]) if state_dict.get("plan") else None
         self.history = json.loads(state_dict.get("history", "[]"))
         self.num_stats_rounds = int(state_dict.get("num_stats_rounds", 0))

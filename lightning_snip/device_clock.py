@@ -25,14 +25,17 @@ from lightning_snip.budget import OverheadBudget
 
 
 class EventStamp:
-    """A point on a CUDA stream's timeline; its seconds count from ``origin`` (the timeline's first event)."""
+    """A point on a CUDA stream's timeline. Its seconds are chained from the stamp recorded before it (the previous
+    stamp's seconds, a double, plus the float32 milliseconds between the two events): from one origin, float32 would
+    lose milliseconds within hours of a run."""
 
-    __slots__ = ("event", "origin")
+    __slots__ = ("event", "previous", "_seconds")
 
-    def __init__(self, origin: EventStamp | None = None) -> None:
+    def __init__(self, previous: EventStamp | None = None) -> None:
         self.event = torch.cuda.Event(enable_timing=True)
         self.event.record()
-        self.origin = self if origin is None else origin
+        self.previous = previous
+        self._seconds: float | None = None if previous is not None else 0.0
 
     def ready(self) -> bool:
         return self.event.query()
@@ -41,7 +44,11 @@ class EventStamp:
         self.event.synchronize()
 
     def seconds(self) -> float:
-        return self.origin.event.elapsed_time(self.event) / 1000.0  # (milliseconds)
+        if self._seconds is None:  # (the stamps before it are done: a stream runs in order)
+            previous = self.previous
+            self._seconds = previous.seconds() + previous.event.elapsed_time(self.event) / 1000.0  # (milliseconds)
+            self.previous = None  # (the chain is not kept)
+        return self._seconds
 
 
 class Timeline:
@@ -58,7 +65,7 @@ class Timeline:
         self.budget = budget
         self.clock: Callable[[], float] = time.perf_counter
         self.stamps: Callable[[], object] | None = None  # None: the host clock (set by use_device on a GPU)
-        self._origin: EventStamp | None = None
+        self._last_event: EventStamp | None = None  # the latest CUDA stamp (the next one chains from it)
         self._queue: deque[tuple[Callable, tuple]] = deque()
 
     def use_device(self, device: torch.device | str) -> None:
@@ -66,9 +73,8 @@ class Timeline:
         self.stamps = self._event if torch.device(device).type == "cuda" else None
 
     def _event(self) -> EventStamp:
-        stamp = EventStamp(self._origin)
-        self._origin = stamp.origin
-        return stamp
+        self._last_event = EventStamp(self._last_event)
+        return self._last_event
 
     def stamp(self):
         """Now, on the timeline: a float (seconds) on the host clock, or a stamp that resolves later."""
@@ -103,6 +109,10 @@ class Timeline:
                     stamp.wait()
             self._queue.popleft()
             call(*(arg.seconds() if _is_stamp(arg) else arg for arg in args))
+
+    def discard(self) -> None:
+        """Drop the calls not replayed yet (a checkpoint's state replaces what they would have changed)."""
+        self._queue.clear()
 
     @property
     def pending(self) -> int:

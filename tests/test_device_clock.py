@@ -50,6 +50,7 @@ class _Stamp:
         self.device.reached = max(self.device.reached, self.at)
 
     def seconds(self) -> float:
+        assert self.device.reached >= self.at, "a stamp read before the device got there (a CUDA event cannot be)"
         return self.at
 
 
