@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _written_tags(source: str) -> set[str]:
-    """The ``snip/...`` strings a module writes: literals, and f-strings with each placeholder as ``x``."""
+    """The strings starting ``snip/`` a module writes: literals, and f-strings with each placeholder as ``x``."""
     found, tree = set(), ast.parse(source)
     parts = {id(v) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for v in node.values}
     for node in ast.walk(tree):
