@@ -211,7 +211,7 @@ def pretrain(s: Setup, root: Path, *, with_truths: bool = True) -> tuple[Path, d
     import lightning.pytorch as pl
     import torch
 
-    from lightning_snip.divergence import estimate_divergence
+    from lightning_snip.statistics_round import estimate_divergence
     from lightning_snip.formats import Format
     from lightning_snip.stats import collect_stats, slice_batch
 
@@ -376,7 +376,7 @@ def plan_candidates(module, measured: dict | None, candidates=CANDIDATES):
     for metric, values in measured.items():
         for key, value in values.items():
             fqn, _, fmt = key.partition("|")
-            nested[metric].setdefault(fqn, {})[fmt] = value
+            nested[metric].setdefault(fqn, {})[Format(fmt)] = value
     out = layer_candidates(layers, formats, **nested)
     return [dataclasses.replace(c, loss_divergence={f: 0.0 for f in c.loss_divergence},
                                 weight_divergence={f: 0.0 for f in c.weight_divergence})

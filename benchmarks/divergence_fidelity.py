@@ -78,7 +78,7 @@ from lightning_snip.demo.model import LlamaConfig, TinyLlama
 from lightning_snip.aggregate import DivergenceAggregate
 from lightning_snip.config import SNIPConfig
 from lightning_snip.evidence import planning_value
-from lightning_snip.divergence import estimate_divergence
+from lightning_snip.statistics_round import estimate_divergence
 from lightning_snip.first_order import FirstOrderSampler, FirstOrderTerms
 from lightning_snip.formats import QuantRecipe
 from lightning_snip.stats import Propagation, collect_stats, slice_batch
@@ -163,23 +163,71 @@ def round_inputs(ck: Checkpoint, terms: FirstOrderTerms, sampler: FirstOrderSamp
     return terms.take(), slice_batch(next(ck.data), ck.max_rows), seconds
 
 
-def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool) -> list[str]:
-    rounds, held_out, sr_seeds, wd_batches = (2, 8, 2, 2) if quick else (
-        args.rounds, args.held_out, args.sr_seeds, args.wd_batches)
-    ck = train_checkpoint(name, cfg, corpus, args, quick)
-    model, opt, layers, held, max_rows = ck.model, ck.opt, ck.layers, ck.held, ck.max_rows
-    print(f"# [{name}] max_rows {max_rows}, rounds {rounds}, held-out batches {held_out} (LD), "
-          f"{wd_batches} x {sr_seeds} sr seeds (WD)", flush=True)
-    fqns = list(layers)
+@dataclass
+class _Rounds:
+    """run_model's R statistics rounds at one checkpoint: their results, the same rounds with WD's propagated
+    term exact (none under --no-exact), and each round's slice and first-order history."""
 
-    # R statistics rounds on R training batches, at the same checkpoint. Before each, the first-order
-    # term is sampled on its own first_order_steps training batches (what the callback samples in the
-    # steps before a round; here at the same checkpoint, no optimizer step).
+    results: list
+    results_exact: list
+    slices: list
+    histories: list
+
+
+@dataclass
+class _Truths:
+    """run_model's held-out truths: LD's per held-out batch and on the round-0 slice, WD's per held-out batch
+    (on wd_fqns, sr_seeds stochastic-rounding seeds each) and on the round-0 slice (empty under
+    --no-wd-in-sample)."""
+
+    per_batch: list
+    in_sample: dict
+    wd_fqns: list
+    dev_batches: list
+    wd_in_sample: dict
+    sr_seeds: int
+    wd_batches: int
+
+
+@dataclass
+class _FormatEstimates:
+    """One format's estimates of every round, as lists over the layers of their truths (LD: fqns, WD:
+    wd_fqns)."""
+
+    fmt: object
+    fqns: list
+    wd_fqns: list
+    results: list
+    results_exact: list
+
+    def ld(self, r):
+        """Round r's LD per layer, clamped at 0 as the planner takes it."""
+        return [planning_value({f: self.results[r].layers[f].loss_divergence}, f, self.fmt) for f in self.fqns]
+
+    def wd(self, r):
+        """Round r's WD per layer of the WD truth."""
+        return [self.results[r].layers[f].weight_divergence[self.fmt] for f in self.wd_fqns]
+
+    def wd_exact(self, r):
+        """Round r's WD with its propagated term exact, per layer of the WD truth."""
+        return [self.results_exact[r].layers[f].weight_divergence[self.fmt] for f in self.wd_fqns]
+
+    def mean_rounds(self, fn):
+        """The per-layer mean over the rounds of fn(round)."""
+        rounds = len(self.results)
+        vals = [fn(r) for r in range(rounds)]
+        return [sum(v[i] for v in vals) / rounds for i in range(len(vals[0]))]
+
+
+def _run_rounds(name: str, ck: Checkpoint, args, rounds: int) -> _Rounds:
+    """R statistics rounds on R training batches, at the same checkpoint. Before each, the first-order
+    term is sampled on its own first_order_steps training batches (what the callback samples in the
+    steps before a round; here at the same checkpoint, no optimizer step). Returns the rounds."""
+    model, opt, layers = ck.model, ck.opt, ck.layers
     results, slices, round_seconds, sample_seconds, histories = [], [], [], [], []
     results_exact, exact_seconds = [], []
     terms = FirstOrderTerms(FORMATS)
     sampler = FirstOrderSampler(layers, args.first_order_rows, terms.add)
-    first_steps = ck.first_steps
     for r in range(rounds):
         history, sliced, per_step = round_inputs(ck, terms, sampler)
         histories.append(history)
@@ -206,12 +254,20 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
     exact = f"{min(exact_seconds[1:] or exact_seconds):.2f} s" if exact_seconds else "not run (--no-exact)"
     print(f"# [{name}] statistics round {min(round_seconds[1:] or round_seconds):.2f} s ({args.probes} WD probes; "
           f"with the exact propagated term {exact}); first-order sample "
-          f"{min(sample_seconds):.2f} s per step (incl. the step's own forward/backward), {first_steps} steps per round",
+          f"{min(sample_seconds):.2f} s per step (incl. the step's own forward/backward), {ck.first_steps} steps per round",
           flush=True)
+    return _Rounds(results=results, results_exact=results_exact, slices=slices, histories=histories)
 
+
+def _measure_truths(name: str, ck: Checkpoint, args, first_slice, held_out: int, sr_seeds: int,
+                    wd_batches: int) -> _Truths:
+    """LD's truth on held_out held-out batches and WD's on wd_batches (on the layers --wd-include names), each
+    also on the round-0 slice (in sample). Returns the truths."""
+    model, opt, layers, held = ck.model, ck.opt, ck.layers, ck.held
+    fqns = list(layers)
     start = time.perf_counter()
     per_batch = [loss_increase(model, layers, next(held)) for _ in range(held_out)]
-    in_sample = loss_increase(model, layers, slices[0])
+    in_sample = loss_increase(model, layers, first_slice)
     print(f"# [{name}] LD truth: {held_out} held-out batches in {time.perf_counter() - start:.0f} s", flush=True)
     start = time.perf_counter()
     # WD's truth on a subset where --wd-include names one (a step per layer, format, batch and seed)
@@ -221,127 +277,176 @@ def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool
                          f"(e.g. {fqns[0]})")
     wd_layers = {f: layers[f] for f in wd_fqns}
     dev_batches = [update_deviation(model, opt, wd_layers, next(held), sr_seeds) for _ in range(wd_batches)]
-    wd_in_sample = {} if args.no_wd_in_sample else update_deviation(model, opt, wd_layers, slices[0], 1)
+    wd_in_sample = {} if args.no_wd_in_sample else update_deviation(model, opt, wd_layers, first_slice, 1)
     print(f"# [{name}] WD truth: {len(wd_fqns)} of {len(fqns)} layers, {wd_batches} held-out batches x {sr_seeds} "
           f"seeds in {time.perf_counter() - start:.0f} s", flush=True)
+    return _Truths(per_batch=per_batch, in_sample=in_sample, wd_fqns=wd_fqns, dev_batches=dev_batches,
+                  wd_in_sample=wd_in_sample, sr_seeds=sr_seeds, wd_batches=wd_batches)
 
-    lines = []
-    for fmt in FORMATS:
-        def truth_ld(part):
-            return [sum(b[f, fmt] for b in part) / len(part) for f in fqns]
 
-        truth = truth_ld(per_batch)
-        half = len(per_batch) // 2
-        def truth_wd(part, seeds=slice(None)):  # mean over the batches in part and the seeds in seeds
-            return [sum(sum(b[f, fmt][seeds]) / len(b[f, fmt][seeds]) for b in part) / len(part) for f in wd_fqns]
+def _ld_truth(part: list, fqns: list, fmt) -> list[float]:
+    """LD's truth per layer: the mean loss increase over the held-out batches in part."""
+    return [sum(b[f, fmt] for b in part) / len(part) for f in fqns]
 
-        wd_truth = truth_wd(dev_batches)
-        # Two ceilings: over stochastic-rounding seeds (the same batches), and over batches (what a truth
-        # of the expected deviation must also survive: one batch's rare tokens can dominate its WD).
-        # (nan where there is one batch or one seed: no halves to compare)
-        wd_half, wd_batch_half = sr_seeds // 2, wd_batches // 2
-        ceiling_wd_seeds = spearman(truth_wd(dev_batches, slice(None, wd_half)), truth_wd(dev_batches, slice(wd_half, None))) \
-            if wd_half else float("nan")
-        ceiling_wd = spearman(truth_wd(dev_batches[:wd_batch_half]), truth_wd(dev_batches[wd_batch_half:])) \
-            if wd_batch_half else float("nan")
-        one_vs_another = spearman(truth_wd(dev_batches[:1]), truth_wd(dev_batches[1:2])) if wd_batches > 1 else float("nan")
 
-        def ld(r):  # clamped at 0, as the library returns it
-            return [results[r].layers[f].loss_divergence[fmt] for f in fqns]
+def _wd_truth(part: list, wd_fqns: list, fmt, seeds=slice(None)) -> list[float]:
+    """WD's truth per layer: the mean update deviation over the batches in part and the seeds in seeds."""
+    return [sum(sum(b[f, fmt][seeds]) / len(b[f, fmt][seeds]) for b in part) / len(part) for f in wd_fqns]
 
-        def wd(r, source=results):
-            return [source[r].layers[f].weight_divergence[fmt] for f in wd_fqns]
 
-        def wd_exact(r):
-            return wd(r, results_exact)
+def _spearman_out(est: _FormatEstimates, truth: list, wd_truth: list, one_batch_truth: list) -> dict:
+    """estimator -> its Spearman with the held-out truth (the ``spearman_out`` lines of one format)."""
+    fmt, fqns, wd_fqns, results, rounds = est.fmt, est.fqns, est.wd_fqns, est.results, len(est.results)
+    d0 = results[0].layers
+    out = {
+        "loss_divergence": spearman(est.ld(0), truth),
+        "weight_divergence": spearman(est.wd(0), wd_truth),
+        "rel_error_vs_loss": spearman([d0[f].rel_error_forward[fmt] for f in fqns], truth),
+        "rel_error_vs_weights": spearman([d0[f].rel_error_wgrad[fmt] for f in wd_fqns], wd_truth),
+        "abs_error_vs_loss": spearman([d0[f].abs_error_forward[fmt] for f in fqns], truth),
+        "abs_error_vs_weights": spearman([d0[f].abs_error_wgrad[fmt] for f in wd_fqns], wd_truth),
+    }
+    out[f"loss_divergence_mean{rounds}"] = spearman(est.mean_rounds(est.ld), truth)
+    for decay in (0.5, 0.8):
+        agg = DivergenceAggregate(decay)
+        for r in range(rounds):  # unclamped LD averaged, clamped after: as the callback plans
+            unclamped = [results[r].layers[f].loss_divergence[fmt] for f in fqns]
+            agg.update({"loss_divergence": {f: {fmt: v} for f, v in zip(fqns, unclamped)},
+                        "weight_divergence": {f: {fmt: v} for f, v in zip(wd_fqns, est.wd(r))}})
+        out[f"loss_divergence_ema{decay}"] = spearman(  # clamped as the planner takes it
+            [planning_value(agg.values("loss_divergence"), f, fmt) for f in fqns], truth)
+        out[f"weight_divergence_ema{decay}"] = spearman([agg.values("weight_divergence")[f][fmt] for f in wd_fqns], wd_truth)
+    out[f"weight_divergence_mean{rounds}"] = spearman(est.mean_rounds(est.wd), wd_truth)
+    if est.results_exact:
+        out["weight_divergence_exact"] = spearman(est.wd_exact(0), wd_truth)
+    out["weight_divergence_one_batch_truth"] = spearman(est.wd(0), one_batch_truth)  # the truth before 2026-11-30
+    if est.results_exact:
+        out[f"weight_divergence_exact_mean{rounds}"] = spearman(est.mean_rounds(est.wd_exact), wd_truth)
+    parts = {
+        "first_order_batch": [d0[f].first_order[fmt] for f in fqns],
+        "first_order_accumulated": [d0[f].first_accumulated[fmt] for f in fqns],
+        "second_order": [d0[f].second_order[fmt] for f in fqns],
+    }
+    for part, values in parts.items():
+        out[f"part_{part}"] = spearman(values, truth)
+    return out
 
-        def mean_rounds(fn):
-            vals = [fn(r) for r in range(rounds)]
-            return [sum(v[i] for v in vals) / rounds for i in range(len(vals[0]))]
 
-        d0 = results[0].layers
-        out = {
-            "loss_divergence": spearman(ld(0), truth),
-            "weight_divergence": spearman(wd(0), wd_truth),
-            "rel_error_vs_loss": spearman([d0[f].rel_error_forward[fmt] for f in fqns], truth),
-            "rel_error_vs_weights": spearman([d0[f].rel_error_wgrad[fmt] for f in wd_fqns], wd_truth),
-            "abs_error_vs_loss": spearman([d0[f].abs_error_forward[fmt] for f in fqns], truth),
-            "abs_error_vs_weights": spearman([d0[f].abs_error_wgrad[fmt] for f in wd_fqns], wd_truth),
-        }
-        out[f"loss_divergence_mean{rounds}"] = spearman(mean_rounds(ld), truth)
-        for decay in (0.5, 0.8):
-            agg = DivergenceAggregate(decay)
-            for r in range(rounds):  # unclamped LD averaged, clamped after: as the callback plans
-                unclamped = [results[r].layers[f].unclamped_loss_divergence()[fmt] for f in fqns]
-                agg.update({"loss_divergence": {f: {fmt.value: v} for f, v in zip(fqns, unclamped)},
-                            "weight_divergence": {f: {fmt.value: v} for f, v in zip(wd_fqns, wd(r))}})
-            out[f"loss_divergence_ema{decay}"] = spearman(  # clamped as the planner takes it
-                [planning_value(agg.values("loss_divergence"), f, fmt) for f in fqns], truth)
-            out[f"weight_divergence_ema{decay}"] = spearman([agg.values("weight_divergence")[f][fmt.value] for f in wd_fqns], wd_truth)
-        out[f"weight_divergence_mean{rounds}"] = spearman(mean_rounds(wd), wd_truth)
-        if results_exact:
-            out["weight_divergence_exact"] = spearman(wd_exact(0), wd_truth)
-        out["weight_divergence_one_batch_truth"] = spearman(wd(0), truth_wd(dev_batches[:1]))  # the truth before 2026-11-30
-        if results_exact:
-            out[f"weight_divergence_exact_mean{rounds}"] = spearman(mean_rounds(wd_exact), wd_truth)
-            lines.append(f"# [{name}] {fmt.value}: WD probes vs exact, per round: "
-                         + ", ".join(f"{spearman(wd(r), wd_exact(r)):.3f}" for r in range(rounds))
-                         + "; propagated term alone: " + ", ".join(f"{spearman([results[r].layers[f].wd_propagated[fmt] for f in fqns], [results_exact[r].layers[f].wd_propagated[fmt] for f in fqns]):.3f}" for r in range(rounds)))
-        parts = {
-            "first_order_batch": [d0[f].first_order[fmt] for f in fqns],
-            "first_order_accumulated": [d0[f].first_accumulated[fmt] for f in fqns],
-            "second_order": [d0[f].second_order[fmt] for f in fqns],
-        }
-        for part, values in parts.items():
-            out[f"part_{part}"] = spearman(values, truth)
-        in_sample_truth = [in_sample[f, fmt] for f in fqns]
-        noisy = sum(abs(d0[f].first_order[fmt]) < d0[f].first_stderr[fmt] for f in fqns)
-        negative = sum(d0[f].first_order[fmt] + d0[f].second_order[fmt] < 0 for f in fqns)
-        lines.append(f"# [{name}] {fmt.value}: in sample (truth on the round-0 slice itself): "
-                     f"loss_divergence {spearman(ld(0), in_sample_truth):.3f}, weight_divergence "
-                     f"{spearman(wd(0), [wd_in_sample[f, fmt][0] for f in wd_fqns]) if wd_in_sample else float('nan'):.3f}; "
-                     f"held-out truth vs in-sample truth "
-                     f"{spearman(truth, in_sample_truth):.3f}; layers whose |first-order| < its standard error: "
-                     f"{noisy}/{len(fqns)}; negative batch LD: {negative}/{len(fqns)}")
-        lines.append(f"round_agreement weight_divergence {fmt.value} {spearman(wd(0), wd(1)):.3f}")
-        if results_exact:
-            lines.append(f"round_agreement weight_divergence_exact {fmt.value} {spearman(wd_exact(0), wd_exact(1)):.3f}")
-        lines.append(f"round_agreement loss_divergence {fmt.value} {spearman(ld(0), ld(1)):.3f}")
-        # Rounds 0 and 1 alone can hinge on one unusual batch: every pair, and every round against the truth.
-        pairs = list(itertools.combinations(range(rounds), 2))
-        for key, fn in (("loss_divergence", ld), ("weight_divergence", wd)):
-            if pairs:
-                lines.append(f"round_agreement_median {key} {fmt.value} "
-                             f"{statistics.median(spearman(fn(a), fn(b)) for a, b in pairs):.3f}")
-        lines.append(f"# [{name}] {fmt.value}: WD of each round vs the truth: "
-                     + ", ".join(f"{spearman(wd(r), wd_truth):.3f}" for r in range(rounds))
-                     + "; LD: " + ", ".join(f"{spearman(ld(r), truth):.3f}" for r in range(rounds)))
-        for key, value in out.items():
-            lines.append(f"spearman_out {key} {fmt.value} {value:.3f}")
-        lines.append(f"ceiling loss {fmt.value} {spearman(truth_ld(per_batch[:half]), truth_ld(per_batch[half:])):.3f}")
-        lines.append(f"ceiling weights {fmt.value} {ceiling_wd:.3f}")
-        lines.append(f"ceiling weights_seeds {fmt.value} {ceiling_wd_seeds:.3f}")
-        lines.append(f"ceiling weights_one_batch_vs_another {fmt.value} {one_vs_another:.3f}")
-    raw = {
+def _exact_line(name: str, est: _FormatEstimates) -> str:
+    """The aside comparing each round's WD (and its propagated term alone) from probes with the exact one."""
+    fmt, fqns, results, results_exact, rounds = est.fmt, est.fqns, est.results, est.results_exact, len(est.results)
+    return (f"# [{name}] {fmt.value}: WD probes vs exact, per round: "
+            + ", ".join(f"{spearman(est.wd(r), est.wd_exact(r)):.3f}" for r in range(rounds))
+            + "; propagated term alone: " + ", ".join(f"{spearman([results[r].layers[f].wd_propagated[fmt] for f in fqns], [results_exact[r].layers[f].wd_propagated[fmt] for f in fqns]):.3f}" for r in range(rounds)))
+
+
+def _round_lines(name: str, est: _FormatEstimates, truths: _Truths, truth: list, wd_truth: list) -> list[str]:
+    """One format's in-sample aside, its rounds' agreement (rounds 0 and 1, the median pair) and each round
+    against the truth."""
+    fmt, fqns, wd_fqns, rounds, d0 = est.fmt, est.fqns, est.wd_fqns, len(est.results), est.results[0].layers
+    ld, wd, wd_in_sample = est.ld, est.wd, truths.wd_in_sample
+    in_sample_truth = [truths.in_sample[f, fmt] for f in fqns]
+    noisy = sum(abs(d0[f].first_order[fmt]) < d0[f].first_stderr[fmt] for f in fqns)
+    negative = sum(d0[f].first_order[fmt] + d0[f].second_order[fmt] < 0 for f in fqns)
+    lines = [f"# [{name}] {fmt.value}: in sample (truth on the round-0 slice itself): "
+             f"loss_divergence {spearman(ld(0), in_sample_truth):.3f}, weight_divergence "
+             f"{spearman(wd(0), [wd_in_sample[f, fmt][0] for f in wd_fqns]) if wd_in_sample else float('nan'):.3f}; "
+             f"held-out truth vs in-sample truth "
+             f"{spearman(truth, in_sample_truth):.3f}; layers whose |first-order| < its standard error: "
+             f"{noisy}/{len(fqns)}; negative batch LD: {negative}/{len(fqns)}"]
+    lines.append(f"round_agreement weight_divergence {fmt.value} {spearman(wd(0), wd(1)):.3f}")
+    if est.results_exact:
+        lines.append(f"round_agreement weight_divergence_exact {fmt.value} {spearman(est.wd_exact(0), est.wd_exact(1)):.3f}")
+    lines.append(f"round_agreement loss_divergence {fmt.value} {spearman(ld(0), ld(1)):.3f}")
+    # Rounds 0 and 1 alone can hinge on one unusual batch: every pair, and every round against the truth.
+    pairs = list(itertools.combinations(range(rounds), 2))
+    for key, fn in (("loss_divergence", ld), ("weight_divergence", wd)):
+        if pairs:
+            lines.append(f"round_agreement_median {key} {fmt.value} "
+                         f"{statistics.median(spearman(fn(a), fn(b)) for a, b in pairs):.3f}")
+    lines.append(f"# [{name}] {fmt.value}: WD of each round vs the truth: "
+                 + ", ".join(f"{spearman(wd(r), wd_truth):.3f}" for r in range(rounds))
+                 + "; LD: " + ", ".join(f"{spearman(ld(r), truth):.3f}" for r in range(rounds)))
+    return lines
+
+
+def _ceiling_lines(fmt, fqns: list, truths: _Truths) -> list[str]:
+    """One format's ``ceiling`` lines: each truth's split-half agreement."""
+    per_batch, dev_batches, wd_fqns = truths.per_batch, truths.dev_batches, truths.wd_fqns
+    half = len(per_batch) // 2
+    # Two ceilings: over stochastic-rounding seeds (the same batches), and over batches (what a truth
+    # of the expected deviation must also survive: one batch's rare tokens can dominate its WD).
+    # (nan where there is one batch or one seed: no halves to compare)
+    wd_half, wd_batch_half = truths.sr_seeds // 2, truths.wd_batches // 2
+    ceiling_wd_seeds = spearman(_wd_truth(dev_batches, wd_fqns, fmt, slice(None, wd_half)),
+                                _wd_truth(dev_batches, wd_fqns, fmt, slice(wd_half, None))) \
+        if wd_half else float("nan")
+    ceiling_wd = spearman(_wd_truth(dev_batches[:wd_batch_half], wd_fqns, fmt),
+                          _wd_truth(dev_batches[wd_batch_half:], wd_fqns, fmt)) \
+        if wd_batch_half else float("nan")
+    one_vs_another = spearman(_wd_truth(dev_batches[:1], wd_fqns, fmt), _wd_truth(dev_batches[1:2], wd_fqns, fmt)) \
+        if truths.wd_batches > 1 else float("nan")
+    return [f"ceiling loss {fmt.value} "
+            f"{spearman(_ld_truth(per_batch[:half], fqns, fmt), _ld_truth(per_batch[half:], fqns, fmt)):.3f}",
+            f"ceiling weights {fmt.value} {ceiling_wd:.3f}",
+            f"ceiling weights_seeds {fmt.value} {ceiling_wd_seeds:.3f}",
+            f"ceiling weights_one_batch_vs_another {fmt.value} {one_vs_another:.3f}"]
+
+
+def _format_lines(name: str, est: _FormatEstimates, truths: _Truths) -> list[str]:
+    """run_model's lines for one format (without the model's name): asides, round agreement, the estimators'
+    Spearman with the held-out truths and the truths' ceilings."""
+    fmt, fqns, wd_fqns = est.fmt, est.fqns, est.wd_fqns
+    truth = _ld_truth(truths.per_batch, fqns, fmt)
+    wd_truth = _wd_truth(truths.dev_batches, wd_fqns, fmt)
+    out = _spearman_out(est, truth, wd_truth, _wd_truth(truths.dev_batches[:1], wd_fqns, fmt))
+    lines = [_exact_line(name, est)] if est.results_exact else []
+    lines += _round_lines(name, est, truths, truth, wd_truth)
+    lines += [f"spearman_out {key} {fmt.value} {value:.3f}" for key, value in out.items()]
+    return lines + _ceiling_lines(fmt, fqns, truths)
+
+
+def _raw_dump(args, fqns: list, measured: _Rounds, truths: _Truths) -> dict:
+    """The raw per-layer values of a run_model (--dump): truths, the rounds' setting, histories and results."""
+    per_batch, dev_batches, wd_fqns, wd_in_sample = truths.per_batch, truths.dev_batches, truths.wd_fqns, truths.wd_in_sample
+    return {
         "fqns": fqns,
         "wd_fqns": wd_fqns,  # the layers of update_deviation (all, unless --wd-include)
         "loss_increase": {fmt.value: [[b[f, fmt] for f in fqns] for b in per_batch] for fmt in FORMATS},
         "update_deviation": {fmt.value: [[b[f, fmt] for f in wd_fqns] for b in dev_batches] for fmt in FORMATS},
         "update_deviation_in_sample": {fmt.value: [wd_in_sample[f, fmt] for f in wd_fqns] for fmt in FORMATS}
                                       if wd_in_sample else {},
-        "round_loss": [res.loss for res in results],
+        "round_loss": [res.loss for res in measured.results],
         # the rounds' (settings study)
         "setting": {"probes": args.probes, "noise_draws": args.noise_draws, "curvature_probe": SIGN_PER_SAMPLE,
                     "precision": args.precision},
-        "first_order_history": [{f"{fqn}|{fmt.value}": values for (fqn, fmt), values in h.items()} for h in histories],
+        "first_order_history": [{f"{fqn}|{fmt.value}": values for (fqn, fmt), values in h.items()}
+                                for h in measured.histories],
         "rounds": [
             {fqn: {k: {f.value: v for f, v in getattr(d, k).items()} for k in (
                 "loss_divergence", "weight_divergence", "first_order", "second_order", "first_stderr",
                 "first_accumulated", "first_accumulated_stderr", "wd_direct", "wd_propagated", "rel_error_forward",
                 "abs_error_forward")} for fqn, d in res.layers.items()}
-            for res in results
+            for res in measured.results
         ],
     }
+
+
+def run_model(name: str, cfg: LlamaConfig, corpus: str | None, args, quick: bool) -> list[str]:
+    rounds, held_out, sr_seeds, wd_batches = (2, 8, 2, 2) if quick else (
+        args.rounds, args.held_out, args.sr_seeds, args.wd_batches)
+    ck = train_checkpoint(name, cfg, corpus, args, quick)
+    print(f"# [{name}] max_rows {ck.max_rows}, rounds {rounds}, held-out batches {held_out} (LD), "
+          f"{wd_batches} x {sr_seeds} sr seeds (WD)", flush=True)
+    fqns = list(ck.layers)
+    measured = _run_rounds(name, ck, args, rounds)
+    truths = _measure_truths(name, ck, args, measured.slices[0], held_out, sr_seeds, wd_batches)
+    lines = []
+    for fmt in FORMATS:
+        est = _FormatEstimates(fmt=fmt, fqns=fqns, wd_fqns=truths.wd_fqns, results=measured.results,
+                              results_exact=measured.results_exact)
+        lines += _format_lines(name, est, truths)
+    raw = _raw_dump(args, fqns, measured, truths)
     return [line if line.startswith("#") else f"{line} {name}" for line in lines], raw
 
 
@@ -393,42 +498,53 @@ def check_dump_precision(raw: dict, args) -> None:
                          f"{raw['setting']['precision']}: pass --precision {raw['setting']['precision']}")
 
 
-def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: dict) -> list[str]:
-    """A round's cost against its fidelity: the rounds of a --dump run, replayed at the same
-    checkpoint (same seed, same training, same batches: checked by each replayed round's loss and
-    first-order samples, and by the dump's own setting reproducing its WD) under several
-    (probes, curvature draws) settings, each against the dump's truths. Every setting sees the same
-    slice and first-order history in each round; its seconds are the median over the rounds, and the
-    unit is a high-precision training step (forward, backward, AdamW) of the full batch, timed on a
-    copy of the model in the same run."""
-    # (probes, draws, k): each setting under --draw-seeds generator seeds (k = 0: the dump's draws)
-    settings = [(probes, draws, k) for probes, draws in parse_settings(args.settings) for k in range(args.draw_seeds)]
-    if args.extra_rounds < 0 or len(raw["round_loss"]) + args.extra_rounds < 2:
-        raise SystemExit(f"--extra-rounds: invalid value {args.extra_rounds}; allowed: >= 0, with at least 2 rounds "
-                         f"in all (the dump has {len(raw['round_loss'])}): round agreement needs a pair")
-    check_dump_precision(raw, args)
-    ck = train_checkpoint(name, cfg, corpus, args, args.quick)
-    fqns = list(ck.layers)
-    if fqns != raw["fqns"]:
-        raise SystemExit(f"--settings-study: the dump's {name} layers differ from this model's")
-    replayed = len(raw["round_loss"])
-    # The dump's own setting, whose WD the replay must reproduce (dumps before it was stored: this run's
-    # --probes and --noise-draws, which must then be the dump run's).
+def _own_setting(raw: dict, args) -> tuple[int, int] | None:
+    """The dump's own (probes, curvature draws) setting, whose WD the replay must reproduce (dumps before it was
+    stored: this run's --probes and --noise-draws, which must then be the dump run's); None where no setting
+    replays it."""
     own = raw.get("setting", {"probes": args.probes, "noise_draws": args.noise_draws})
     # (dumps before 2026-12-01 ran the error probe with one sign per layer, which no setting replays: their
     # own setting is none of these)
-    own = (own["probes"], own["noise_draws"]) if own.get("curvature_probe") == SIGN_PER_SAMPLE else None
-    rounds = replayed + args.extra_rounds  # extra rounds: the next training batches (their truths are the same)
-    terms = FirstOrderTerms(FORMATS)
-    sampler = FirstOrderSampler(ck.layers, args.first_order_rows, terms.add)
-    results = {s: [] for s in settings}
-    seconds = {s: [] for s in settings}
-    reproduced = False
+    return (own["probes"], own["noise_draws"]) if own.get("curvature_probe") == SIGN_PER_SAMPLE else None
+
+
+def _twin(ck: Checkpoint):
+    """A copy of the checkpoint's model and AdamW state, for the high-precision step's timing. Returns (model,
+    optimizer)."""
     twin = copy.deepcopy(ck.model)
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=3e-3, weight_decay=0.1)
     # A copy of the state: load_state_dict keeps the tensors it is given (same dtype and device), and the
     # twin's steps would otherwise move the checkpoint's AdamW moments, which WD reads.
     twin_opt.load_state_dict(copy.deepcopy(ck.opt.state_dict()))
+    return twin, twin_opt
+
+
+def _check_dump_wd(raw: dict, r: int, res, fqns: list, probes: int, draws: int) -> None:
+    """The dump's own setting (its run's --probes and --noise-draws): its WD, which reads the AdamW state, must
+    come out as the dump's in round r (SystemExit where it does not)."""
+    for fqn in fqns:
+        for fmt in FORMATS:
+            want = raw["rounds"][r][fqn]["weight_divergence"][fmt.value]
+            got = res.layers[fqn].weight_divergence[fmt]
+            if not math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-12):
+                raise SystemExit(f"--settings-study: round {r} WD of {fqn} ({fmt.value}) {got} != the "
+                                 f"dump's {want} at the dump's own setting {probes}x{draws}"
+                                 + ("" if "setting" in raw else " (this dump does not record its setting: "
+                                    "pass the --probes and --noise-draws its run used)"))
+
+
+def _replay_rounds(ck: Checkpoint, args, raw: dict, settings: list, own, rounds: int):
+    """The dump's rounds (and --extra-rounds more) replayed under each setting, checked against the dump, with a
+    high-precision step of a full batch timed on a twin of the model per round. Returns (setting -> results per
+    round, setting -> seconds per round, the high-precision steps' seconds, whether the dump's own setting
+    reproduced its WD)."""
+    fqns, replayed = list(ck.layers), len(raw["round_loss"])
+    terms = FirstOrderTerms(FORMATS)
+    sampler = FirstOrderSampler(ck.layers, args.first_order_rows, terms.add)
+    results = {s: [] for s in settings}
+    seconds = {s: [] for s in settings}
+    reproduced = False
+    twin, twin_opt = _twin(ck)
     hp, full = [], next(batches_like(ck))  # one batch of the model's shape, for the step's timing
     for r in range(rounds):
         history, sliced, _ = round_inputs(ck, terms, sampler)
@@ -457,19 +573,90 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
                 raise SystemExit(f"--settings-study: round {r} loss {res.loss} != the dump's {raw['round_loss'][r]}: "
                                  "not the dump's checkpoint (other seed, code or arguments)")
             if r < replayed and (probes, draws) == own and k == 0 and not args.skip_wd_check:
-                # The dump's own setting (its run's --probes and --noise-draws): its WD, which reads the
-                # AdamW state, must come out as the dump's.
-                for fqn in fqns:
-                    for fmt in FORMATS:
-                        want = raw["rounds"][r][fqn]["weight_divergence"][fmt.value]
-                        got = res.layers[fqn].weight_divergence[fmt]
-                        if not math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-12):
-                            raise SystemExit(f"--settings-study: round {r} WD of {fqn} ({fmt.value}) {got} != the "
-                                             f"dump's {want} at the dump's own setting {probes}x{draws}"
-                                             + ("" if "setting" in raw else " (this dump does not record its setting: "
-                                                "pass the --probes and --noise-draws its run used)"))
+                _check_dump_wd(raw, r, res, fqns, probes, draws)
                 reproduced = True
             results[probes, draws, k].append(res)
+    return results, seconds, hp, reproduced
+
+
+def _setting_row(res: list, fmt, fqns: list, wd_fqns: list, truth_ld: list, truth_wd: list) -> list[float]:
+    """One setting's fidelity in one format, against the dump's truths: [LD median round, LD aggregate, WD median
+    round, WD aggregate, LD round agreement (median pair), WD round agreement]."""
+    rounds = len(res)
+
+    def ld(r, clamp=True):  # the aggregate averages unclamped values and clamps after, as the callback
+        values = {f: res[r].layers[f].loss_divergence for f in fqns}
+        return [planning_value(values, f, fmt) if clamp else values[f][fmt] for f in fqns]
+
+    def wd(r):
+        return [res[r].layers[f].weight_divergence[fmt] for f in wd_fqns]
+
+    # The aggregate the callback plans from, after each round from the 4th on (the last round
+    # weighs half: one aggregate is not much steadier than one round): the median over them.
+    agg = DivergenceAggregate()
+    agg_ld, agg_wd = [], []
+    for r in range(rounds):
+        agg.update({"loss_divergence": {f: {fmt: v} for f, v in zip(fqns, ld(r, clamp=False))},
+                    "weight_divergence": {f: {fmt: v} for f, v in zip(wd_fqns, wd(r))}})
+        if r >= min(3, rounds - 1):
+            agg_ld.append(spearman([planning_value(agg.values("loss_divergence"), f, fmt) for f in fqns], truth_ld))
+            agg_wd.append(spearman([agg.values("weight_divergence")[f][fmt] for f in wd_fqns], truth_wd))
+    pairs = list(itertools.combinations(range(rounds), 2))
+    return [
+        statistics.median(spearman(ld(r), truth_ld) for r in range(rounds)),
+        statistics.median(agg_ld),
+        statistics.median(spearman(wd(r), truth_wd) for r in range(rounds)),
+        statistics.median(agg_wd),
+        statistics.median(spearman(ld(a), ld(b)) for a, b in pairs),
+        statistics.median(spearman(wd(a), wd(b)) for a, b in pairs),
+    ]
+
+
+def _settings_lines(name: str, fmt, raw: dict, fqns: list, results: dict, seconds: dict, hp_step: float,
+                    args) -> list[str]:
+    """One format's ``settings`` lines: a row per setting and draw seed (and, under --draw-seeds, their mean)."""
+    truth_ld = [sum(b[i] for b in raw["loss_increase"][fmt.value]) / len(raw["loss_increase"][fmt.value])
+                for i in range(len(fqns))]
+    dev = raw["update_deviation"][fmt.value]
+    wd_fqns = raw.get("wd_fqns", fqns)  # the layers of the WD truth (--wd-include)
+    truth_wd = [sum(sum(b[i]) / len(b[i]) for b in dev) / len(dev) for i in range(len(wd_fqns))]
+    lines, rows = [], {}
+    for (probes, draws, k), res in results.items():
+        row = [statistics.median(seconds[probes, draws, k]) / hp_step,
+               *_setting_row(res, fmt, fqns, wd_fqns, truth_ld, truth_wd)]
+        label = f"{probes}x{draws}" + (f"#{k}" if args.draw_seeds > 1 else "")
+        lines.append(f"settings {label} {fmt.value} " + " ".join(f"{v:.3f}" for v in row) + f" {name}")
+        rows.setdefault((probes, draws), []).append(row)
+    if args.draw_seeds > 1:  # each column's mean over the draw seeds
+        for (probes, draws), per_seed in rows.items():
+            mean = [sum(col) / len(col) for col in zip(*per_seed)]
+            lines.append(f"settings {probes}x{draws}(mean) {fmt.value} " + " ".join(f"{v:.3f}" for v in mean)
+                         + f" {name}")
+    return lines
+
+
+def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: dict) -> list[str]:
+    """A round's cost against its fidelity: the rounds of a --dump run, replayed at the same
+    checkpoint (same seed, same training, same batches: checked by each replayed round's loss and
+    first-order samples, and by the dump's own setting reproducing its WD) under several
+    (probes, curvature draws) settings, each against the dump's truths. Every setting sees the same
+    slice and first-order history in each round; its seconds are the median over the rounds, and the
+    unit is a high-precision training step (forward, backward, AdamW) of the full batch, timed on a
+    copy of the model in the same run."""
+    # (probes, draws, k): each setting under --draw-seeds generator seeds (k = 0: the dump's draws)
+    settings = [(probes, draws, k) for probes, draws in parse_settings(args.settings) for k in range(args.draw_seeds)]
+    if args.extra_rounds < 0 or len(raw["round_loss"]) + args.extra_rounds < 2:
+        raise SystemExit(f"--extra-rounds: invalid value {args.extra_rounds}; allowed: >= 0, with at least 2 rounds "
+                         f"in all (the dump has {len(raw['round_loss'])}): round agreement needs a pair")
+    check_dump_precision(raw, args)
+    ck = train_checkpoint(name, cfg, corpus, args, args.quick)
+    fqns = list(ck.layers)
+    if fqns != raw["fqns"]:
+        raise SystemExit(f"--settings-study: the dump's {name} layers differ from this model's")
+    replayed = len(raw["round_loss"])
+    own = _own_setting(raw, args)
+    rounds = replayed + args.extra_rounds  # extra rounds: the next training batches (their truths are the same)
+    results, seconds, hp, reproduced = _replay_rounds(ck, args, raw, settings, own, rounds)
     hp_step = statistics.median(hp)
     check = (f"WD of the dump's own setting {own[0]}x{own[1]} equal to the dump's" if reproduced
              else "WD not checked (--skip-wd-check)" if args.skip_wd_check
@@ -479,48 +666,7 @@ def settings_study(name: str, cfg: LlamaConfig, corpus: str | None, args, raw: d
              f"{check}) + {args.extra_rounds} more, high-precision "
              f"step {hp_step:.3f} s (median of {rounds}, {ck.batch_size}x{ck.seq_len} rows)"]
     for fmt in FORMATS:
-        truth_ld = [sum(b[i] for b in raw["loss_increase"][fmt.value]) / len(raw["loss_increase"][fmt.value])
-                    for i in range(len(fqns))]
-        dev = raw["update_deviation"][fmt.value]
-        wd_fqns = raw.get("wd_fqns", fqns)  # the layers of the WD truth (--wd-include)
-        truth_wd = [sum(sum(b[i]) / len(b[i]) for b in dev) / len(dev) for i in range(len(wd_fqns))]
-        rows = {}
-        for (probes, draws, k), res in results.items():
-            def ld(r, clamp=True):  # the aggregate averages unclamped values and clamps after, as the callback
-                return [(res[r].layers[f].loss_divergence if clamp else res[r].layers[f].unclamped_loss_divergence())[fmt]
-                        for f in fqns]
-
-            def wd(r):
-                return [res[r].layers[f].weight_divergence[fmt] for f in wd_fqns]
-
-            # The aggregate the callback plans from, after each round from the 4th on (the last round
-            # weighs half: one aggregate is not much steadier than one round): the median over them.
-            agg = DivergenceAggregate()
-            agg_ld, agg_wd = [], []
-            for r in range(rounds):
-                agg.update({"loss_divergence": {f: {fmt.value: v} for f, v in zip(fqns, ld(r, clamp=False))},
-                            "weight_divergence": {f: {fmt.value: v} for f, v in zip(wd_fqns, wd(r))}})
-                if r >= min(3, rounds - 1):
-                    agg_ld.append(spearman([planning_value(agg.values("loss_divergence"), f, fmt) for f in fqns], truth_ld))
-                    agg_wd.append(spearman([agg.values("weight_divergence")[f][fmt.value] for f in wd_fqns], truth_wd))
-            pairs = list(itertools.combinations(range(rounds), 2))
-            row = [
-                statistics.median(seconds[probes, draws, k]) / hp_step,
-                statistics.median(spearman(ld(r), truth_ld) for r in range(rounds)),
-                statistics.median(agg_ld),
-                statistics.median(spearman(wd(r), truth_wd) for r in range(rounds)),
-                statistics.median(agg_wd),
-                statistics.median(spearman(ld(a), ld(b)) for a, b in pairs),
-                statistics.median(spearman(wd(a), wd(b)) for a, b in pairs),
-            ]
-            label = f"{probes}x{draws}" + (f"#{k}" if args.draw_seeds > 1 else "")
-            lines.append(f"settings {label} {fmt.value} " + " ".join(f"{v:.3f}" for v in row) + f" {name}")
-            rows.setdefault((probes, draws), []).append(row)
-        if args.draw_seeds > 1:  # each column's mean over the draw seeds
-            for (probes, draws), per_seed in rows.items():
-                mean = [sum(col) / len(col) for col in zip(*per_seed)]
-                lines.append(f"settings {probes}x{draws}(mean) {fmt.value} " + " ".join(f"{v:.3f}" for v in mean)
-                             + f" {name}")
+        lines += _settings_lines(name, fmt, raw, fqns, results, seconds, hp_step, args)
     return lines
 
 

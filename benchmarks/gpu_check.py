@@ -216,71 +216,109 @@ def round_profile(device, lines, width=1024, blocks=4, precisions=("training", "
         _round_profile(device, lines, width, blocks, precision)
 
 
-def _round_profile(device, lines, width, blocks, precision):
+def _wrap_timed(module, name, sync, totals, counts):
+    """module.name replaced by a CUDA-synchronised wrapper that adds its seconds and calls to totals and counts
+    (under "<module>.<name>"); returns the original function."""
+    fn = getattr(module, name)
+    label = f"{module.__name__.rsplit('.', 1)[-1]}.{name}"  # (quantized_matmul: LD's and WD's apart)
+
+    def timed_fn(*args, **kwargs):
+        sync()
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sync()
+            totals[label] = totals.get(label, 0.0) + time.perf_counter() - start
+            counts[label] = counts.get(label, 0) + 1
+
+    setattr(module, name, timed_fn)
+    return fn
+
+
+def _wrap_round_phases(sync, totals, counts):
+    """The round's phases timed: each function wrapped where its caller looks it up (the modules of the round's
+    phases). Returns [(module, name, original function)], to restore."""
+    import harness
+
+    import lightning_snip.loss_divergence as ld
+    import lightning_snip.statistics_round as rounds
+    import lightning_snip.weight_divergence as wd
+
+    names = [(harness, "collect_stats"), (harness, "estimate_divergence"), (rounds, "update_energy"),
+             (rounds, "forward_divergence"), (ld, "quantized_matmul"), (ld, "error_probe_second_order"),
+             (ld, "transferred_second_order"), (ld, "_forward_parts"), (rounds, "backward_divergence"),
+             (wd, "quantized_matmul"), (wd, "_probe_propagated"), (wd, "_layer_backward_parts")]
+    missing = [f"{m.__name__}.{n}" for m, n in names if not hasattr(m, n)]
+    if missing:  # (a renamed phase would drop out of the table unseen)
+        raise AttributeError(f"round profile: no {', '.join(missing)} to time; update the phase names")
+    return [(m, n, _wrap_timed(m, n, sync, totals, counts)) for m, n in names]
+
+
+def _profiled_round(device, width, blocks, precision):
+    """stats_cost's setup at width x blocks on device, one training step taken; returns (the statistics round
+    in precision as a function, the number of converted layers)."""
     import torch.nn.functional as F
 
     import harness
 
-    import lightning_snip.divergence as div
-    import lightning_snip.loss_divergence as ld
-    import lightning_snip.weight_divergence as wd
     from lightning_snip.config import SNIPConfig
     from lightning_snip.convert import convert_linears
     from lightning_snip.demo.model import TinyLlama
     from lightning_snip.stats import Propagation, slice_batch
 
+    torch.manual_seed(0)
+    cfg = SNIPConfig()
+    model = TinyLlama(harness.model_config(width, blocks)).to(device)
+    layers = convert_linears(model, pins=cfg.pin_formats)  # the LM head in bf16, as SNIPCallback's default
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 256, (harness.BATCH, harness.SEQ_LEN + 1), device=device)
+    sliced = slice_batch((tokens[:, :-1], tokens[:, 1:]), cfg.max_rows)
+
+    def loss_fn():
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):  # as stats_cost
+            return F.cross_entropy(model(sliced[0]).reshape(-1, 256), sliced[1].reshape(-1))
+
+    loss_fn().backward()
+    opt.step()
+
+    def one_round():
+        stats = harness.collect_stats(model, loss_fn, layers=layers, optimizer=opt, propagation=Propagation.PROBE)
+        try:
+            harness.estimate_divergence(stats, cfg.candidate_formats, recipe=cfg.recipe, noise_draws=NOISE_DRAWS,
+                                        probes=WD_PROBES, precision=precision,
+                                        generator=torch.Generator(device=device).manual_seed(0),
+                                        allowed=harness.round_formats(layers))
+        finally:
+            stats.release()
+
+    return one_round, len(layers)
+
+
+def _profile_lines(events, phases, calls) -> list[str]:
+    """The ``round_phase``, ``round_op`` and ``round_kernel`` lines: the timed phases, the ops with the most
+    CPU time and the kernels with the most device time of the profiled round."""
+    lines = []
+    for name, seconds in sorted(phases.items(), key=lambda kv: -kv[1]):
+        lines.append(f"round_phase {name} calls {calls[name]} ms {seconds * 1e3:.0f}")
+    top = sorted((e for e in events if e.device_type != torch.autograd.DeviceType.CUDA),
+                 key=lambda e: -e.self_cpu_time_total)[:12]
+    for e in top:
+        lines.append(f"round_op {e.key} calls {e.count} self_cpu_ms {e.self_cpu_time_total / 1e3:.1f} "
+                     f"device_ms {e.device_time_total / 1e3:.1f}")
+    busiest = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: -e.self_device_time_total)[:8]
+    for e in busiest:  # where the device time goes (GEMM kernels by name: their dtype)
+        lines.append(f"round_kernel {e.key[:90]} calls {e.count} device_ms {e.self_device_time_total / 1e3:.1f}")
+    return lines
+
+
+def _round_profile(device, lines, width, blocks, precision):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     totals, counts = {}, {}
-
-    def wrap(module, name):
-        fn = getattr(module, name)
-        label = f"{module.__name__.rsplit('.', 1)[-1]}.{name}"  # (quantized_matmul: LD's and WD's apart)
-
-        def timed_fn(*args, **kwargs):
-            sync()
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                sync()
-                totals[label] = totals.get(label, 0.0) + time.perf_counter() - start
-                counts[label] = counts.get(label, 0) + 1
-
-        setattr(module, name, timed_fn)
-        return fn
-
-    # each function wrapped where its caller looks it up (the modules of the round's phases)
-    names = [(harness, "collect_stats"), (harness, "estimate_divergence"), (div, "update_energy"),
-             (div, "forward_divergence"), (ld, "quantized_matmul"), (ld, "error_probe_second_order"),
-             (ld, "transferred_second_order"), (ld, "_forward_metrics"), (div, "backward_divergence"),
-             (wd, "quantized_matmul"), (wd, "_probe_propagated"), (wd, "_layer_backward_metrics")]
-    originals = [(m, n, wrap(m, n)) for m, n in names if hasattr(m, n)]
+    originals = _wrap_round_phases(sync, totals, counts)
     try:
-        torch.manual_seed(0)
-        cfg = SNIPConfig()
-        model = TinyLlama(harness.model_config(width, blocks)).to(device)
-        layers = convert_linears(model, pins=cfg.pin_formats)  # the LM head in bf16, as SNIPCallback's default
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        tokens = torch.randint(0, 256, (harness.BATCH, harness.SEQ_LEN + 1), device=device)
-        sliced = slice_batch((tokens[:, :-1], tokens[:, 1:]), cfg.max_rows)
-
-        def loss_fn():
-            with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):  # as stats_cost
-                return F.cross_entropy(model(sliced[0]).reshape(-1, 256), sliced[1].reshape(-1))
-
-        loss_fn().backward()
-        opt.step()
-
-        def one_round():
-            stats = harness.collect_stats(model, loss_fn, layers=layers, optimizer=opt, propagation=Propagation.PROBE)
-            try:
-                harness.estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=NOISE_DRAWS,
-                                            probes=WD_PROBES, precision=precision,
-                                            generator=torch.Generator(device=device).manual_seed(0),
-                                            allowed=harness.round_formats(layers))
-            finally:
-                stats.release()
-
+        one_round, num_layers = _profiled_round(device, width, blocks, precision)
         one_round()  # compiles
         totals.clear()
         counts.clear()
@@ -300,20 +338,10 @@ def _round_profile(device, lines, width, blocks, precision):
         events = prof.key_averages()
         kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
         device_ms = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
-        lines.append(f"round_profile precision={precision} width={width} blocks={blocks} layers={len(layers)} "
+        lines.append(f"round_profile precision={precision} width={width} blocks={blocks} layers={num_layers} "
                      f"wall_ms {plain * 1e3:.0f} "
                      f"under_profiler_ms {wall * 1e3:.0f} cuda_kernels {kernels} kernel_time_ms {device_ms:.0f}")
-        for name, seconds in sorted(phases.items(), key=lambda kv: -kv[1]):
-            lines.append(f"round_phase {name} calls {calls[name]} ms {seconds * 1e3:.0f}")
-        top = sorted((e for e in events if e.device_type != torch.autograd.DeviceType.CUDA),
-                     key=lambda e: -e.self_cpu_time_total)[:12]
-        for e in top:
-            lines.append(f"round_op {e.key} calls {e.count} self_cpu_ms {e.self_cpu_time_total / 1e3:.1f} "
-                         f"device_ms {e.device_time_total / 1e3:.1f}")
-        busiest = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
-                         key=lambda e: -e.self_device_time_total)[:8]
-        for e in busiest:  # where the device time goes (GEMM kernels by name: their dtype)
-            lines.append(f"round_kernel {e.key[:90]} calls {e.count} device_ms {e.self_device_time_total / 1e3:.1f}")
+        lines += _profile_lines(events, phases, calls)
     finally:
         for module, name, fn in originals:
             setattr(module, name, fn)

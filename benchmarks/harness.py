@@ -38,7 +38,7 @@ from lightning_snip.config import SNIPConfig
 from lightning_snip.statistics_round import NOISE_DRAWS, WD_PROBES
 from lightning_snip.convert import convert_linears
 from lightning_snip.demo.model import LlamaConfig, TinyLlama
-from lightning_snip.divergence import estimate_divergence
+from lightning_snip.statistics_round import estimate_divergence
 from lightning_snip.formats import Format
 from lightning_snip.groups import MAX_GROUP_LAYERS
 from lightning_snip.probes import unbatch_probes
@@ -504,7 +504,7 @@ class _RoundBench:
 
         stats = collect_stats(self.model, loss_fn, layers=self.layers, optimizer=self.opt, propagation=propagation)
         try:
-            estimate_divergence(stats, cfg.formats, recipe=cfg.recipe, noise_draws=NOISE_DRAWS, probes=probes,
+            estimate_divergence(stats, cfg.candidate_formats, recipe=cfg.recipe, noise_draws=NOISE_DRAWS, probes=probes,
                                 precision=precision, group_layers=group_layers,
                                 generator=torch.Generator(device=self.device).manual_seed(self.seed),
                                 allowed=round_formats(self.layers, pinned_measured))

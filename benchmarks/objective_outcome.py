@@ -60,7 +60,6 @@ def measure_rounds(s: cp.Setup, ckpt: Path, batches: int, seed: int = 0) -> list
 
     from lightning_snip.config import SNIPConfig
     from lightning_snip.statistics_round import run_statistics_round
-    from lightning_snip.stats import slice_batch
 
     module, optimizer, data = cp.from_checkpoint(s, ckpt)
     model, layers = cp.truth_model(s, module)
@@ -69,14 +68,14 @@ def measure_rounds(s: cp.Setup, ckpt: Path, batches: int, seed: int = 0) -> list
     device = next(model.parameters()).device
     rounds = []
     for i in range(batches):
-        batch = [t.to(device) for t in slice_batch(next(stream), cfg.max_rows)]
+        batch = [t.to(device) for t in next(stream)]
         start = time.perf_counter()
-        result = run_statistics_round(model, lambda: model.loss(batch), layers, cfg, optimizer=optimizer,
+        result = run_statistics_round(model, batch, model.loss, layers, cfg, optimizer=optimizer,
                                       generator=torch.Generator().manual_seed(seed * 1000 + i))
         seconds = time.perf_counter() - start
         out = {"ld": {}, "wd": {}, "seconds": seconds}
         for fqn, d in result.layers.items():
-            for fmt in cfg.formats:
+            for fmt in cfg.candidate_formats:
                 key = f"model.{fqn}|{fmt.value}"
                 out["ld"][key], out["wd"][key] = d.loss_divergence[fmt], d.weight_divergence[fmt]
         rounds.append(out)

@@ -25,6 +25,15 @@ def _loss(model, batch):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def _step_kind(controller, step: int) -> tuple[bool, bool]:
+    """(a round is due, the first-order term is sampled) at ``step``: controller.step_kind since 2026-12-06, the
+    is_round_due / is_first_order_step pair before."""
+    if hasattr(controller, "step_kind"):
+        kind = controller.step_kind(step).value
+        return kind == "round", kind == "first_order"
+    return controller.is_round_due(step), controller.is_first_order_step(step)
+
+
 def seeded_run(granularity: str) -> dict:
     from lightning_snip.config import SNIPConfig
     from lightning_snip.controller import SNIPController
@@ -52,9 +61,10 @@ def seeded_run(granularity: str) -> dict:
         applied = controller.apply_due(model, step)
         if applied:
             plans.append((step, {key: fmt.value for key, fmt in applied[1].items()}))
-        if controller.is_round_due(step):
+        round_due, first_order = _step_kind(controller, step)
+        if round_due:
             controller.statistics_round(model, batch, lambda b: _loss(model, b), step=step, optimizer=opt)
-        elif controller.is_first_order_step(step):
+        elif first_order:
             controller.start_first_order(step)
         loss = _loss(model, batch)
         loss.backward()

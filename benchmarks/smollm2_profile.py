@@ -132,7 +132,8 @@ def outlier_stats(model, layers, batches_) -> dict:
     return out
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
+    """The command line of this benchmark."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--truths", required=True, help="a divergence_fidelity.py --models smollm2 --dump file")
     parser.add_argument("--batches", type=int, default=8)
@@ -143,7 +144,124 @@ def main() -> None:
     parser.add_argument("--json", help="write the per-layer profile to this file")
     parser.add_argument("--outlier-ratio", type=float, default=100.0,
                         help="max/rms above which a layer's input counts as a massive activation")
-    args = parser.parse_args()
+    return parser
+
+
+def _decoder_layers(raw: dict) -> tuple[list[str], list[str]]:
+    """The dump's truths cut to the decoder layers' linears, in place (a dump without --exclude '*lm_head' also
+    holds the head: it has no class). Returns (LD's layers, WD's layers)."""
+    keep = [i for i, f in enumerate(raw["fqns"]) if re.search(r"\blayers\.\d+\.", f)]
+    fqns = [raw["fqns"][i] for i in keep]
+    raw["loss_increase"] = {fmt: [[b[i] for i in keep] for b in per_batch] for fmt, per_batch in raw["loss_increase"].items()}
+    wd_all = raw.get("wd_fqns", raw["fqns"])
+    wd_keep = [i for i, f in enumerate(wd_all) if re.search(r"\blayers\.\d+\.", f)]
+    wd_fqns = [wd_all[i] for i in wd_keep]
+    raw["update_deviation"] = {fmt: [[b[i] for i in wd_keep] for b in per_batch]
+                               for fmt, per_batch in raw["update_deviation"].items()}
+    return fqns, wd_fqns
+
+
+def _outlier_lines(outliers: dict) -> list[str]:
+    """The ``outlier`` lines: the medians of max/rms and kurtosis, the ten largest max/rms and down_proj's by
+    block."""
+    ratios = sorted(((o["max_over_rms"], f) for f, o in outliers.items()), reverse=True)
+    lines = [f"outliers median max/rms {statistics.median(r for r, _ in ratios):.1f}; median kurtosis "
+             f"{statistics.median(o['kurtosis'] for o in outliers.values()):.1f}"]
+    for r, f in ratios[:10]:
+        lines.append(f"outlier {f} max/rms {r:.0f} kurtosis {outliers[f]['kurtosis']:.0f}")
+    down = [(o["max_over_rms"], f) for f, o in outliers.items() if f.endswith("down_proj")]
+    lines.append("outlier down_proj max/rms by block: " + ", ".join(f"{block_of(f)}:{r:.0f}" for r, f in down))
+    return lines
+
+
+def _ld_estimate_lines(fmt: str, fqns: list[str], truth: list[float], raw: dict, outliers: dict, num_blocks: int,
+                       halves, ceiling: float, class_rule: float, outlier_ratio: float) -> list[str]:
+    """Where SNIP's LD misranks (the mean of the dump's rounds, what the aggregate approaches): the
+    massive-activation layers (max/rms > outlier_ratio) against the rest, the class rule's out-of-sample
+    layers (class_rule: its Spearman on them; halves: the truth's two halves, or None) and the layers
+    misranked most. Returns the ``ld_estimate`` lines."""
+    estimate = [statistics.mean(r[f]["loss_divergence"][fmt] for r in raw["rounds"]) for f in fqns]
+    rank_t = _ranks(truth)
+    rank_e = _ranks(estimate)
+    heavy = [i for i, f in enumerate(fqns) if outliers[f]["max_over_rms"] > outlier_ratio]
+    rest = [i for i in range(len(fqns)) if i not in heavy]
+
+    def sub(idx):
+        return float(spearmanr([estimate[i] for i in idx], [truth[i] for i in idx]).statistic) \
+            if len(idx) > 2 else float("nan")
+
+    classes = [layer_class(f, num_blocks) for f in fqns]
+    shared = [i for i, c in enumerate(classes) if classes.count(c) > 1]  # the class rule's out-of-sample layers
+    shared_ceiling = float(spearmanr([halves[0][i] for i in shared], [halves[1][i] for i in shared]).statistic) \
+        if halves else float("nan")
+    lines = [f"ld_estimate {fmt} on the class rule's out-of-sample layers({len(shared)}) {sub(shared):.3f} "
+             f"(class rule {class_rule:.3f}; truth ceiling on them {shared_ceiling:.3f})"]
+    worst = sorted(range(len(fqns)), key=lambda i: -abs(rank_e[i] - rank_t[i]))[:8]
+    lines.append(f"ld_estimate {fmt} spearman_all {float(spearmanr(estimate, truth).statistic):.3f} "
+                 f"outliers({len(heavy)}) {sub(heavy):.3f} rest({len(rest)}) {sub(rest):.3f} "
+                 f"(ceiling {ceiling:.3f}; mean of {len(raw['rounds'])} rounds)")
+    lines.append(f"# ld {fmt} most misranked (estimate rank / truth rank of {len(fqns)}, max/rms): " + ", ".join(
+        f"{fqns[i]} {rank_e[i]:.0f}/{rank_t[i]:.0f} ({outliers[fqns[i]]['max_over_rms']:.0f})" for i in worst))
+    return lines
+
+
+def _ld_lines(fmt: str, per_batch: list, fqns: list[str], raw: dict, outliers: dict, num_blocks: int,
+              profile: dict, outlier_ratio: float) -> list[str]:
+    """One format's LD truth against the class rule (and SNIP's estimate, where the dump holds its rounds),
+    added to profile; returns the ``ld_truth``, ``class_rule ld`` and ``ld_estimate`` lines."""
+    truth = [sum(b[i] for b in per_batch) / len(per_batch) for i in range(len(fqns))]
+    half = len(per_batch) // 2
+    ceiling, halves = float("nan"), None  # (one batch: no halves)
+    if half:
+        first = [sum(b[i] for b in per_batch[:half]) / half for i in range(len(fqns))]
+        second = [sum(b[i] for b in per_batch[half:]) / (len(per_batch) - half) for i in range(len(fqns))]
+        ceiling, halves = float(spearmanr(first, second).statistic), (first, second)
+    fit = class_fit(fqns, truth, num_blocks)
+    fit["ceiling"] = ceiling
+    profile["fits"][f"ld_{fmt}"] = fit
+    for f, v in zip(fqns, truth):
+        profile["layers"][f][f"ld_truth_{fmt}"] = v
+    rank_ratio = float(spearmanr([outliers[f]["max_over_rms"] for f in fqns], truth).statistic)
+    lines = [f"ld_truth {fmt} median {statistics.median(truth):.2e} max {max(truth):.2e} "
+             f"({fqns[truth.index(max(truth))]}); negative {sum(v < 0 for v in truth)}/{len(truth)}; "
+             f"ceiling {ceiling:.3f}; spearman with max/rms {rank_ratio:.3f}"]
+    lines.append(f"class_rule ld {fmt} variance_explained {fit['variance_explained']:.3f} log "
+                 f"{fit['variance_explained_log']:.3f} class_means_spearman {fit['class_means_spearman']:.3f} "
+                 f"(ceiling {ceiling:.3f}; {fit['num_classes']} classes); out of sample: log "
+                 f"{fit['loo_variance_explained_log']:.3f} spearman {fit['loo_class_means_spearman']:.3f} "
+                 f"({fit['loo_layers']} layers)")
+    lines.append(f"# ld {fmt} largest log10 residuals from the class means: "
+                 + ", ".join(f"{f} {r:+.2f}" for f, r in fit["largest_residuals"]))
+    if raw.get("rounds"):
+        lines += _ld_estimate_lines(fmt, fqns, truth, raw, outliers, num_blocks, halves, ceiling,
+                                    fit["loo_class_means_spearman"], outlier_ratio)
+    return lines
+
+
+def _wd_lines(fmt: str, per_batch: list, wd_fqns: list[str], num_blocks: int, profile: dict) -> list[str]:
+    """One format's WD truth against the class rule, added to profile; returns the ``wd_truth`` and
+    ``class_rule wd`` lines."""
+    truth = [sum(sum(b[i]) / len(b[i]) for b in per_batch) / len(per_batch) for i in range(len(wd_fqns))]
+    fit = class_fit(wd_fqns, truth, num_blocks)
+    half = len(per_batch) // 2
+    if half:
+        first = [sum(sum(b[i]) / len(b[i]) for b in per_batch[:half]) / half for i in range(len(wd_fqns))]
+        second = [sum(sum(b[i]) / len(b[i]) for b in per_batch[half:]) / (len(per_batch) - half)
+                  for i in range(len(wd_fqns))]
+        fit["ceiling"] = float(spearmanr(first, second).statistic)
+    profile["fits"][f"wd_{fmt}"] = fit
+    for f, v in zip(wd_fqns, truth):
+        profile["layers"][f][f"wd_truth_{fmt}"] = v
+    return [f"wd_truth {fmt} median {statistics.median(truth):.2e} max {max(truth):.2e} "
+            f"({wd_fqns[truth.index(max(truth))]}); {len(wd_fqns)} layers; ceiling {fit.get('ceiling', float('nan')):.3f}",
+            f"class_rule wd {fmt} variance_explained {fit['variance_explained']:.3f} log "
+            f"{fit['variance_explained_log']:.3f} class_means_spearman {fit['class_means_spearman']:.3f}; "
+            f"out of sample: log {fit['loo_variance_explained_log']:.3f} spearman "
+            f"{fit['loo_class_means_spearman']:.3f} ({fit['loo_layers']} layers)"]
+
+
+def main() -> None:
+    args = _parser().parse_args()
     raw = json.loads(Path(args.truths).read_text())
     if "smollm2" not in raw:
         raise SystemExit(f"--truths: {args.truths} holds no smollm2 run (models: {', '.join(raw)}); run "
@@ -161,95 +279,17 @@ def main() -> None:
     stream = harness.batches(ByteWindows(held, args.seq_len), args.batch, gen)
     outliers = outlier_stats(model, layers, [next(stream) for _ in range(args.batches)])
 
-    # the decoder layers' linears (a dump without --exclude '*lm_head' also holds the head: it has no class)
-    keep = [i for i, f in enumerate(raw["fqns"]) if re.search(r"\blayers\.\d+\.", f)]
-    fqns = [raw["fqns"][i] for i in keep]
-    raw["loss_increase"] = {fmt: [[b[i] for i in keep] for b in per_batch] for fmt, per_batch in raw["loss_increase"].items()}
-    wd_all = raw.get("wd_fqns", raw["fqns"])
-    wd_keep = [i for i, f in enumerate(wd_all) if re.search(r"\blayers\.\d+\.", f)]
-    wd_fqns = [wd_all[i] for i in wd_keep]
-    raw["update_deviation"] = {fmt: [[b[i] for i in wd_keep] for b in per_batch]
-                               for fmt, per_batch in raw["update_deviation"].items()}
+    fqns, wd_fqns = _decoder_layers(raw)
     lines = [f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.machine()} python "
              f"{platform.python_version()} torch {torch.__version__}; SmolLM2-135M-Instruct, {len(fqns)} linears "
              f"profiled; outliers on {args.batches} held-out batches of {args.batch}x{args.seq_len} tokens; truths "
              f"from {args.truths}"]
-    ratios = sorted(((o["max_over_rms"], f) for f, o in outliers.items()), reverse=True)
-    lines.append(f"outliers median max/rms {statistics.median(r for r, _ in ratios):.1f}; median kurtosis "
-                 f"{statistics.median(o['kurtosis'] for o in outliers.values()):.1f}")
-    for r, f in ratios[:10]:
-        lines.append(f"outlier {f} max/rms {r:.0f} kurtosis {outliers[f]['kurtosis']:.0f}")
-    down = [(o["max_over_rms"], f) for f, o in outliers.items() if f.endswith("down_proj")]
-    lines.append("outlier down_proj max/rms by block: " + ", ".join(f"{block_of(f)}:{r:.0f}" for r, f in down))
+    lines += _outlier_lines(outliers)
     profile = {"layers": {f: dict(o) for f, o in outliers.items()}, "fits": {}}
     for fmt, per_batch in raw["loss_increase"].items():
-        truth = [sum(b[i] for b in per_batch) / len(per_batch) for i in range(len(fqns))]
-        half = len(per_batch) // 2
-        ceiling = float("nan")  # (one batch: no halves)
-        if half:
-            first = [sum(b[i] for b in per_batch[:half]) / half for i in range(len(fqns))]
-            second = [sum(b[i] for b in per_batch[half:]) / (len(per_batch) - half) for i in range(len(fqns))]
-            ceiling = float(spearmanr(first, second).statistic)
-        fit = class_fit(fqns, truth, num_blocks)
-        fit["ceiling"] = ceiling
-        profile["fits"][f"ld_{fmt}"] = fit
-        for f, v in zip(fqns, truth):
-            profile["layers"][f][f"ld_truth_{fmt}"] = v
-        rank_ratio = float(spearmanr([outliers[f]["max_over_rms"] for f in fqns], truth).statistic)
-        lines.append(f"ld_truth {fmt} median {statistics.median(truth):.2e} max {max(truth):.2e} "
-                     f"({fqns[truth.index(max(truth))]}); negative {sum(v < 0 for v in truth)}/{len(truth)}; "
-                     f"ceiling {ceiling:.3f}; spearman with max/rms {rank_ratio:.3f}")
-        lines.append(f"class_rule ld {fmt} variance_explained {fit['variance_explained']:.3f} log "
-                     f"{fit['variance_explained_log']:.3f} class_means_spearman {fit['class_means_spearman']:.3f} "
-                     f"(ceiling {ceiling:.3f}; {fit['num_classes']} classes); out of sample: log "
-                     f"{fit['loo_variance_explained_log']:.3f} spearman {fit['loo_class_means_spearman']:.3f} "
-                     f"({fit['loo_layers']} layers)")
-        lines.append(f"# ld {fmt} largest log10 residuals from the class means: "
-                     + ", ".join(f"{f} {r:+.2f}" for f, r in fit["largest_residuals"]))
-        # Where SNIP's LD misranks (the mean of the dump's rounds, what the aggregate approaches):
-        # the massive-activation layers (max/rms > --outlier-ratio) against the rest
-        if raw.get("rounds"):
-            estimate = [statistics.mean(r[f]["loss_divergence"][fmt] for r in raw["rounds"]) for f in fqns]
-            rank_t = _ranks(truth)
-            rank_e = _ranks(estimate)
-            heavy = [i for i, f in enumerate(fqns) if outliers[f]["max_over_rms"] > args.outlier_ratio]
-            rest = [i for i in range(len(fqns)) if i not in heavy]
-
-            def sub(idx):
-                return float(spearmanr([estimate[i] for i in idx], [truth[i] for i in idx]).statistic) \
-                    if len(idx) > 2 else float("nan")
-
-            classes = [layer_class(f, num_blocks) for f in fqns]
-            shared = [i for i, c in enumerate(classes) if classes.count(c) > 1]  # the class rule's out-of-sample layers
-            shared_ceiling = float(spearmanr([first[i] for i in shared], [second[i] for i in shared]).statistic) \
-                if half else float("nan")
-            lines.append(f"ld_estimate {fmt} on the class rule's out-of-sample layers({len(shared)}) {sub(shared):.3f} "
-                         f"(class rule {profile['fits'][f'ld_{fmt}']['loo_class_means_spearman']:.3f}; truth ceiling "
-                         f"on them {shared_ceiling:.3f})")
-            worst = sorted(range(len(fqns)), key=lambda i: -abs(rank_e[i] - rank_t[i]))[:8]
-            lines.append(f"ld_estimate {fmt} spearman_all {float(spearmanr(estimate, truth).statistic):.3f} "
-                         f"outliers({len(heavy)}) {sub(heavy):.3f} rest({len(rest)}) {sub(rest):.3f} "
-                         f"(ceiling {ceiling:.3f}; mean of {len(raw['rounds'])} rounds)")
-            lines.append(f"# ld {fmt} most misranked (estimate rank / truth rank of {len(fqns)}, max/rms): " + ", ".join(
-                f"{fqns[i]} {rank_e[i]:.0f}/{rank_t[i]:.0f} ({outliers[fqns[i]]['max_over_rms']:.0f})" for i in worst))
+        lines += _ld_lines(fmt, per_batch, fqns, raw, outliers, num_blocks, profile, args.outlier_ratio)
     for fmt, per_batch in raw["update_deviation"].items():
-        truth = [sum(sum(b[i]) / len(b[i]) for b in per_batch) / len(per_batch) for i in range(len(wd_fqns))]
-        fit = class_fit(wd_fqns, truth, num_blocks)
-        half = len(per_batch) // 2
-        if half:
-            first = [sum(sum(b[i]) / len(b[i]) for b in per_batch[:half]) / half for i in range(len(wd_fqns))]
-            second = [sum(sum(b[i]) / len(b[i]) for b in per_batch[half:]) / (len(per_batch) - half)
-                      for i in range(len(wd_fqns))]
-            fit["ceiling"] = float(spearmanr(first, second).statistic)
-        profile["fits"][f"wd_{fmt}"] = fit
-        for f, v in zip(wd_fqns, truth):
-            profile["layers"][f][f"wd_truth_{fmt}"] = v
-        lines.append(f"wd_truth {fmt} median {statistics.median(truth):.2e} max {max(truth):.2e} "
-                     f"({wd_fqns[truth.index(max(truth))]}); {len(wd_fqns)} layers; ceiling {fit.get('ceiling', float('nan')):.3f}")
-        lines.append(f"class_rule wd {fmt} variance_explained {fit['variance_explained']:.3f} log "
-                     f"{fit['variance_explained_log']:.3f} class_means_spearman {fit['class_means_spearman']:.3f}; "
-                     f"out of sample: log {fit['loo_variance_explained_log']:.3f} spearman "
-                     f"{fit['loo_class_means_spearman']:.3f} ({fit['loo_layers']} layers)")
+        lines += _wd_lines(fmt, per_batch, wd_fqns, num_blocks, profile)
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps(profile, indent=1))

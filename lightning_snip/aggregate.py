@@ -16,7 +16,8 @@ statistics were invalid, or a format its shape forbids) is not folded in: the en
 as long as its latest round is non-finite, so the planner keeps the layer off that format, and
 returns to its finite history afterwards.
 
-Pure Python (no torch): the state is a plain dict for checkpoints.
+Pure Python (no torch): formats are ``Format`` members, written out by name in the state, a plain dict for
+checkpoints.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from lightning_snip.formats import Format
 
 # rel_error_wgrad: the relative wgrad error of each format, which the gradient-noise guard reads
 METRICS = ("loss_divergence", "weight_divergence", "rel_error_wgrad")
@@ -57,13 +60,15 @@ class DivergenceAggregate:
             raise ValueError(f"decay: invalid value {decay!r}; allowed: a number in [0, 1)")
         self.decay = float(decay)
         self.num_rounds = 0
-        self._entries: dict[tuple[str, str, str], _Entry] = {}  # (metric, fqn, format name) -> entry
+        self._entries: dict[tuple[str, str, Format], _Entry] = {}  # (metric, fqn, format) -> entry
 
-    def update(self, values: Mapping[str, Mapping[str, Mapping[str, float]]]) -> None:
-        """Fold in one round: ``values[metric][fqn][format name]`` for the METRICS it has."""
+    def update(self, values: Mapping[str, Mapping[str, Mapping[Format, float]]]) -> None:
+        """Fold in one round: ``values[metric][fqn][format]`` for the METRICS it has."""
         for metric in METRICS:
             for fqn, per_format in values.get(metric, {}).items():
                 for fmt, value in per_format.items():
+                    if not isinstance(fmt, Format):
+                        raise TypeError(f"values[{metric!r}][{fqn!r}]: format keys must be Format members, got {fmt!r}")
                     entry = self._entries.setdefault((metric, fqn, fmt), _Entry())
                     value = float(value)
                     entry.latest_finite = math.isfinite(value)
@@ -72,11 +77,11 @@ class DivergenceAggregate:
                         entry.weight = self.decay * entry.weight + (1.0 - self.decay)
         self.num_rounds += 1
 
-    def values(self, metric: str) -> dict[str, dict[str, float]]:
-        """fqn -> format name -> aggregated value of ``metric`` (one of METRICS)."""
+    def values(self, metric: str) -> dict[str, dict[Format, float]]:
+        """fqn -> format -> aggregated value of ``metric`` (one of METRICS)."""
         if metric not in METRICS:
             raise ValueError(f"metric: invalid value {metric!r}; allowed: {', '.join(METRICS)}")
-        out: dict[str, dict[str, float]] = {}
+        out: dict[str, dict[Format, float]] = {}
         for (m, fqn, fmt), entry in self._entries.items():
             if m == metric:
                 out.setdefault(fqn, {})[fmt] = entry.value()
@@ -86,7 +91,7 @@ class DivergenceAggregate:
         return {
             "decay": self.decay,
             "num_rounds": self.num_rounds,
-            "entries": [[m, fqn, fmt, e.total, e.weight, e.latest_finite] for (m, fqn, fmt), e in self._entries.items()],
+            "entries": [[m, fqn, fmt.value, e.total, e.weight, e.latest_finite] for (m, fqn, fmt), e in self._entries.items()],
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -94,6 +99,6 @@ class DivergenceAggregate:
         decay applies from the next round on)."""
         self.num_rounds = int(state["num_rounds"])
         self._entries = {
-            (m, fqn, fmt): _Entry(total=float(total), weight=float(weight), latest_finite=bool(finite))
+            (m, fqn, Format(fmt)): _Entry(total=float(total), weight=float(weight), latest_finite=bool(finite))
             for m, fqn, fmt, total, weight, finite in state["entries"]
         }

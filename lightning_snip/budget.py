@@ -22,6 +22,7 @@ callback's work against a time budget. Pure Python; the controller feeds it time
 
 from __future__ import annotations
 
+import enum
 import math
 import statistics
 from collections import deque
@@ -38,6 +39,14 @@ APPLY_DELAY = 1  # a plan solved from step t's statistics applies at step t + 1:
 STEADY_AGREEMENT = 0.9  # a plan keeping at least this share of its GEMMs' (layers') formats: the next round later
 CHANGED_AGREEMENT = 0.75  # one keeping less: back to the budget's spacing
 MAX_STRETCH = 8  # the longest spacing, in multiples of the budget's
+
+
+class StepKind(enum.Enum):
+    """What SNIP does on an optimizer step, as the schedule (OverheadBudget.step_kind) says."""
+
+    PLAIN = "plain"  # nothing scheduled (a plan may still be applied, the canary may check one)
+    FIRST_ORDER = "first_order"  # LD's first-order term sampled on the step's forward and backward
+    ROUND = "round"  # a statistics round before the step's forward (its first micro-batch only)
 
 
 class OverheadBudget:
@@ -68,6 +77,7 @@ class OverheadBudget:
         self._unresolved: list[tuple[str, float]] = []  # (kind, seconds) of steps closed before MIN_RECENT plain ones
         self._fastest = math.inf  # the shortest step closed: the step time until MIN_RECENT plain steps are timed
         self._step: int | None = None
+        self._round_step: int | None = None  # the step whose round has started (one per step, not per micro-batch)
         self._start: float | None = None  # the running micro-batch's start
         self._seconds = 0.0  # the current step's micro-batches so far
         self._work: set[str] = set()
@@ -154,14 +164,19 @@ class OverheadBudget:
 
     # ------------------------------------------------------------------ schedule
 
-    def is_round(self, step: int) -> bool:
-        """Whether a round is due: the first step at or after the scheduled one (a schedule behind the run, such as a
-        checkpoint's, catches up once; it does not replay the rounds it missed)."""
-        return self.replan and self.next_round is not None and step >= self.next_round
+    def step_kind(self, step: int) -> StepKind:
+        """What SNIP does at ``step``: ROUND when a round is due (the first step at or after the scheduled one, once
+        per step: a schedule behind the run, such as a checkpoint's, catches up once and does not replay the rounds
+        it missed), FIRST_ORDER on the ``num_first_order`` steps before it, else PLAIN."""
+        if not self.replan or self.next_round is None:
+            return StepKind.PLAIN
+        if step >= self.next_round:
+            return StepKind.PLAIN if step == self._round_step else StepKind.ROUND
+        return StepKind.FIRST_ORDER if self.next_round - step <= self.num_first_order else StepKind.PLAIN
 
-    def is_first_order(self, step: int) -> bool:
-        """One of the ``num_first_order`` steps before the next round."""
-        return self.replan and self.next_round is not None and 1 <= self.next_round - step <= self.num_first_order
+    def round_started(self, step: int) -> None:
+        """The round of ``step`` has begun: the step's later micro-batches are PLAIN."""
+        self._round_step = step
 
     def decide(self, step: int, round_seconds: float) -> tuple[int | None, int, int, int]:
         """After the round at ``step`` (``round_seconds`` long): the next round's step (None: none left), its

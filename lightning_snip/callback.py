@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from typing_extensions import override
 
+from lightning_snip.budget import StepKind
 from lightning_snip.canary import CANARY_ROWS
 from lightning_snip.config import SNIPConfig
 from lightning_snip.controller import SINGLE_PROCESS, Collective, SNIPController
@@ -135,16 +136,17 @@ class SNIPCallback(Callback):
         applied = controller.apply_due(pl_module, step, collective)
         if applied is not None:
             log_to_loggers(trainer.loggers, step, *applied)
+        kind = controller.step_kind(step)
         # the plan canary: after a switch, at every round, and after a rise of the loss the same batch did not confirm
-        if applied is not None or controller.is_round_due(step) or controller.canary_due:
+        if applied is not None or kind is StepKind.ROUND or controller.canary_due:
             self._check_plan(trainer, pl_module, batch, batch_idx, step)
-        if controller.is_round_due(step):
+        if kind is StepKind.ROUND:
             scalars = controller.statistics_round(
                 pl_module, batch, _statistics_loss(trainer, pl_module, batch_idx), step=step, collective=collective,
                 optimizer=trainer.optimizers[0] if trainer.optimizers else None, loss_scale=_amp_loss_scale(trainer))
             if scalars is not None:
                 log_to_loggers(trainer.loggers, step, scalars)
-        elif not controller.is_stats_step(step) and controller.is_first_order_step(step):
+        elif kind is StepKind.FIRST_ORDER:
             controller.start_first_order(step, _gradient_scale(trainer))
 
     @override

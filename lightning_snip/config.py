@@ -235,11 +235,6 @@ class SNIPConfig:
         return isinstance(self.pins, tuple) and self.pins == DEFAULT_PINS
 
     @property
-    def formats(self) -> tuple[Format, ...]:
-        """The candidate formats (``candidate_formats``)."""
-        return self.candidate_formats
-
-    @property
     def recipe(self) -> QuantRecipe:
         if self.fp8_scaling is Fp8Scaling.AUTO:
             raise RuntimeError("fp8_scaling: 'auto' has no recipe until it is resolved on the run's device "

@@ -13,9 +13,10 @@ is the Lightning adapter over it; a plain PyTorch loop or a benchmark can drive 
     for step, batch in enumerate(batches):
         controller.begin_batch(step)
         controller.apply_due(model, step)
-        if controller.is_round_due(step):
+        kind = controller.step_kind(step)
+        if kind is StepKind.ROUND:
             controller.statistics_round(model, batch, lambda b: model.loss(b), step=step, optimizer=opt)
-        elif controller.is_first_order_step(step):
+        elif kind is StepKind.FIRST_ORDER:
             controller.start_first_order(step)  # samples LD's first-order term on this step
         loss = model.loss(batch); loss.backward(); opt.step(); opt.zero_grad()
         controller.end_batch()
@@ -31,13 +32,13 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from lightning_snip.aggregate import METRICS, DivergenceAggregate
-from lightning_snip.budget import APPLY_DELAY, OverheadBudget
+from lightning_snip.aggregate import DivergenceAggregate
+from lightning_snip.budget import APPLY_DELAY, OverheadBudget, StepKind
 from lightning_snip.canary import CanaryVerdict, check_plan, plan_cost
 from lightning_snip.collective import SINGLE_PROCESS, Collective
 from lightning_snip.config import SNIPConfig
 from lightning_snip.device_clock import Timeline
-from lightning_snip.divergence import reduce_result
+from lightning_snip.divergence import DivergenceResult
 from lightning_snip.convert import UnmatchedPinsError, apply_plan, convert_linears, glob_filter, layer_assignment
 from lightning_snip.evidence import (aggregate_candidates, check_reachable, current_fp4_fraction, grad_noise_ratios,
                                      guarded_formats, invalid_formats, layer_flops)
@@ -50,9 +51,9 @@ from lightning_snip.rng import stream_seed
 from lightning_snip.plan import Granularity, Plan, SolveStatus, reverted_plan, split_key
 from lightning_snip.reporting import applied_plan_scalars, divergence_scalars, plan_agreement
 from lightning_snip.setup_report import log_setup
-from lightning_snip.stats import Propagation, slice_batch
+from lightning_snip.stats import Propagation
 from lightning_snip.spike_guard import AVOID_ROUNDS, Alarm, Revert, SpikeGuard, log_revert
-from lightning_snip.statistics_round import RoundSettings, probe_rel_stderr, round_generator, run_statistics_round
+from lightning_snip.statistics_round import RoundSettings, round_generator, run_statistics_round
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,6 @@ class SNIPController:
         self.timeline = Timeline(self.budget)  # SNIP's clock: the device's timeline (lightning_snip.device_clock)
         self.priced_seconds = 0.0  # SNIP's seconds the budget had priced when ``overhead_update`` last logged them
         self.recorder: FirstOrderRecorder | None = None
-        self.last_round_step: int | None = None  # one round per optimizer step (not per micro-batch)
         # (fqn, format) -> first-order terms of the batches sampled since the last round.
         self.first_order_history: dict[tuple[str, Format], list[float]] = {}
         self.device = torch.device("cpu")  # the model's, from attach
@@ -206,21 +206,15 @@ class SNIPController:
 
     # ------------------------------------------------------------------ schedule
 
-    def is_stats_step(self, step: int) -> bool:  # (the round's step, with every micro-batch of it)
-        return self.budget.is_round(step)
-
-    def is_first_order_step(self, step: int) -> bool:
-        """Whether ``step`` is one of the steps before a statistics round that sample LD's first-order term."""
-        return self.budget.is_first_order(step)
-
-    def is_round_due(self, step: int) -> bool:
-        """A statistics step whose round has not run yet (with gradient accumulation, only the
-        step's first micro-batch runs it)."""
-        return self.is_stats_step(step) and step != self.last_round_step
+    def step_kind(self, step: int) -> StepKind:
+        """What the schedule (the budget's) has SNIP do at ``step``: ROUND (a statistics round before its forward;
+        with gradient accumulation, on the step's first micro-batch only), FIRST_ORDER (LD's first-order term
+        sampled on its forward and backward) or PLAIN."""
+        return self.budget.step_kind(step)
 
     def works_at(self, step: int) -> bool:
         """Whether SNIP works before ``step``'s forward: a round, a plan to apply, or the plan canary."""
-        return self.is_round_due(step) or self.pending is not None or self.canary_due
+        return self.step_kind(step) is StepKind.ROUND or self.pending is not None or self.canary_due
 
     def begin_batch(self, step: int, batch_idx: int = 0, rank: int = 0) -> None:
         """Time the steps (a new step closes the last one), and reseed stochastic rounding for this (rank, step,
@@ -276,26 +270,23 @@ class SNIPController:
         """One statistics round on ``batch`` (sliced to ``max_rows`` rows; ``loss_of(sliced)`` is the
         loss), then the solve. Returns the round's scalars to log, or None when it failed (on any rank)."""
         cfg = self.config
-        self.last_round_step = step
+        self.budget.round_started(step)
         self.timeline.mark("round")
         start = self.timeline.stamp()
         result = None
         try:
-            sliced = slice_batch(batch, cfg.max_rows)
             result = run_statistics_round(
-                model, lambda: loss_of(sliced), self.layers, cfg, optimizer=optimizer, loss_scale=loss_scale,
+                model, batch, loss_of, self.layers, cfg, optimizer=optimizer, loss_scale=loss_scale,
                 propagation=self.propagation, first_order_history=self.first_order_history,
                 generator=lambda: round_generator(self.device, step, collective.rank),
-                on_exact=lambda: setattr(self, "propagation", Propagation.EXACT), settings=self.round_settings)
+                on_exact=lambda: setattr(self, "propagation", Propagation.EXACT), settings=self.round_settings,
+                collective=collective)
         except Exception as err:  # noqa: BLE001 - a failed round must not take training down
             logger.warning("SNIP statistics at step %d failed (%s: %s); keeping the current plan", step, type(err).__name__, err)
             cause = f"statistics at step {step}: {type(err).__name__}: {err}"
         else:
             cause = f"statistics at step {step} failed on another rank"
         self.first_order_history = {}
-        probe_noise = probe_rel_stderr(result) if result is not None else None
-        # Every rank reaches the reduction (a failed rank contributes NaN, which invalidates the round).
-        result = reduce_result(result, list(self.layers), self.config.formats, collective)
         self.num_stats_rounds += 1
         seconds = self.timeline.seconds_since(start)  # (the budget up to date: its decision reads it)
         # when the next round comes (one decision for every rank: rank 0's times decide)
@@ -303,23 +294,17 @@ class SNIPController:
         if result is None:
             self.count_failure(cause)
             return None
-        self.grad_noise_ratios = grad_noise_ratios(self.layers, cfg.formats, result)
-        self.invalid_formats = invalid_formats(self.layers, cfg.formats, result)
-        scalars = {} if probe_noise is None else {"snip/wd_probe_rel_stderr": probe_noise}
+        self.grad_noise_ratios = grad_noise_ratios(self.layers, cfg.candidate_formats, result)
+        self.invalid_formats = invalid_formats(self.layers, cfg.candidate_formats, result)
+        scalars = {} if result.probe_rel_stderr is None else {"snip/wd_probe_rel_stderr": result.probe_rel_stderr}
         scalars.update({**divergence_scalars(result), "snip/stats_seconds": seconds,
                         "snip/invalid_formats": float(len(self.invalid_formats)),
                         **{f"snip/grad_noise_ratio/{fqn}": r for fqn, r in self.grad_noise_ratios.items()}})
         self.history.append({"step": step, "divergence": result.as_dict()})
-        self.fold_into_aggregate(self.history[-1]["divergence"])
+        self.aggregate.update(result.metric_values())
         del self.history[:-HISTORY_ROUNDS]
         self.start_solve(step, step + APPLY_DELAY, collective)
         return scalars
-
-    def fold_into_aggregate(self, divergence: dict) -> None:
-        """One round, as ``DivergenceResult.as_dict()`` keeps it in ``history``, into the aggregate."""
-        layers = divergence["layers"]
-        self.aggregate.update({metric: {fqn: d[metric] for fqn, d in layers.items() if metric in d}
-                               for metric in METRICS})
 
     def count_failure(self, cause: str) -> None:
         """One more round or solve that gave no plan; past ``max_consecutive_failures`` in a row, stop
@@ -344,7 +329,7 @@ class SNIPController:
         """The noise guard's blocked FP4 formats per layer, from the aggregate ({} when it is off)."""
         if self.config.noise_guard_threshold is None:
             return {}
-        return guarded_formats(self.layers, self.config.formats, self.aggregate.values("rel_error_wgrad"),
+        return guarded_formats(self.layers, self.config.candidate_formats, self.aggregate.values("rel_error_wgrad"),
                                self.config.noise_guard_threshold)
 
     def start_solve(self, stats_step: int, apply_step: int, collective: Collective = SINGLE_PROCESS, *,
@@ -537,7 +522,7 @@ class SNIPController:
             self.aggregate.load_state_dict(state_dict["aggregate"])
         else:  # a checkpoint from before the aggregate existed: rebuild it from the rounds it kept
             for entry in self.history:
-                self.fold_into_aggregate(entry["divergence"])
+                self.aggregate.update(DivergenceResult.from_dict(entry["divergence"]).metric_values())
         pending = state_dict.get("pending")
         self.restored_pending = (int(pending[0]), int(pending[1])) if pending else None
         self.first_order_history = {(fqn, Format(fmt)): [float(v) for v in values]

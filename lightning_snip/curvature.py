@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import weakref
+from collections.abc import Mapping
 
 import torch
 
@@ -24,11 +25,11 @@ from lightning_snip.stats import LayerStats, Statistics
 logger = logging.getLogger(__name__)
 
 
-def _sign_units(s: LayerStats) -> int:
+def _sign_units(layer: LayerStats) -> int:
     """How many independent signs the error probe gives a layer's rows: one per sample where its input
     had a leading sample dimension over token dimensions (rows of a sample contiguous), else one."""
-    n, rows = s.num_samples, s.num_rows
-    return n if s.leading_sample_dim and 2 <= n <= rows and rows % n == 0 else 1
+    n, rows = layer.num_samples, layer.num_rows
+    return n if layer.leading_sample_dim and 2 <= n <= rows and rows % n == 0 else 1
 
 
 _independent_samples: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
@@ -125,21 +126,21 @@ def error_probe_second_order(stats: Statistics, output_errors, formats, draws: i
     return totals
 
 
-def transferred_second_order(r: RoundInputs, output_errors: dict, fmt: Format, metrics: dict, draws: int,
+def transferred_second_order(inputs: RoundInputs, output_errors: dict, fmt: Format, parts: Mapping, ordered, draws: int,
                              generator) -> dict:
     """1/2 dY^T H dY of an 8-bit format as q_l ||dY||^2, q_l the layer's curvature along its FP4 errors this
-    round (sum of their probed second-order terms / sum of their ||dY||^2, already in ``metrics``). Layers
-    with no FP4 format probed this round (only 8-bit formats allowed, or their FP4 errors non-finite) get the
-    error probe for ``fmt``, their errors alone."""
-    stats, quotient = r.stats, {}
+    round (sum of their probed second-order terms / sum of their ||dY||^2: ``parts``, (fqn, format) ->
+    loss_divergence.ForwardParts of the formats measured so far, in the order ``ordered``). Layers with no FP4
+    format probed this round (only 8-bit formats allowed, or their FP4 errors non-finite) get the error probe
+    for ``fmt``, their errors alone."""
+    stats, quotient = inputs.stats, {}
     for fqn, _ in output_errors:
-        m = metrics[fqn]
         # (a non-finite probed term is no curvature to transfer: the 8-bit format is probed instead)
-        probed = [f for f in m["second_order"] if f.is_fp4 and f in m["abs_error_forward"]
-                  and m["abs_error_forward"][f] > 0 and math.isfinite(m["second_order"][f])]
-        if probed:  # metrics hold second / |loss| (loss_divergence.forward_metrics): back to the loss's units
-            quotient[fqn] = (sum(m["second_order"][f] * r.loss_norm for f in probed)
-                             / sum(m["abs_error_forward"][f] for f in probed))
+        probed = [parts[fqn, f] for f in ordered if f.is_fp4 and (fqn, f) in parts
+                  and parts[fqn, f].abs_error_forward > 0 and math.isfinite(parts[fqn, f].second_order)]
+        if probed:  # parts hold second / |loss| (loss_divergence.ForwardParts): back to the loss's units
+            quotient[fqn] = (sum(p.second_order * inputs.loss_norm for p in probed)
+                             / sum(p.abs_error_forward for p in probed))
     keys = [key for key in output_errors if key[0] in quotient]
     energies = read_scalars([output_errors[key].pow(2).sum().double() for key in keys])
     out = {key: quotient[key[0]] * e for key, e in zip(keys, energies)}

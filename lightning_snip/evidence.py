@@ -29,24 +29,29 @@ def layer_flops(layers: Mapping[str, SNIPLinear]) -> dict[str, float]:
     return {fqn: 6.0 * layer.in_features * layer.out_features for fqn, layer in layers.items()}
 
 
-def planning_value(values: Mapping[str, Mapping[str, float]], fqn: str, fmt: Format) -> float:
-    """An estimate as the planner takes it: ``values[fqn][fmt.value]`` (+inf where missing), never
-    below 0, the value of high precision (a negative estimate is noise, not a format better than bf16)."""
+def planning_value(values: Mapping[str, Mapping[Format, float]], fqn: str, fmt: Format) -> float:
+    """An estimate as the planner takes it: ``values[fqn][fmt]`` (+inf where missing), never below 0, the value
+    of high precision (a negative estimate is noise, not a format better than bf16). The one place LD is clamped:
+    rounds and ranks are averaged before it."""
     if fmt is Format.BF16:
         return 0.0
-    value = values.get(fqn, {}).get(fmt.value, math.inf)
+    value = values.get(fqn, {}).get(fmt, math.inf)
     return max(0.0, value) if math.isfinite(value) else math.inf  # NaN / -inf: no estimate, not a free format
 
 
 def layer_candidates(layers: Mapping[str, SNIPLinear], formats: Sequence[Format], *,
-                     loss_divergence: Mapping[str, Mapping[str, float]] | None = None,
-                     weight_divergence: Mapping[str, Mapping[str, float]] | None = None,
+                     loss_divergence: Mapping[str, Mapping[Format, float]] | None = None,
+                     weight_divergence: Mapping[str, Mapping[Format, float]] | None = None,
                      flops: Mapping[str, float] | None = None) -> list[LayerCandidates]:
     """The planner's choices: the candidate ``formats`` each layer's shape allows (bf16 only if
-    listed, or where none fits), valued by planning_value of the given estimates (fqn -> format name ->
+    listed, or where none fits), valued by planning_value of the given estimates (fqn -> format ->
     value, as DivergenceAggregate.values gives them); zero everywhere when they are None (what pins and
     shapes alone decide: the target check, the fixed rules). ``flops``: layer_flops by default."""
     flops = layer_flops(layers) if flops is None else flops
+    for name, estimates in (("loss_divergence", loss_divergence), ("weight_divergence", weight_divergence)):
+        keys = {key for per_format in (estimates or {}).values() for key in per_format}
+        if any(not isinstance(key, Format) for key in keys):  # (a name would read as a missing estimate, +inf)
+            raise TypeError(f"{name}: format keys must be Format members, got {sorted(map(repr, keys))[:5]}")
     out = []
     for fqn, layer in layers.items():
         allowed = [f for f in formats if f in layer.allowed_formats] or [Format.BF16]
@@ -67,7 +72,7 @@ def layer_candidates(layers: Mapping[str, SNIPLinear], formats: Sequence[Format]
 def aggregate_candidates(layers: Mapping[str, SNIPLinear], config: SNIPConfig, aggregate,
                          flops: Mapping[str, float] | None = None) -> list[LayerCandidates]:
     """The planner's choices valued by ``aggregate`` (a DivergenceAggregate: LD and WD over rounds)."""
-    return layer_candidates(layers, config.formats, flops=flops, loss_divergence=aggregate.values("loss_divergence"),
+    return layer_candidates(layers, config.candidate_formats, flops=flops, loss_divergence=aggregate.values("loss_divergence"),
                             weight_divergence=aggregate.values("weight_divergence"))
 
 def invalid_formats(layers: Mapping[str, SNIPLinear], formats: Sequence[Format],
@@ -106,7 +111,7 @@ def grad_noise_ratios(layers: Mapping[str, SNIPLinear], formats: Sequence[Format
 
 
 def guarded_formats(layers: Mapping[str, SNIPLinear], formats: Sequence[Format],
-                    rel_error_wgrad: Mapping[str, Mapping[str, float]], threshold: float) -> dict[str, frozenset[Format]]:
+                    rel_error_wgrad: Mapping[str, Mapping[Format, float]], threshold: float) -> dict[str, frozenset[Format]]:
     """fqn -> the FP4 candidates whose gradient/noise ratio 1 / ``rel_error_wgrad`` (the aggregate over
     rounds, as the plan's LD and WD: one round's single SR draw made the guarded set churn) is below
     ``threshold``; unpinned layers with at least one such format."""
@@ -115,7 +120,7 @@ def guarded_formats(layers: Mapping[str, SNIPLinear], formats: Sequence[Format],
         if layer.pinned is not None:
             continue
         failing = frozenset(f for f in formats if f.is_fp4 and f in layer.allowed_formats
-                            and rel_error_wgrad.get(fqn, {}).get(f.value, 0.0) * threshold > 1.0)  # 1/rel < threshold
+                            and rel_error_wgrad.get(fqn, {}).get(f, 0.0) * threshold > 1.0)  # 1/rel < threshold
         if failing:
             out[fqn] = failing
     return out
@@ -154,13 +159,13 @@ def check_reachable(layers: Mapping[str, SNIPLinear], config: SNIPConfig) -> Non
     """Raise ValueError when no plan can meet the FP4 fraction: pins and layer shapes alone decide that,
     and every statistics round would otherwise fail on it."""
     cfg = config
-    candidates = layer_candidates(layers, cfg.formats)
+    candidates = layer_candidates(layers, cfg.candidate_formats)
     try:
         check_target(candidates, fp4_fraction=model_target(candidates, cfg))
     except PlanInfeasibleError as err:
         pinned = [fqn for fqn, layer in layers.items() if layer.pinned is not None]
         by_shape = [f"{fqn} ({layer.in_features}->{layer.out_features})" for fqn, layer in layers.items()
-                    if layer.pinned is None and not any(f.is_fp4 for f in cfg.formats if f in layer.allowed_formats)]
+                    if layer.pinned is None and not any(f.is_fp4 for f in cfg.candidate_formats if f in layer.allowed_formats)]
         why = []
         if TargetScope(cfg.target_scope) is TargetScope.SWITCHABLE:
             why.append(f"at most {switchable_share(max_fp4_fraction(candidates), candidates):.4f} of the "
@@ -170,7 +175,7 @@ def check_reachable(layers: Mapping[str, SNIPLinear], config: SNIPConfig) -> Non
         if pinned:
             why.append(f"pinned (pins): {pinned[:3]}")
         if by_shape:
-            blocks = ", ".join(f"{f.value} needs dimensions divisible by {f.block_size}" for f in cfg.formats if f.is_fp4)
+            blocks = ", ".join(f"{f.value} needs dimensions divisible by {f.block_size}" for f in cfg.candidate_formats if f.is_fp4)
             why.append(f"no FP4 candidate fits the shape ({blocks}): {by_shape[:3]}")
         raise ValueError(f"fp4_fraction: {cfg.fp4_fraction!r} cannot be met; " + "; ".join(why)
                          + "; lower it, or unpin layers / add candidate formats") from None
@@ -219,7 +224,7 @@ def describe_target(layers: Mapping[str, SNIPLinear], config: SNIPConfig) -> str
     """The target in one line, in the config's scope and the model's, e.g. "fp4_fraction 0.75 of the
     switchable layers' linear FLOPs (0.281 of the model's; pinned layers hold 62.5% of them)"."""
     cfg = config
-    candidates = layer_candidates(layers, cfg.formats)
+    candidates = layer_candidates(layers, cfg.candidate_formats)
     total, _, free = _pinned_split(candidates)
     pinned = 1.0 - free / total if total else 0.0
     value = cfg.fp4_fraction

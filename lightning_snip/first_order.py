@@ -120,7 +120,7 @@ class FirstOrderRecorder:
     FirstOrderTerms."""
 
     def __init__(self, layers: Mapping[str, SNIPLinear], config: SNIPConfig) -> None:
-        self.terms = FirstOrderTerms(config.formats, recipe=config.recipe)
+        self.terms = FirstOrderTerms(config.candidate_formats, recipe=config.recipe)
         self.sampler = FirstOrderSampler({fqn: layer for fqn, layer in layers.items() if layer.pinned is None},
                                          config.max_rows, self.terms.add)
         self._recording: contextlib.ExitStack | None = None

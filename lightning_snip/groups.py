@@ -34,7 +34,7 @@ def working_bytes(s, formats: int) -> int:
 
 
 def default_group_layers(device: torch.device | str) -> int:
-    """The round's layers per group on ``device`` (estimate_divergence's ``group_layers=None``):
+    """The round's layers per group on ``device`` (layer_groups' ``max_layers=None``):
     MAX_GROUP_LAYERS on an accelerator, where a round is bound by launches; 1 on a CPU, which launches
     nothing and is bound by arithmetic and its caches: stacked, each layer's operands are copied once more
     and the round's element-wise passes run over tensors 16x larger than its cache (measured on 2 cores:
@@ -42,7 +42,7 @@ def default_group_layers(device: torch.device | str) -> int:
     return 1 if torch.device(device).type == "cpu" else MAX_GROUP_LAYERS
 
 
-def layer_groups(stats, fqns: Iterable[str], precision, *, max_layers: int = MAX_GROUP_LAYERS,
+def layer_groups(stats, fqns: Iterable[str], precision, *, max_layers: int | None = MAX_GROUP_LAYERS,
                  extra_key: Callable[[str], Hashable] | None = None, layer_bytes: Callable[[str], int] | None = None,
                  max_bytes: int = MAX_GROUP_BYTES) -> list[list[str]]:
     """``fqns`` in groups of at most ``max_layers`` layers whose round operands (X, G, W: shapes, dtypes,
@@ -51,7 +51,10 @@ def layer_groups(stats, fqns: Iterable[str], precision, *, max_layers: int = MAX
     group's memory (working_bytes), the group's sum at most ``max_bytes`` (a layer over it alone). Groups
     (a shape's later ones too) come in the order of their first member, members in ``fqns``'s order. With
     ``max_layers`` 1, and under FSDP2 (each weight is all-gathered alone, in the same order on every rank),
-    each layer is a group of its own, in ``fqns``'s order."""
+    each layer is a group of its own, in ``fqns``'s order. ``max_layers`` None: default_group_layers of the
+    statistics' device."""
+    if max_layers is None:
+        max_layers = default_group_layers(next((s.x.device for s in stats.layers.values()), "cpu"))
     if max_layers < 1:
         raise ValueError(f"max_layers: invalid value {max_layers!r}; allowed: an integer >= 1")
     if max_layers == 1 or stats.sharded:

@@ -3,7 +3,6 @@ one shape (lightning_snip.groups), their stacked operands, and scalars read with
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -23,37 +22,38 @@ class RoundInputs:
     stats: Statistics
     formats: tuple[Format, ...]
     recipe: QuantRecipe
-    adam: Mapping[str, AdamState | None]  # parameter name -> AdamW state before the step (None: no Adam)
+    # parameter name -> this rank's AdamW state before the step (AdamState.local(); None: no Adam)
+    adam: Mapping[str, AdamState | None]
     denominator: float  # sum_k ||u_k||^2 (or ||g_k||^2 without Adam)
     loss_norm: float
     first_order_history: Mapping[tuple[str, Format], list[float]]
     generator: torch.Generator | None  # stochastic rounding of the gradient GEMMs' errors
     precision: RoundPrecision = RoundPrecision.TRAINING
-    group_layers: int = MAX_GROUP_LAYERS  # the most layers of one shape stacked into one batched call
-    # (fqn, format) marked invalid for non-finite values: one warning per round
-    invalid: list = dataclasses.field(default_factory=list)
+    # the most layers of one shape stacked into one batched call (None: the device's default, groups.layer_groups)
+    group_layers: int | None = MAX_GROUP_LAYERS
 
 
-def round_groups(r: RoundInputs, fqns, valid: dict) -> list[list[str]]:
+def round_groups(inputs: RoundInputs, fqns, valid: Mapping) -> list[list[str]]:
     """The round's groups of ``fqns`` (layer_groups): layers of one shape measured in the same formats, at
-    most r.group_layers of them and MAX_GROUP_BYTES of their working_bytes."""
-    return layer_groups(r.stats, fqns, r.precision, max_layers=r.group_layers,
+    most inputs.group_layers of them and MAX_GROUP_BYTES of their working_bytes."""
+    return layer_groups(inputs.stats, fqns, inputs.precision, max_layers=inputs.group_layers,
                         extra_key=lambda fqn: tuple(valid.get(fqn, ())),
-                        layer_bytes=lambda fqn: working_bytes(r.stats.layers[fqn], len(valid.get(fqn, ()))))
+                        layer_bytes=lambda fqn: working_bytes(inputs.stats.layers[fqn], len(valid.get(fqn, ()))))
 
 
-def stacked_operands(r: RoundInputs, group: list[str], which: str) -> torch.Tensor:
+def stacked_operands(inputs: RoundInputs, group: list[str], which: str) -> torch.Tensor:
     """One operand (``which``: "x", "g" or "w") of a group's layers in the round's dtype, stacked
     (layers x rows x cols; a view for a group of one)."""
-    stats, index = r.stats, "xgw".index(which)
-    return stack([round_operands(stats, stats.layers[fqn], r.precision, weight=which == "w")[index] for fqn in group])
+    stats, index = inputs.stats, "xgw".index(which)
+    return stack([round_operands(stats, stats.layers[fqn], inputs.precision, weight=which == "w")[index]
+                  for fqn in group])
 
 
-def round_operands(stats: Statistics, s: LayerStats, precision: RoundPrecision, *, weight: bool = True):
+def round_operands(stats: Statistics, layer: LayerStats, precision: RoundPrecision, *, weight: bool = True):
     """X, G (Statistics.operands: cast once per round) and W (None with ``weight=False``: no
     all-gather under FSDP2) in the dtype of the round's GEMMs (RoundPrecision)."""
-    x, g = stats.operands(s.fqn, precision)
-    return x, g, dense(s.weight).to(s.operand_dtype(precision)) if weight else None
+    x, g = stats.operands(layer.fqn, precision)
+    return x, g, dense(layer.weight).to(layer.operand_dtype(precision)) if weight else None
 
 
 def read_scalars(values: list[torch.Tensor]) -> list[float]:

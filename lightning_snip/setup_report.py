@@ -28,7 +28,7 @@ def log_setup(config: SNIPConfig, layers: Mapping[str, SNIPLinear], device, max_
                 len(layers) - num_pinned, cfg.initial_format)
     log_output_head(layers, cfg.pin_formats, cfg.output_head_format,
                     layers_chosen=cfg.include != ("*",) or bool(cfg.exclude))
-    formats = sorted({Format.parse(f) for f in (cfg.initial_format, *cfg.formats, *cfg.pin_formats.values())},
+    formats = sorted({Format.parse(f) for f in (cfg.initial_format, *cfg.candidate_formats, *cfg.pin_formats.values())},
                      key=lambda f: f.value)
     logger.info("SNIP: GEMM kernels: %s", describe_kernels(formats, device))
     warn_if_fp4_emulated(formats, device)

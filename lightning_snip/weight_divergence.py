@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -32,55 +33,74 @@ from lightning_snip.stats import LayerStats, Propagation, RoundPrecision, Statis
 logger = logging.getLogger(__name__)
 
 
-def backward_divergence(r: RoundInputs, valid: dict, metrics: dict, probes: int) -> dict:
-    """WD's parts of every valid (layer, format) into ``metrics``; returns (fqn, format) -> the direct
-    term's sum of squares (summed over ranks under FSDP2), before the division by the update energy."""
-    stats, precision, generator = r.stats, r.precision, r.generator
+@dataclass(frozen=True)
+class BackwardParts:
+    """WD of one (layer, format) and its parts, relative to the update energy sum_k ||u_k||^2."""
+
+    wd_direct: float  # ||D_l(E_W)||^2: the layer's own update deviated by its wgrad error
+    wd_propagated: float  # sum_k ||D_k(J_kl(E_X))||^2: the dgrad error's deviation of the updates upstream
+    wd_propagated_stderr: float  # its standard error over the round's probes (Propagation.PROBE; 0 when exact)
+    rel_error_wgrad: float  # ||E_W|| / ||G^T X|| (+inf: non-finite)
+    abs_error_wgrad: float  # ||E_W||^2
+
+    @property
+    def weight_divergence(self) -> float:
+        return self.wd_direct + self.wd_propagated
+
+
+def backward_divergence(inputs: RoundInputs, valid: Mapping[str, Sequence[Format]], probes: int
+                        ) -> dict[tuple[str, Format], BackwardParts]:
+    """WD's parts of every valid (layer, format); the direct term summed over ranks under FSDP2."""
+    stats, precision, generator = inputs.stats, inputs.precision, inputs.generator
     measured = [fqn for fqn, fmts in valid.items() if fmts]
     keys = [(fqn, f) for fqn in measured for f in valid[fqn]]
-    bits = _GradientBits(r, keys, "g")
+    bits = _GradientBits(inputs, keys, "g")
     input_errors = {}
-    for group in round_groups(r, measured, valid):
+    for group in round_groups(inputs, measured, valid):
         fmts = valid[group[0]]
-        gs, ws = stacked_operands(r, group, "g"), stacked_operands(r, group, "w")
-        w_ts = ws.transpose(1, 2).contiguous()  # dgrad's W, quantized along its dim 0: one copy for every format
-        del ws
-        gx_ref = bmm_fp32(gs, w_ts)
-        errors = gx_ref.new_empty(len(group), len(fmts), *gx_ref.shape[1:])  # per layer: formats x rows x k
+        grads, weights = stacked_operands(inputs, group, "g"), stacked_operands(inputs, group, "w")
+        weights_t = weights.transpose(1, 2).contiguous()  # dgrad's W, quantized along its dim 0: one copy for every format
+        del weights
+        reference = bmm_fp32(grads, weights_t)
+        errors = reference.new_empty(len(group), len(fmts), *reference.shape[1:])  # per layer: formats x rows x k
         for j, fmt in enumerate(fmts):
-            torch.sub(_quantized_bmm(r, gs, w_ts, fmt, group, bits), gx_ref, out=errors[:, j])
+            torch.sub(_quantized_bmm(inputs, grads, weights_t, fmt, group, bits), reference, out=errors[:, j])
         input_errors.update(zip(group, errors))
-        del gs, w_ts, gx_ref, errors
+        del grads, weights_t, reference, errors
     propagated = None
     if stats.propagation is Propagation.PROBE:
-        propagated = _probe_propagated(stats, r.adam, input_errors, probes, generator, precision)
+        propagated = _probe_propagated(stats, inputs.adam, input_errors, probes, generator, precision)
     # wgrad: the reference G^T X and each format's error E_W, a group of layers at a time; its stochastic
     # rounding draws in layer order, after the dgrad errors' (as one layer at a time drew them).
-    bits = _GradientBits(r, keys, "g_t")
-    direct = {}  # (fqn, format) -> the direct term's sum of squares over this rank's shard
-    for group in round_groups(r, measured, valid):
+    bits = _GradientBits(inputs, keys, "g_t")
+    direct, rest = {}, {}  # (fqn, format) -> the direct term's sum of squares over this rank's shard; the other parts
+    for group in round_groups(inputs, measured, valid):
         fmts = valid[group[0]]
         # wgrad's operands, quantized along the token axis: one contiguous copy each for every format
-        g_ts = stacked_operands(r, group, "g").transpose(1, 2).contiguous()
-        x_ts = stacked_operands(r, group, "x").transpose(1, 2).contiguous()
-        gw_refs = bmm_fp32(g_ts, x_ts)
-        e_ws = gw_refs.new_empty(len(group), len(fmts), *gw_refs.shape[1:])  # layers x formats x out x in
+        grads_t = stacked_operands(inputs, group, "g").transpose(1, 2).contiguous()
+        activations_t = stacked_operands(inputs, group, "x").transpose(1, 2).contiguous()
+        references = bmm_fp32(grads_t, activations_t)
+        weight_errors = references.new_empty(len(group), len(fmts), *references.shape[1:])  # layers x formats x out x in
         for j, fmt in enumerate(fmts):
-            torch.sub(_quantized_bmm(r, g_ts, x_ts, fmt, group, bits), gw_refs, out=e_ws[:, j])
-        del g_ts, x_ts
-        norms = torch.linalg.vector_norm(e_ws.flatten(2), dim=2).double()  # layers x formats
-        energies = e_ws.pow(2).sum(dim=(2, 3)).double()
-        ref_norms = torch.linalg.vector_norm(gw_refs.flatten(1), dim=1).double().clamp_min(1e-30)
+            torch.sub(_quantized_bmm(inputs, grads_t, activations_t, fmt, group, bits), references, out=weight_errors[:, j])
+        del grads_t, activations_t
+        norms = torch.linalg.vector_norm(weight_errors.flatten(2), dim=2).double()  # layers x formats
+        energies = weight_errors.pow(2).sum(dim=(2, 3)).double()
+        reference_norms = torch.linalg.vector_norm(references.flatten(1), dim=1).double().clamp_min(1e-30)
         for i, fqn in enumerate(group):
-            wgrad = (gw_refs[i], e_ws[i], [t for pair in zip(norms[i], energies[i]) for t in pair] + [ref_norms[i]])
-            direct.update(_layer_backward_metrics(r, stats.layers[fqn], valid[fqn], input_errors.pop(fqn),
-                                            None if propagated is None else propagated[fqn], wgrad, metrics[fqn]))
-        del gw_refs, e_ws
+            wgrad = (references[i], weight_errors[i],
+                     [t for pair in zip(norms[i], energies[i]) for t in pair] + [reference_norms[i]])
+            layer_direct, layer_rest = _layer_backward_parts(
+                inputs, stats.layers[fqn], valid[fqn], input_errors.pop(fqn),
+                None if propagated is None else propagated[fqn], wgrad)
+            direct.update(layer_direct)
+            rest.update(layer_rest)
+        del references, weight_errors
     if stats.sharded and direct:  # one all-reduce for every layer's direct term
         like = a_sharded_weight(stats)
         summed = all_reduce_sum(torch.tensor(list(direct.values()), dtype=torch.float64, device=like.device), like)
         direct = dict(zip(direct, summed.cpu().tolist()))
-    return direct
+    return {key: BackwardParts(wd_direct=direct[key] / inputs.denominator, **rest[key]) for key in direct}
 
 
 class _GradientBits:
@@ -92,12 +112,12 @@ class _GradientBits:
     formats that round stochastically in emulation draw; none under the reference quantizers (they draw for
     themselves, one layer at a time)."""
 
-    def __init__(self, r: RoundInputs, keys: list[tuple[str, Format]], operand: str) -> None:
-        self._r, self._operand = r, operand
+    def __init__(self, inputs: RoundInputs, keys: list[tuple[str, Format]], operand: str) -> None:
+        self._inputs, self._operand = inputs, operand
         reference = kernels.quantizer_mode() == "reference"
         self.keys = [] if reference else [
-            (fqn, fmt) for fqn, fmt in keys if operand_rounding(fmt, r.recipe, True) is Rounding.STOCHASTIC
-            and kernel_for(fmt, r.stats.layers[fqn].g.device) is Kernel.EMULATED]
+            (fqn, fmt) for fqn, fmt in keys if operand_rounding(fmt, inputs.recipe, True) is Rounding.STOCHASTIC
+            and kernel_for(fmt, inputs.stats.layers[fqn].g.device) is Kernel.EMULATED]
         self._drawing = set(self.keys)
         self._next = 0  # self.keys[: self._next] are drawn
         self._drawn: dict[tuple[str, Format], torch.Tensor] = {}
@@ -116,85 +136,87 @@ class _GradientBits:
                     raise KeyError(f"{key!r}'s bits were already taken")
                 fqn, fmt = self.keys[self._next]
                 self._next += 1
-                s = self._r.stats.layers[fqn]
-                shape = tuple(s.g.shape) if self._operand == "g" else (s.g.shape[1], s.g.shape[0])
-                self._drawn[fqn, fmt] = random_bits(padded_numel(shape, fmt, 1), self._r.generator, s.g.device)
+                grad = self._inputs.stats.layers[fqn].g
+                shape = tuple(grad.shape) if self._operand == "g" else (grad.shape[1], grad.shape[0])
+                self._drawn[fqn, fmt] = random_bits(padded_numel(shape, fmt, 1), self._inputs.generator, grad.device)
         return [self._drawn.pop(key) for key in keys]
 
 
-def _quantized_bmm(r: RoundInputs, grads: torch.Tensor, others: torch.Tensor, fmt: Format, group: list[str],
+def _quantized_bmm(inputs: RoundInputs, grads: torch.Tensor, others: torch.Tensor, fmt: Format, group: list[str],
                    bits: _GradientBits) -> torch.Tensor:
     """Q(grads[i]) @ Q(others[i])^T in fp32 for a group's stacked gradient GEMM operands (dgrad: G and
     W^T; wgrad: G^T and X^T), as quantized_matmul(a_is_grad=True) gives them layer by layer: the stochastic
     rounding of the gradients from ``bits``, in one stacked quantizer call and one bmm. A native kernel, or
     the reference quantizers, run layer by layer and draw for themselves."""
-    rounding = operand_rounding(fmt, r.recipe, True)
-    # (The layer-order draws of ``bits`` hold while nothing else draws from r.generator between its takes: a
+    rounding = operand_rounding(fmt, inputs.recipe, True)
+    # (The layer-order draws of ``bits`` hold while nothing else draws from inputs.generator between its takes: a
     # native kernel's own draws below come from formats that never take bits, all of one device's layers
     # having the same kernel per format, and the reference quantizers take none.)
     if kernel_for(fmt, grads.device) is not Kernel.EMULATED or (
             rounding is Rounding.STOCHASTIC and not bits.draws((group[0], fmt))):
-        return stack([quantized_matmul(a, b, fmt, recipe=r.recipe, a_is_grad=True, generator=r.generator,
+        return stack([quantized_matmul(a, b, fmt, recipe=inputs.recipe, a_is_grad=True, generator=inputs.generator,
                                        out_dtype=torch.float32) for a, b in zip(grads, others)])
-    q_grads = quantize_stack(grads, fmt, recipe=r.recipe, is_grad=True, rounding=rounding,
+    q_grads = quantize_stack(grads, fmt, recipe=inputs.recipe, is_grad=True, rounding=rounding,
                              bits=bits.take([(fqn, fmt) for fqn in group]) if rounding is Rounding.STOCHASTIC else None)
-    return bmm_fp32(q_grads, quantize_stack(others, fmt, recipe=r.recipe))
+    return bmm_fp32(q_grads, quantize_stack(others, fmt, recipe=inputs.recipe))
 
 
-def _layer_backward_metrics(r: RoundInputs, s: LayerStats, fmts, input_errors: torch.Tensor, propagated, wgrad,
-                      metrics: dict) -> dict[tuple[str, Format], float]:
-    """WD's parts for one layer and its valid formats, into ``metrics``; returns its direct term's
-    sum of squares per format (over this rank's shard under FSDP2: summed over ranks before WD is
-    formed). ``input_errors``: E_X per format (formats x rows x k); ``propagated``: the probes'
-    (estimates, standard errors), or None for the exact vector-Jacobian products; ``wgrad``: the
-    reference G^T X, E_W per format (formats x m x k) and the 0-d tensors ||E_W||, ||E_W||^2 per format
-    and ||G^T X||."""
-    gw_ref, e_ws, norms = wgrad
-    weight_name = s.weight_name or s.fqn + ".weight"
+def _layer_backward_parts(inputs: RoundInputs, layer: LayerStats, fmts, input_errors: torch.Tensor, propagated,
+                          wgrad) -> tuple[dict[tuple[str, Format], float], dict[tuple[str, Format], dict]]:
+    """WD's parts for one layer and its valid formats: per format, its direct term's sum of squares (over this
+    rank's shard under FSDP2: summed over ranks before WD is formed) and its other parts (BackwardParts' fields).
+    ``input_errors``: E_X per format (formats x rows x k); ``propagated``: the probes' (estimates, standard
+    errors), or None for the exact vector-Jacobian products; ``wgrad``: the reference G^T X, E_W per format
+    (formats x m x k) and the 0-d tensors ||E_W||, ||E_W||^2 per format and ||G^T X||."""
+    reference, weight_errors, norms = wgrad
+    weight_name = layer.weight_name or layer.fqn + ".weight"
     if propagated is not None:
         propagated_by_format, propagated_stderr = propagated
     else:
         # One batched vector-Jacobian product carries every format's dgrad error upstream.
-        upstream = r.stats.propagate_input_grad(s.fqn, input_errors)
+        upstream = inputs.stats.propagate_input_grad(layer.fqn, input_errors)
         propagated_by_format = torch.zeros(len(fmts), dtype=torch.float64)  # sum_k ||D_k(J_kl(E_X))||^2
         for name, deltas in upstream.items():
-            propagated_by_format += _update_deviation(r, name, deltas).pow(2).reshape(len(fmts), -1).sum(1).double().cpu()
+            propagated_by_format += _update_deviation(inputs, name, deltas).pow(2).reshape(len(fmts), -1).sum(1).double().cpu()
         propagated_stderr = torch.zeros(len(fmts), dtype=torch.float64)
         del upstream
     # A frozen weight (no gradient) has no update to deviate: only its propagated error counts.
-    own_grad = gw_ref if r.stats.is_recomputed(weight_name) else r.stats.param_grad(weight_name, r.precision)
+    own_grad = reference if inputs.stats.is_recomputed(weight_name) else inputs.stats.param_grad(weight_name, inputs.precision)
     # per format: the direct term's sum of squares, then every norm; read with one transfer
-    scalars = [_update_deviation(r, weight_name, e_w, own_grad).pow(2).sum().double() if own_grad is not None
-               else torch.zeros((), dtype=torch.float64, device=e_w.device) for e_w in e_ws]
+    scalars = [_update_deviation(inputs, weight_name, error, own_grad).pow(2).sum().double() if own_grad is not None
+               else torch.zeros((), dtype=torch.float64, device=error.device) for error in weight_errors]
     values = read_scalars(scalars + norms)
-    direct = {}
+    direct, rest = {}, {}
     for i, fmt in enumerate(fmts):
-        direct_sum, (e_w_norm, abs_w) = values[i], values[len(fmts) + 2 * i: len(fmts) + 2 * i + 2]
-        direct[s.fqn, fmt] = direct_sum
-        metrics["wd_propagated"][fmt] = float(propagated_by_format[i]) / r.denominator
-        metrics["wd_propagated_stderr"][fmt] = float(propagated_stderr[i]) / r.denominator
-        rel_w = e_w_norm / values[-1]
-        metrics["rel_error_wgrad"][fmt] = rel_w if math.isfinite(rel_w) else math.inf  # as LD/WD: non-finite = invalid
-        metrics["abs_error_wgrad"][fmt] = abs_w
-    return direct
+        error_norm, error_energy = values[len(fmts) + 2 * i: len(fmts) + 2 * i + 2]
+        direct[layer.fqn, fmt] = values[i]
+        relative = error_norm / values[-1]
+        rest[layer.fqn, fmt] = dict(
+            wd_propagated=float(propagated_by_format[i]) / inputs.denominator,
+            wd_propagated_stderr=float(propagated_stderr[i]) / inputs.denominator,
+            rel_error_wgrad=relative if math.isfinite(relative) else math.inf,  # as LD/WD: non-finite = invalid
+            abs_error_wgrad=error_energy)
+    return direct, rest
 
 
-def _update_deviation(r: RoundInputs, name: str, delta: torch.Tensor, grad: torch.Tensor | None = None) -> torch.Tensor:
+def _update_deviation(inputs: RoundInputs, name: str, delta: torch.Tensor, grad: torch.Tensor | None = None
+                      ) -> torch.Tensor:
     """D(delta): the deviation of parameter ``name``'s next update when its gradient is off by delta
     (``grad``: the slice's gradient of ``name`` when the caller has it)."""
-    adam = r.adam.get(name)
-    like = r.stats.parameter(name)
+    adam = inputs.adam.get(name)
+    like = inputs.stats.parameter(name)
     if adam is None:
         return local_part(delta.float(), like)
-    grad = r.stats.param_grad(name, r.precision) if grad is None else grad
+    grad = inputs.stats.param_grad(name, inputs.precision) if grad is None else grad
     # FSDP2: this rank's shard of the error and gradient, with its shard of the moments.
-    return adam.local().update_deviation(local_part(grad, like), local_part(delta, like))
+    return adam.update_deviation(local_part(grad, like), local_part(delta, like))
 
 
 def update_energy(stats: Statistics, adam: Mapping[str, AdamState | None],
                    precision: RoundPrecision = RoundPrecision.TRAINING) -> float:
     """sum_k ||u_k||^2, one parameter at a time: AdamW's next update (its moments advanced by the
-    slice's own gradient), or the gradient itself without Adam moments.
+    slice's own gradient), or the gradient itself without Adam moments. ``adam``: parameter name -> this rank's
+    state (AdamState.local()).
 
     WD perturbs the next AdamW step, the one that takes this batch's gradient: its moments include
     that gradient (the method text reads them before it, docs/method.md section 5; measured, that let one
@@ -208,7 +230,7 @@ def update_energy(stats: Statistics, adam: Mapping[str, AdamState | None],
             grad = local_part(grad, param)
         state = adam.get(name)
         if state is not None:
-            parts.append(state.local().next_update_energy(grad).double())
+            parts.append(state.next_update_energy(grad).double())
         elif grad is not None:
             parts.append(grad.pow(2).sum().double())
     total = math.fsum(read_scalars(parts))
@@ -272,7 +294,8 @@ def sign_tangents(stats: Statistics, adam: Mapping[str, AdamState | None], name:
     """Lambda r of parameter ``name`` (the ``index``-th of stats.param_names) for each of ``seeds``, stacked
     (len(seeds) x the parameter's shape): random signs r drawn from (seed, index), not from a shared stream,
     so the same tangent comes back wherever the parameter is used, times AdamW's update sensitivity at the
-    slice's gradient (gradient operands in ``precision``; 1 without moments), computed once for all seeds.
+    slice's gradient (gradient operands in ``precision``; 1 without moments; ``adam``: this rank's states, as
+    update_energy takes them), computed once for all seeds.
     FSDP2: every rank draws the whole parameter's signs, scales its shard by its shard of the moments, and
     one all-gather joins the shards."""
     like = stats.parameter(name)
@@ -280,7 +303,7 @@ def sign_tangents(stats: Statistics, adam: Mapping[str, AdamState | None], name:
     scale = 1.0
     if state is not None:
         grad = stats.param_grad(name, precision)
-        scale = state.local().update_sensitivity(None if grad is None else local_part(grad, like))
+        scale = state.update_sensitivity(None if grad is None else local_part(grad, like))
     out = None  # one (len(seeds), *shape) tensor filled in place: no list of copies to stack
     for i, seed in enumerate(seeds):
         draw = torch.Generator(device=like.device).manual_seed((seed + 7919 * index) % 2**63)

@@ -9,7 +9,6 @@ import sys
 import lightning.pytorch as pl
 import torch
 
-import lightning_snip.controller as ctl
 from lightning_snip.callback import SNIPCallback
 from lightning_snip.config import SNIPConfig
 from lightning_snip.demo.lightning import ByteTextDataModule, DemoLM
@@ -22,7 +21,7 @@ ROUNDS = []  # every round's local and reduced divergences on this rank
 
 
 def _record_reductions() -> None:
-    real = ctl.reduce_result
+    real = statistics_round.reduce_result
 
     def recording(result, *args):
         local = result.as_dict() if result is not None else None
@@ -30,7 +29,7 @@ def _record_reductions() -> None:
         ROUNDS.append({"local": local, "reduced": reduced.as_dict() if reduced is not None else None})
         return reduced
 
-    ctl.reduce_result = recording
+    statistics_round.reduce_result = recording
 
 
 def spike(out_dir: str) -> None:

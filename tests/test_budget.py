@@ -10,7 +10,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_snip.budget import APPLY_DELAY, FIRST_SAMPLE_STEPS, OverheadBudget
+from lightning_snip.budget import APPLY_DELAY, FIRST_SAMPLE_STEPS, OverheadBudget, StepKind
 from lightning_snip.callback import SNIPCallback
 from lightning_snip.config import SNIPConfig
 from lightning_snip.controller import Collective, SNIPController
@@ -34,13 +34,14 @@ def _simulate(budget: OverheadBudget, num_steps: int, *, round_cost=ROUND, sampl
             plans += 1
             if plans > 1 and agreements is not None:
                 budget.plan_applied(step, next(agreements, 1.0))
-        if budget.is_round(step):
+        kind = budget.step_kind(step)
+        if kind is StepKind.ROUND:
             budget.mark("round")
             rounds.append(step)
             seconds += round_cost
             budget.follow(budget.decide(step, round_cost))
             apply_at = step + APPLY_DELAY
-        elif budget.is_first_order(step):
+        elif kind is StepKind.FIRST_ORDER:
             budget.mark("first_order")
             seconds += sample_cost
         now += seconds
@@ -64,8 +65,8 @@ def test_without_a_budget_rounds_come_every_interval_as_before():
     cfg = SNIPConfig(warmup_steps=5, interval=7, first_order_steps=3, overhead_budget=None)
     budget = OverheadBudget(cfg)
     sampled = []
-    is_first_order = budget.is_first_order
-    budget.is_first_order = lambda step: is_first_order(step) and (sampled.append(step) or True)
+    step_kind = budget.step_kind
+    budget.step_kind = lambda step: (kind := step_kind(step), kind is StepKind.FIRST_ORDER and sampled.append(step))[0]
     assert _simulate(budget, 60) == [5, 12, 19, 26, 33, 40, 47, 54]
     assert sampled == [s for r in (5, 12, 19, 26, 33, 40, 47, 54, 61) for s in range(r - 3, r) if s < 60]
 
@@ -108,7 +109,7 @@ def test_no_round_is_scheduled_whose_plan_would_come_after_the_run():
     budget.set_horizon(400)
     rounds = _simulate(budget, 400)
     assert rounds == [20] and budget.next_round is None
-    assert not any(budget.is_first_order(s) for s in range(400))  # nor samples for it
+    assert not any(budget.step_kind(s) is StepKind.FIRST_ORDER for s in range(400))  # nor samples for it
     assert budget.share <= 0.02  # the first cycle's cost amortized over the whole run
 
 
@@ -145,11 +146,11 @@ def test_every_rank_follows_rank_zeros_schedule():
 
     for step in range(3):
         controller.begin_batch(step)
-        if controller.is_round_due(step):
+        if controller.step_kind(step) is StepKind.ROUND:
             controller.statistics_round(model, tokens, loss_of, step=step, collective=rank_one)
         controller.end_batch()
     assert (controller.budget.next_round, controller.budget.num_first_order) == (123, 5)
-    assert controller.is_stats_step(123) and controller.is_first_order_step(118) and not controller.is_first_order_step(117)
+    assert [controller.step_kind(step) for step in (123, 118, 117)] == [StepKind.ROUND, StepKind.FIRST_ORDER, StepKind.PLAIN]
     controller.close()
 
 
@@ -293,3 +294,17 @@ def test_a_switch_marked_for_the_next_step_is_priced_there():
         budget.batch_ended(now)
     budget.step_started(7, now)
     assert budget.snip_seconds["switch"] == pytest.approx(SWITCH) and budget.train_seconds == pytest.approx(7 * STEP)
+
+
+def test_the_step_kind_has_one_home_and_a_round_runs_once_per_step():
+    """The schedule's StepKind: the first-order sample on the steps before a round, the round on its step's first
+    micro-batch only (round_started), nothing else."""
+    budget = OverheadBudget(SNIPConfig(warmup_steps=3, interval=4, first_order_steps=2, overhead_budget=None))
+    assert [budget.step_kind(step) for step in range(4)] == [StepKind.PLAIN, StepKind.FIRST_ORDER,
+                                                              StepKind.FIRST_ORDER, StepKind.ROUND]
+    budget.round_started(3)
+    assert budget.step_kind(3) is StepKind.PLAIN  # the step's later micro-batches
+    budget.follow(budget.decide(3, 0.1))
+    assert [budget.step_kind(step) for step in range(4, 8)] == [StepKind.PLAIN, StepKind.FIRST_ORDER,
+                                                                 StepKind.FIRST_ORDER, StepKind.ROUND]
+    assert OverheadBudget(SNIPConfig(replan=False)).step_kind(10) is StepKind.PLAIN

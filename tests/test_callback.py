@@ -259,12 +259,12 @@ def test_plans_are_solved_on_the_aggregate_over_rounds(tmp_path):
         for metric in ("loss_divergence", "weight_divergence"):
             rounds = [h["divergence"]["layers"][fqn][metric]["mxfp4"] for h in snip.history]
             expected = sum(w * v for w, v in zip(weights, rounds)) / sum(weights)
-            assert snip.aggregate.values(metric)[fqn]["mxfp4"] == pytest.approx(expected, rel=1e-9)
+            assert snip.aggregate.values(metric)[fqn][Format.MXFP4] == pytest.approx(expected, rel=1e-9)
     # The applied plan is the ILP's answer on the aggregate, not on the last round.
     ld, wd = snip.aggregate.values("loss_divergence"), snip.aggregate.values("weight_divergence")
     cands = [LayerCandidates(fqn=f, flops=6.0 * l.in_features * l.out_features, pinned=l.pinned,
-                             loss_divergence={Format(k): max(0.0, v) for k, v in ld[f].items() if k in ("fp8", "mxfp4")},
-                             weight_divergence={Format(k): v for k, v in wd[f].items() if k in ("fp8", "mxfp4")})
+                             loss_divergence={k: max(0.0, v) for k, v in ld[f].items() if k in (Format.FP8, Format.MXFP4)},
+                             weight_divergence={k: v for k, v in wd[f].items() if k in (Format.FP8, Format.MXFP4)})
              for f, l in snip.layers.items()]
     expected_plan = solve_plan(cands, fp4_fraction=0.6)
     assert dict(snip.plan) == dict(expected_plan)
@@ -281,9 +281,10 @@ def test_a_negative_aggregate_never_plans_a_format_below_high_precision():
     snip = SNIPCallback(SNIPConfig(candidate_formats=["bf16", "fp8", "mxfp4"], pins={}))
     snip.layers = convert_linears(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)))
     snip.controller.flops = {fqn: 1.0 for fqn in snip.layers}
-    snip.aggregate.update({"loss_divergence": {"0": {"fp8": 1e-3, "mxfp4": -5e-3}, "1": {"fp8": 2e-3, "mxfp4": 4e-3}},
-                           "weight_divergence": {"0": {"fp8": -1e-4, "mxfp4": 1e-3}, "1": {"fp8": 1e-4, "mxfp4": 1e-3}}})
-    assert snip.aggregate.values("loss_divergence")["0"]["mxfp4"] == pytest.approx(-5e-3)  # kept signed
+    fp8, mxfp4 = Format.FP8, Format.MXFP4
+    snip.aggregate.update({"loss_divergence": {"0": {fp8: 1e-3, mxfp4: -5e-3}, "1": {fp8: 2e-3, mxfp4: 4e-3}},
+                           "weight_divergence": {"0": {fp8: -1e-4, mxfp4: 1e-3}, "1": {fp8: 1e-4, mxfp4: 1e-3}}})
+    assert snip.aggregate.values("loss_divergence")["0"][mxfp4] == pytest.approx(-5e-3)  # kept signed
     cands = {c.fqn: c for c in snip.controller.candidates()}
     assert cands["0"].loss_divergence == {Format.BF16: 0.0, Format.FP8: pytest.approx(1e-3), Format.MXFP4: 0.0}
     assert cands["0"].weight_divergence == {Format.BF16: 0.0, Format.FP8: 0.0, Format.MXFP4: pytest.approx(1e-3)}
@@ -292,7 +293,7 @@ def test_a_negative_aggregate_never_plans_a_format_below_high_precision():
     # A NaN or -inf estimate (a caller's, not the aggregate's: it turns them into +inf) is no estimate, never free.
     from lightning_snip.evidence import planning_value
     for bad in (math.nan, -math.inf):
-        assert planning_value({"0": {"mxfp4": bad}}, "0", Format.MXFP4) == math.inf
+        assert planning_value({"0": {Format.MXFP4: bad}}, "0", Format.MXFP4) == math.inf
 
 
 def test_plan_agreement_is_logged(tmp_path):
@@ -403,9 +404,9 @@ def test_unreachable_fp4_target_fails_at_fit_start(tmp_path):
 
 
 def test_round_before_the_first_optimizer_step_uses_zero_adam_moments(tmp_path, caplog):
-    import lightning_snip.divergence as divergence
+    import lightning_snip.statistics_round as statistics_round
 
-    divergence._warned_no_adam = False
+    statistics_round._warned_no_adam = False
     snip = SNIPCallback(_snip(warmup_steps=0))
     with caplog.at_level(logging.WARNING):
         _fit(tmp_path, snip, max_steps=2)

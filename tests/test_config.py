@@ -132,7 +132,7 @@ def test_group_layers_reaches_the_round(monkeypatch):
     tokens = torch.randint(0, 256, (2, 9))
     for settings in (statistics_round.RoundSettings(group_layers=3), statistics_round.RoundSettings()):
         with pytest.raises(RuntimeError, match="stop here"):
-            statistics_round.run_statistics_round(model, lambda: model.loss((tokens[:, :-1], tokens[:, 1:])), layers,
+            statistics_round.run_statistics_round(model, (tokens[:, :-1], tokens[:, 1:]), model.loss, layers,
                                                   SNIPConfig(), settings=settings)
     assert seen == [3, None]
     for bad in (dict(noise_draws=0), dict(wd_probes=2.0), dict(group_layers=True)):

@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 
+from lightning_snip.budget import StepKind
 from lightning_snip.config import SNIPConfig
 from lightning_snip.controller import SNIPController
 from lightning_snip.demo.model import LlamaConfig, TinyLlama
@@ -28,10 +29,11 @@ def test_a_plain_pytorch_loop_samples_plans_and_switches():
     for step in range(7):
         controller.begin_batch(step)
         controller.apply_due(model, step)
-        if controller.is_round_due(step):
+        kind = controller.step_kind(step)
+        if kind is StepKind.ROUND:
             scalars = controller.statistics_round(model, batch, lambda b: _loss(model, b), step=step, optimizer=opt)
             assert scalars["snip/stats_seconds"] > 0 and "snip/ld/layers.0.mlp.down/mxfp4" in scalars
-        elif controller.is_first_order_step(step):
+        elif kind is StepKind.FIRST_ORDER:
             controller.start_first_order(step)
             sampled.append(step)
         loss = _loss(model, batch)
@@ -79,7 +81,7 @@ def test_a_round_measures_a_pinned_layer_in_its_pin_only(monkeypatch):
     loss_fn().backward()
     opt.step()
     cfg = SNIPConfig()  # candidates fp8, mxfp4
-    result = run_statistics_round(model, loss_fn, layers, cfg, optimizer=opt,
+    result = run_statistics_round(model, tokens, lambda _: loss_fn(), layers, cfg, optimizer=opt,
                                   generator=torch.Generator().manual_seed(0)).layers
     head, q0 = result["lm_head"], result["model.layers.0.self_attn.q_proj"]
     assert head.loss_divergence == {Format.BF16: 0.0, Format.FP8: math.inf, Format.MXFP4: math.inf}
@@ -90,7 +92,7 @@ def test_a_round_measures_a_pinned_layer_in_its_pin_only(monkeypatch):
 
     every = {fqn: layer.allowed_formats for fqn, layer in layers.items()}
     monkeypatch.setattr(statistics_round, "measured_formats", lambda _: every)
-    full = run_statistics_round(model, loss_fn, layers, cfg, optimizer=opt,
+    full = run_statistics_round(model, tokens, lambda _: loss_fn(), layers, cfg, optimizer=opt,
                                 generator=torch.Generator().manual_seed(0)).layers
     assert all(math.isfinite(full["lm_head"].weight_divergence[f]) for f in (Format.FP8, Format.MXFP4))
     for fqn in layers:
@@ -130,12 +132,13 @@ def test_the_default_target_is_a_share_of_the_switchable_layers(caplog):
     assert (f"target fp4_fraction 0.75 of the switchable layers' linear FLOPs ({expected_model:.3f} of the model's; "
             f"pinned layers hold {head:.1%} of them)") in caplog.text
     cfg = controller.config
-    fraction = model_target(layer_candidates(controller.layers, cfg.formats), cfg)
+    fraction = model_target(layer_candidates(controller.layers, cfg.candidate_formats), cfg)
     assert fraction == pytest.approx(expected_model)
     g = torch.Generator().manual_seed(1)
-    estimates = [{fqn: {"fp8": float(torch.rand((), generator=g)) * 1e-3, "mxfp4": float(torch.rand((), generator=g))}
+    estimates = [{fqn: {Format.FP8: float(torch.rand((), generator=g)) * 1e-3,
+                        Format.MXFP4: float(torch.rand((), generator=g))}
                   for fqn in controller.layers} for _ in range(2)]
-    candidates = layer_candidates(controller.layers, cfg.formats, loss_divergence=estimates[0],
+    candidates = layer_candidates(controller.layers, cfg.candidate_formats, loss_divergence=estimates[0],
                                   weight_divergence=estimates[1])
     plan = solve_guarded(candidates, {}, cfg)
     apply_plan(lm, plan)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_snip.budget import APPLY_DELAY, OverheadBudget
+from lightning_snip.budget import APPLY_DELAY, OverheadBudget, StepKind
 from lightning_snip.config import SNIPConfig
 from lightning_snip.controller import SNIPController
 from lightning_snip.device_clock import Timeline
@@ -65,7 +65,8 @@ def _simulate_on_device(timeline: Timeline, device: _Device, num_steps: int, fir
         if apply_at == step:
             timeline.mark("switch")
             device.launch(SWITCH)
-        if budget.is_round(step):
+        kind = budget.step_kind(step)
+        if kind is StepKind.ROUND:
             timeline.mark("round")
             start = timeline.stamp()
             device.launch(ROUND)
@@ -75,7 +76,7 @@ def _simulate_on_device(timeline: Timeline, device: _Device, num_steps: int, fir
             rounds.append(step)
             budget.follow(budget.decide(step, seconds))
             apply_at = step + APPLY_DELAY
-        elif budget.is_first_order(step):
+        elif kind is StepKind.FIRST_ORDER:
             timeline.mark("first_order")
             device.launch(SAMPLE)
         timeline.batch_ended()

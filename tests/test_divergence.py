@@ -7,7 +7,10 @@ import torch
 from torch import nn
 
 from lightning_snip.convert import convert_linears
-from lightning_snip.divergence import DivergenceResult, estimate_divergence
+from lightning_snip.divergence import DivergenceResult
+from lightning_snip.evidence import planning_value
+from lightning_snip.loss_divergence import combine_loss_divergence
+from lightning_snip.statistics_round import estimate_divergence
 from lightning_snip.formats import Format
 from lightning_snip.quantize import fake_quantize
 from lightning_snip.gemm import quantized_matmul
@@ -130,8 +133,8 @@ def test_without_adam_falls_back_to_gradient_errors(caplog):
     model, layers, _, loss_fn, _ = _setup(steps=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
-    import lightning_snip.divergence as div
-    div._warned_no_adam = False
+    import lightning_snip.statistics_round as statistics_round
+    statistics_round._warned_no_adam = False
     with caplog.at_level(logging.WARNING):
         result = estimate_divergence(stats, [Format.MXFP4])
     assert not result.used_adam and "plain gradient errors" in caplog.text
@@ -222,7 +225,7 @@ def test_first_order_sampler_matches_autograd_inner_product():
 
 def test_ld_without_sampled_batches_shrinks_the_batchs_first_order_term():
     """With no first-order history, LD is this batch's <G, dY> shrunk by its sampling error (positive-part
-    James-Stein) plus the second-order term, clamped at 0."""
+    James-Stein) plus the second-order term, not clamped (the planner clamps it at 0, evidence.planning_value)."""
     model, layers, opt, loss_fn, _ = _setup()
     stats = collect_stats(model, loss_fn, layers=layers, optimizer=opt)
     result = estimate_divergence(stats, [Format.MXFP4])
@@ -230,8 +233,8 @@ def test_ld_without_sampled_batches_shrinks_the_batchs_first_order_term():
     for d in result.layers.values():
         first, se, second = d.first_order[Format.MXFP4], d.first_stderr[Format.MXFP4], d.second_order[Format.MXFP4]
         shrunk = first * max(0.0, 1.0 - (se / first) ** 2) if first and math.isfinite(se) else 0.0
-        assert d.loss_divergence[Format.MXFP4] == max(0.0, shrunk + second)
-        assert d.unclamped_loss_divergence()[Format.MXFP4] == shrunk + second
+        assert d.loss_divergence[Format.MXFP4] == shrunk + second
+        assert planning_value({"layer": {Format.MXFP4: shrunk + second}}, "layer", Format.MXFP4) == max(0.0, shrunk + second)
         assert Format.MXFP4 not in d.first_accumulated
 
 
@@ -291,8 +294,8 @@ def test_estimate_ranks_the_expected_loss_increase_not_one_batch():
         result = estimate_divergence(stats, [Format.MXFP4], noise_draws=2, first_order_history=history,
                                      generator=torch.Generator().manual_seed(trial))
         stats.release()
-        ld = {fqn: d.loss_divergence[Format.MXFP4] for fqn, d in result.layers.items()}
-        assert min(ld.values()) >= 0.0  # never better than high precision
+        ld = {fqn: planning_value({fqn: d.loss_divergence}, fqn, Format.MXFP4) for fqn, d in result.layers.items()}
+        assert min(ld.values()) >= 0.0  # as planned: never better than high precision
         firsts["ld"] += max(ld, key=ld.get) == "layers.2"
         batch_ld = {fqn: d.first_order[Format.MXFP4] + d.second_order[Format.MXFP4] for fqn, d in result.layers.items()}
         firsts["batch"] += max(batch_ld, key=batch_ld.get) == "layers.2"
@@ -966,8 +969,9 @@ def test_8bit_curvature_is_the_fp4_errors_quotient_times_the_8bit_error_without_
         assert d.second_order[Format.FP8] == pytest.approx(quotient * d.abs_error_forward[Format.FP8], rel=1e-9)
         assert d.second_order[Format.FP8] != 0.0
         # LD was formed from the transferred term (its parts recombined give it back)
-        assert d.loss_divergence[Format.FP8] == pytest.approx(
-            max(0.0, d.unclamped_loss_divergence()[Format.FP8]), rel=1e-12, abs=1e-15)
+        assert d.loss_divergence[Format.FP8] == combine_loss_divergence(
+            first=d.first_order[Format.FP8], first_stderr=d.first_stderr[Format.FP8],
+            first_accumulated=d.first_accumulated.get(Format.FP8), second=d.second_order[Format.FP8])
 
 
 def test_8bit_curvature_of_a_layer_without_an_fp4_format_is_probed(monkeypatch):

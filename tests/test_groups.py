@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_snip.convert import convert_linears
-from lightning_snip.divergence import estimate_divergence
+from lightning_snip.statistics_round import estimate_divergence
 from lightning_snip.formats import Format, Fp8Scaling, QuantRecipe, Rounding
 from lightning_snip.gemm import bmm_fp32, mm_fp32
 from lightning_snip.grid import random_bits, uniforms_from_bits
@@ -333,16 +333,21 @@ def test_the_default_groups_on_an_accelerator_only(monkeypatch):
 
     assert default_group_layers("cpu") == 1 and default_group_layers(torch.device("cuda", 1)) == MAX_GROUP_LAYERS
     assert default_group_layers("meta") == MAX_GROUP_LAYERS
-    seen, real = [], div.layer_groups
-    monkeypatch.setattr(div, "layer_groups",
-                        lambda *a, max_layers, **k: seen.append(max_layers) or real(*a, max_layers=max_layers, **k))
-    import lightning_snip.divergence as divergence
+    import lightning_snip.groups as groups
 
-    monkeypatch.setattr(divergence, "default_group_layers", lambda device: seen.append(torch.device(device).type) or 3)
+    devices, largest, real = [], [], div.layer_groups
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        largest.append(max((len(group) for group in out), default=0))
+        return out
+
+    monkeypatch.setattr(div, "layer_groups", spy)
+    monkeypatch.setattr(groups, "default_group_layers", lambda device: devices.append(torch.device(device).type) or 3)
     model, loss_fn = _demo()
     stats = collect_stats(model, loss_fn, layers=convert_linears(model))
     try:
         estimate_divergence(stats, [Format.MXFP4], noise_draws=1, probes=1)
     finally:
         stats.release()
-    assert seen[0] == "cpu" and set(seen[1:]) == {3}
+    assert set(devices) == {"cpu"} and max(largest) == 3

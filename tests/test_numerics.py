@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_snip.convert import convert_linears
-from lightning_snip.divergence import estimate_divergence
+from lightning_snip.statistics_round import estimate_divergence
 from lightning_snip.formats import Format, QuantRecipe
 from lightning_snip.quantize import fake_quantize
 from lightning_snip.linear import SNIPLinear

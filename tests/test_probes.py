@@ -13,7 +13,7 @@ import lightning_snip.probes as probes_module
 import lightning_snip.stats as stats_module
 from lightning_snip.statistics_round import measured_formats
 from lightning_snip.convert import convert_linears
-from lightning_snip.divergence import estimate_divergence
+from lightning_snip.statistics_round import estimate_divergence
 from lightning_snip.formats import Format
 from lightning_snip.stats import collect_stats
 

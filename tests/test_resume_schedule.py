@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_snip.budget import OverheadBudget
+from lightning_snip.budget import OverheadBudget, StepKind
 from lightning_snip.callback import SNIPCallback
 from lightning_snip.config import SNIPConfig
 from lightning_snip.demo.lightning import DemoLM
@@ -123,11 +123,12 @@ def test_snip_added_mid_run_counts_its_schedule_from_its_first_step():
         rounds, sampled, now = [], [], 0.0
         for step in range(100, 135):
             budget.step_started(step, now)
-            if budget.is_round(step):
+            kind = budget.step_kind(step)
+            if kind is StepKind.ROUND:
                 budget.mark("round")
                 rounds.append(step)
                 budget.follow(budget.decide(step, 0.01))
-            elif budget.is_first_order(step):
+            elif kind is StepKind.FIRST_ORDER:
                 sampled.append(step)
             now += 1.0
             budget.batch_ended(now)
@@ -140,9 +141,9 @@ def test_snip_added_mid_run_counts_its_schedule_from_its_first_step():
 def test_a_schedule_behind_the_run_catches_up_once():
     budget = OverheadBudget(SNIPConfig(warmup_steps=5, interval=10, first_order_steps=2, overhead_budget=None))
     budget.load_state_dict({**budget.state_dict(), "next_round": 5})  # a checkpoint's schedule, resumed at step 40
-    assert not budget.is_round(4) and budget.is_round(40) and budget.is_round(41)
+    assert [budget.step_kind(step) for step in (4, 40, 41)] == [StepKind.FIRST_ORDER, StepKind.ROUND, StepKind.ROUND]
     budget.follow(budget.decide(40, 1.0))
-    assert budget.next_round == 50 and not budget.is_round(41)  # the missed rounds (15, 25, 35) are not replayed
+    assert budget.next_round == 50 and budget.step_kind(41) is StepKind.PLAIN  # the missed rounds (15, 25, 35) are not replayed
 
 
 def test_a_resumed_run_under_the_budget_plans_exactly_as_the_uninterrupted_one(tmp_path):
@@ -192,7 +193,7 @@ def test_the_state_of_a_long_run_does_not_grow_with_its_rounds():
     for step in range(2 * HISTORY_ROUNDS + 8):
         controller.begin_batch(step)
         controller.apply_due(model, step)
-        if controller.is_round_due(step):
+        if controller.step_kind(step) is StepKind.ROUND:
             controller.statistics_round(model, tokens, loss_of, step=step, optimizer=optimizer)
         loss = loss_of(tokens)
         loss.backward()

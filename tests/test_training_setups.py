@@ -392,7 +392,7 @@ def test_tied_head_weight_divergence_uses_the_shared_weights_adam_state(tmp_path
         logits = module.net(tokens[:, :-1])
         return F.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
 
-    from lightning_snip.divergence import estimate_divergence
+    from lightning_snip.statistics_round import estimate_divergence
 
     stats = collect_stats(module, loss_fn, layers=snip.layers, optimizer=optimizer)
     assert stats.layers["net.head"].weight_name == "net.embed.weight"
