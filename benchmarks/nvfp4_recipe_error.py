@@ -14,11 +14,13 @@ wgrad dW = G^T X. Variants (registered before the run):
 - ``nvfp4_recipe``: both (NVIDIA's recipe: 2D weight scales, RHT on wgrad, SR on gradients).
 - ``mxfp4+rht``: MXFP4 with the same RHT on wgrad (whether the transform also serves block-32 power-of-two scales).
 
-The RHT matrix is torchao's (``get_rht_matrix``, torchao/prototype/moe_training/nvfp4_training/hadamard_utils.py;
-pure torch) for a seeded sign vector; the 2D weight quantizer is written here after torchao's Triton kernel
-(``_nvfp4_2d_quantize`` in quantize_2d_triton.py, which runs only on compute capability 10.x), and checked against the
-library's 1D NVFP4 with 1x16 tiles (bit-equal) before it is used. Written by hand only what torchao runs on a GPU
-alone.
+Since 2026-12-06 (later) every variant runs through the library's GEMM, ``quantized_matmul``, with the recipe's
+knobs (QuantRecipe.wgrad_hadamard, nvfp4_weight_scales_2d) and each layer's own RHT sign vector
+(hadamard.layer_signs of its name, as convert_linears gives it); before, the study applied one seeded sign vector
+per batch to every layer and its own 2D quantizer. The RHT matrix is torchao's (``get_rht_matrix``); the hand-written
+tile quantizer below (after torchao's Triton ``_nvfp4_2d_quantize``, compute capability 10.x only) is kept as an
+independent check of the library's: with 1x16 tiles it equals the library's NVFP4, with 16x16 tiles the library's
+2D weight scales, bit for bit, or the study stops.
 
     python benchmarks/nvfp4_recipe_error.py [--seeds 3] [--out results/nvfp4_recipe_error_<date>.md]
 """
@@ -34,8 +36,10 @@ from pathlib import Path
 
 import torch
 
-from lightning_snip.formats import Format, Rounding
+from lightning_snip.formats import Format, QuantRecipe
+from lightning_snip.gemm import quantized_matmul
 from lightning_snip.grid import E2M1, round_to_grid
+from lightning_snip.hadamard import hadamard_rows, layer_signs, rht_matrix
 from lightning_snip.quantize import fake_quantize, nvfp4_per_tensor_scale
 
 VARIANTS = ("mxfp4", "nvfp4", "nvfp4+2d", "nvfp4+rht", "nvfp4_recipe", "mxfp4+rht")
@@ -58,29 +62,23 @@ def nvfp4_tiles(w: torch.Tensor, tile_rows: int) -> torch.Tensor:
     return (round_to_grid(scaled, E2M1) * (s8 * g)).reshape(rows, cols)
 
 
-def rht_tokens(a: torch.Tensor, rht: torch.Tensor) -> torch.Tensor:
-    """B^T a for a (tokens x features) with B = blockdiag(R, R, ...) along the tokens (16 at a time): what
-    torchao's kernel does to wgrad's operands (each 16-token block of a row of a^T times R). B is orthonormal, so
-    (B^T g)^T (B^T x) = g^T x before quantization."""
-    tokens, features = a.shape
-    return (rht.t() @ a.float().reshape(tokens // TILE, TILE, features)).reshape(tokens, features)
-
-
-def gemm_errors(x, g, w, variant: str, rht: torch.Tensor, generator: torch.Generator) -> dict[str, float]:
+def variant_recipe(variant: str) -> tuple[Format, QuantRecipe]:
+    """The format and the library's recipe of a variant (stochastic rounding on gradients in every one)."""
     fmt = Format.MXFP4 if variant.startswith("mxfp4") else Format.NVFP4
     two_d, with_rht = variant in ("nvfp4+2d", "nvfp4_recipe"), variant in ("nvfp4+rht", "nvfp4_recipe", "mxfp4+rht")
+    return fmt, QuantRecipe(wgrad_hadamard=(fmt,) if with_rht else (), nvfp4_weight_scales_2d=two_d)
+
+
+def gemm_errors(x, g, w, variant: str, signs: tuple[int, ...], generator: torch.Generator) -> dict[str, float]:
+    """Each GEMM's relative error in ``variant``, as SNIPLinear multiplies (gemm.quantized_matmul)."""
+    fmt, recipe = variant_recipe(variant)
     x, g, w = x.float(), g.float(), w.float()
-
-    def q(t, axis, grad=False):
-        return fake_quantize(t, fmt, axis=axis, rounding=Rounding.STOCHASTIC if grad else Rounding.NEAREST,
-                             is_grad=grad, generator=generator)
-
-    q_w_forward = nvfp4_tiles(w, TILE) if two_d else q(w, 1)  # W along in_features (forward)
-    q_w_dgrad = nvfp4_tiles(w.t().contiguous(), TILE).t() if two_d else q(w, 0)  # along out_features (dgrad)
-    gw, xw = (rht_tokens(g, rht), rht_tokens(x, rht)) if with_rht else (g, x)
     exact = {"forward": x @ w.t(), "dgrad": g @ w, "wgrad": g.t() @ x}
-    approx = {"forward": q(x, 1) @ q_w_forward.t(), "dgrad": q(g, 1, grad=True) @ q_w_dgrad,
-              "wgrad": q(gw, 0, grad=True).t() @ q(xw, 0)}
+    approx = {"forward": quantized_matmul(x, w, fmt, recipe=recipe, b_is_weight=True, generator=generator),
+              "dgrad": quantized_matmul(g, w.t(), fmt, recipe=recipe, a_is_grad=True, b_is_weight=True,
+                                        generator=generator),
+              "wgrad": quantized_matmul(g.t(), x.t(), fmt, recipe=recipe, a_is_grad=True, hadamard=signs,
+                                        generator=generator)}
     return {k: float((approx[k] - exact[k]).norm() / exact[k].norm().clamp_min(1e-30)) for k in GEMMS}
 
 
@@ -113,19 +111,23 @@ def capture_operands(seed: int):
 
 
 def check_2d_quantizer() -> None:
-    """The hand-written tile quantizer with 1x16 tiles equals the library's NVFP4 (torchao's to_nvfp4), and with
-    16x16 tiles commutes with the transpose; else the study stops."""
+    """The hand-written tile quantizer with 1x16 tiles equals the library's NVFP4 (torchao's to_nvfp4), with
+    16x16 tiles the library's 2D weight scales, and commutes with the transpose; else the study stops."""
     w = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * 3
     assert torch.equal(nvfp4_tiles(w, 1), fake_quantize(w, Format.NVFP4, axis=1)), "1x16 tiles != the library's NVFP4"
+    assert torch.equal(nvfp4_tiles(w, TILE), fake_quantize(w, Format.NVFP4, axis=1, scales_2d=True)), \
+        "16x16 tiles != the library's 2D weight scales"
     assert torch.equal(nvfp4_tiles(w, TILE).t(), nvfp4_tiles(w.t().contiguous(), TILE)), "2D scales not transposable"
 
 
-def check_rht(rht: torch.Tensor) -> None:
-    """Before quantization the transform cancels: (B^T G)^T (B^T X) = G^T X; else the study stops."""
+def check_rht() -> None:
+    """Before quantization the library's transform cancels in the wgrad product; else the study stops."""
     generator = torch.Generator().manual_seed(1)
     g, x = torch.randn(64, 24, generator=generator), torch.randn(64, 40, generator=generator)
-    assert torch.allclose(rht_tokens(g, rht).t() @ rht_tokens(x, rht), g.t() @ x, atol=1e-4), "RHT does not cancel"
-    assert not torch.allclose(rht_tokens(g, rht), g), "RHT is the identity"
+    matrix = rht_matrix(layer_signs("check"))
+    assert torch.allclose(hadamard_rows(g.t(), matrix) @ hadamard_rows(x.t(), matrix).t(), g.t() @ x, atol=1e-4), \
+        "RHT does not cancel"
+    assert not torch.allclose(hadamard_rows(g.t(), matrix), g.t()), "RHT is the identity"
 
 
 def main() -> None:
@@ -135,23 +137,19 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     check_2d_quantizer()
-    from torchao.prototype.moe_training.nvfp4_training.hadamard_utils import get_rht_matrix
-
+    check_rht()
     per_seed = []  # seed -> variant -> gemm -> [per-layer errors]
     for seed in range(args.seeds):
         operands = capture_operands(seed)
-        signs = tuple(int(s) for s in torch.randint(0, 2, (TILE,), generator=torch.Generator().manual_seed(seed)) * 2 - 1)
-        rht = get_rht_matrix(signs, "cpu", torch.float32, TILE)
-        check_rht(rht)
         errors = {v: {k: [] for k in GEMMS} for v in VARIANTS}
         for variant in VARIANTS:
             generator = torch.Generator().manual_seed(1000 + seed)  # the same SR draws for every variant
             for fqn, x, g, w in operands:
-                for k, e in gemm_errors(x, g, w, variant, rht, generator).items():
+                for k, e in gemm_errors(x, g, w, variant, layer_signs(fqn), generator).items():
                     errors[variant][k].append(e)
         per_seed.append(errors)
         print(f"seed {seed}: {len(operands)} layers", flush=True)
-    lines = table(per_seed, [fqn for fqn, *_ in operands])
+    lines = table(per_seed, [fqn for fqn, *_ in operands]) + per_layer_lines(per_seed, [fqn for fqn, *_ in operands])
     print("\n".join(lines))
     if args.out:
         date = datetime.date.today().isoformat()
@@ -184,6 +182,22 @@ def table(per_seed: list[dict], fqns: list[str]) -> list[str]:
         cells = [f"{statistics.fmean(max(s[variant][k]) for s in per_seed):.4f}" for k in GEMMS]
         cells.append(f"{statistics.fmean(s[variant]['wgrad'][worst] for s in per_seed):.4f}")
         lines.append(f"| `{variant}` | " + " | ".join(cells) + " |")
+    return lines
+
+
+def per_layer_lines(per_seed: list[dict], fqns: list[str]) -> list[str]:
+    """Per layer, wgrad's error with the transform over the same format's without it (mean over seeds): how many
+    layers it lowers, the median ratio, the worst layers."""
+    lines = ["", f"Per layer (wgrad, the ratio to the same format without the transform, mean over the {len(per_seed)} "
+             "seeds):", "", "| | layers where RHT lowers wgrad's error | median ratio | worst layers (ratio) |",
+             "|---|---|---|---|"]
+    for with_rht, plain, label in (("nvfp4+rht", "nvfp4", "NVFP4 + RHT / NVFP4"), ("mxfp4+rht", "mxfp4", "MXFP4 + RHT / MXFP4")):
+        ratios = [statistics.fmean(s[with_rht]["wgrad"][i] / s[plain]["wgrad"][i] for s in per_seed)
+                  for i in range(len(fqns))]
+        worst = sorted(range(len(fqns)), key=lambda i: -ratios[i])[:4]
+        names = ", ".join(f"{fqns[i].removeprefix('model.')} {ratios[i]:.2f}" for i in worst)
+        lines.append(f"| {label} | {sum(r < 1 for r in ratios)} of {len(fqns)} | {statistics.median(ratios):.3f} | "
+                     f"{names} |")
     return lines
 
 

@@ -131,21 +131,21 @@ def check_layer(layer: SNIPLinear, fqn: str, x: torch.Tensor, g: torch.Tensor, g
     with torch.enable_grad():
         x_leaf, w_leaf = x.clone().requires_grad_(True), own if own is not None else weight.clone().requires_grad_(True)
         y_train = _SNIPLinearFunction.apply(x_leaf, w_leaf, None, forward_format, backward_format, recipe,
-                                            token_for(generator), None)
+                                            token_for(generator), None, layer.rht_signs)
         dx_train, dw_train = torch.autograd.grad(y_train, (x_leaf, w_leaf), grad_outputs=g)
     y_train = y_train.detach()
     y_ref, dx_ref, dw_ref = x.float() @ weight.float().t(), g.float() @ weight.float(), g.float().t() @ x.float()
     checks = []
     if forward_format is not Format.BF16:
-        y_stat = quantized_matmul(x, weight, forward_format, recipe=recipe, out_dtype=torch.float32)
+        y_stat = quantized_matmul(x, weight, forward_format, recipe=recipe, b_is_weight=True, out_dtype=torch.float32)
         train, stat = _relative_error(y_train, y_ref), _relative_error(y_stat, y_ref)
         checks.append(GemmCheck(fqn, FORWARD, forward_format, train, stat,
                                 f"output relative error {train:.3g} (the round's path {stat:.3g})"))
     if backward_format is not Format.BF16:
-        dx_stat = quantized_matmul(g, weight.t(), backward_format, recipe=recipe, a_is_grad=True, generator=generator,
-                                   out_dtype=torch.float32)
+        dx_stat = quantized_matmul(g, weight.t(), backward_format, recipe=recipe, a_is_grad=True, b_is_weight=True,
+                                   generator=generator, out_dtype=torch.float32)
         dw_stat = quantized_matmul(g.t(), x.t(), backward_format, recipe=recipe, a_is_grad=True, generator=generator,
-                                   out_dtype=torch.float32)
+                                   hadamard=layer.rht_signs, out_dtype=torch.float32)
         measures = {
             "dgrad relative error": (_relative_error(dx_train, dx_ref), _relative_error(dx_stat, dx_ref)),
             "wgrad relative error": (_relative_error(dw_train, dw_ref), _relative_error(dw_stat, dw_ref)),

@@ -112,7 +112,9 @@ class SNIPConfig:
         until the first plan, the ``include`` / ``exclude`` globs of the nn.Linear layers converted, ``pins``
         (glob=format kept fixed; default: the LM head in bf16, by its name or found by what it is) and
         ``extra_pins`` added to them, and the FP8 scaling (``rowwise``, ``tensorwise`` or ``auto``: the faster
-        on the run's GPU).
+        on the run's GPU). The NVFP4 training recipe's knobs: ``wgrad_hadamard``, the FP4 formats whose wgrad GEMM
+        takes the random Hadamard transform, and ``nvfp4_weight_scales_2d``, NVFP4 weights with 16x16 tile scales
+        (lightning_snip.formats.QuantRecipe).
     Estimator: ``max_rows`` token rows per round (and per step of LD's first-order sample, taken on up to
         ``first_order_steps`` steps before each round: fewer as the budget requires); the objective LD +
         ``weight_divergence_weight`` x WD. The estimator's other settings are fixed by their studies
@@ -144,6 +146,9 @@ class SNIPConfig:
     pins: Any = field(default_factory=lambda: list(DEFAULT_PINS))  # Any: a list (as overrides write it) or a mapping
     extra_pins: Any = field(default_factory=list)
     fp8_scaling: Fp8Scaling = Fp8Scaling.ROWWISE  # AUTO: the faster on the run's device, resolved at fit start
+    # the NVFP4 training recipe's knobs (QuantRecipe): the wgrad GEMM's random Hadamard transform, 2D weight scales
+    wgrad_hadamard: tuple[Format, ...] = (Format.MXFP4, Format.NVFP4)
+    nvfp4_weight_scales_2d: bool = True
     # estimator
     max_rows: int = 1024
     first_order_steps: int = 32
@@ -188,6 +193,14 @@ class SNIPConfig:
         object.__setattr__(self, "candidate_formats", tuple(Format.parse(f, field_name="candidate_formats")
                                                            for f in self.candidate_formats))
         object.__setattr__(self, "initial_format", Format.parse(self.initial_format, field_name="initial_format"))
+        check_field(not isinstance(self.wgrad_hadamard, str) and isinstance(self.wgrad_hadamard, Sequence),
+                    "wgrad_hadamard", self.wgrad_hadamard, "a list of FP4 formats, e.g. ['mxfp4', 'nvfp4'], or []")
+        hadamard = tuple(Format.parse(f, field_name="wgrad_hadamard") for f in self.wgrad_hadamard)
+        check_field(all(f.is_fp4 for f in hadamard), "wgrad_hadamard", [f.value for f in hadamard],
+                    "FP4 formats only (mxfp4, nvfp4), or []")
+        object.__setattr__(self, "wgrad_hadamard", hadamard)
+        check_field(isinstance(self.nvfp4_weight_scales_2d, bool), "nvfp4_weight_scales_2d",
+                    self.nvfp4_weight_scales_2d, "true or false")
         object.__setattr__(self, "include", tuple(self.include))
         object.__setattr__(self, "exclude", tuple(self.exclude))
         # Kept as given (a list stays a list: TrainConfig's default instance is Hydra's schema, and a
@@ -239,4 +252,5 @@ class SNIPConfig:
         if self.fp8_scaling is Fp8Scaling.AUTO:
             raise RuntimeError("fp8_scaling: 'auto' has no recipe until it is resolved on the run's device "
                                "(SNIPCallback does at fit start; elsewhere call lightning_snip.callback.resolve_fp8_scaling)")
-        return QuantRecipe(fp8_scaling=self.fp8_scaling)
+        return QuantRecipe(fp8_scaling=self.fp8_scaling, wgrad_hadamard=self.wgrad_hadamard,
+                           nvfp4_weight_scales_2d=self.nvfp4_weight_scales_2d)

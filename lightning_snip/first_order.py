@@ -98,7 +98,7 @@ class FirstOrderTerms:
             y = mm_fp32(x, w)
             g = g.float()
             for fmt in self.formats:
-                dy = quantized_matmul(x, w, fmt, recipe=self.recipe, out_dtype=torch.float32) - y
+                dy = quantized_matmul(x, w, fmt, recipe=self.recipe, b_is_weight=True, out_dtype=torch.float32) - y
                 self._pending.append(((fqn, fmt), (g * dy).sum(), total_rows, x.shape[0], self.grad_scale))
 
     def take(self) -> dict[tuple[str, Format], list[float]]:

@@ -18,6 +18,7 @@ import torch
 
 from lightning_snip.formats import Format, Fp8Scaling, QuantRecipe, Rounding
 from lightning_snip.grid import fp8_dtype
+from lightning_snip.hadamard import hadamard_rows, rht_matrix
 from lightning_snip.quantize import fake_quantize, mxfp4_stochastic_parts, nvfp4_per_tensor_scale, nvfp4_stochastic_parts
 
 logger = logging.getLogger(__name__)
@@ -147,12 +148,18 @@ def quantized_matmul(
     recipe: QuantRecipe,
     a_is_grad: bool = False,
     b_is_grad: bool = False,
+    b_is_weight: bool = False,
+    hadamard: tuple[int, ...] | None = None,
     generator: torch.Generator | None = None,
     kernel: Kernel | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Return Q(a) @ Q(b)^T, both operands quantized along dim 1 (the contraction axis).
 
+    ``b_is_weight``: b is the layer's weight (the forward's W, the dgrad's W^T): NVFP4 quantizes it with 16x16 tile
+    scales where the recipe says (QuantRecipe.nvfp4_weight_scales_2d). ``hadamard``: this is the wgrad GEMM of a
+    layer with this RHT sign vector (lightning_snip.hadamard): for a format in QuantRecipe.wgrad_hadamard both
+    operands are transformed along dim 1 first (the product is unchanged before quantization).
     ``generator``: the random source of stochastic rounding (the global one when None).
     ``kernel``: None chooses by device (kernel_for); tests force TORCHAO_FP8 on a CPU, where
     torch._scaled_mm exists too. ``out_dtype``: None returns a's dtype (training's GEMMs);
@@ -162,24 +169,30 @@ def quantized_matmul(
         raise ValueError(f"out_dtype: invalid value {out_dtype!r}; allowed: None or torch.float32")
     if fmt is Format.BF16:
         return mm_fp32(a, b) if out_dtype is not None else a @ b.t()
+    if hadamard is not None and recipe.uses_hadamard(fmt):
+        matrix = rht_matrix(tuple(hadamard), str(a.device))
+        a, b = hadamard_rows(a, matrix), hadamard_rows(b, matrix)
+    scales_2d = b_is_weight and recipe.weight_scales_2d(fmt)
     kernel = kernel_for(fmt, a.device) if kernel is None else kernel
     # torch._scaled_mm needs every dimension a multiple of 16; other shapes are emulated.
     if kernel is Kernel.TORCHAO_FP8 and a.shape[1] % 16 == 0 and a.shape[0] % 16 == 0 and b.shape[0] % 16 == 0:
         if out_dtype is not None:  # torchao returns its operands' dtype: fp32 operands (the same FP8 casts,
             a, b = a.float(), b.float()  # scales from the same amax) give the fp32 output of torch._scaled_mm
         return torchao_fp8_mm(a, b, recipe, a_is_grad, b_is_grad)
-    if kernel is Kernel.TORCHAO_BLOCK and block_native_supported(a, b, fmt, recipe, a_is_grad, b_is_grad):
+    # (2D weight scales: emulated until the native path takes torchao's 2D quantizer)
+    if kernel is Kernel.TORCHAO_BLOCK and not scales_2d and block_native_supported(a, b, fmt, recipe, a_is_grad,
+                                                                                    b_is_grad):
         out = torchao_block_mm(a, b, fmt, recipe, a_is_grad, b_is_grad, generator)
         return out if out_dtype is None else out.to(out_dtype)
     qa = fake_quantize(a, fmt, axis=1, rounding=operand_rounding(fmt, recipe, a_is_grad), recipe=recipe, is_grad=a_is_grad,
                        generator=generator)
     qb = fake_quantize(b, fmt, axis=1, rounding=operand_rounding(fmt, recipe, b_is_grad), recipe=recipe, is_grad=b_is_grad,
-                       generator=generator)
+                       generator=generator, scales_2d=scales_2d)
     return mm_fp32(qa, qb) if out_dtype is not None else qa @ qb.t()
 
 
 def opaque_quantized_matmul(a: torch.Tensor, b: torch.Tensor, fmt: Format, *, recipe: QuantRecipe,
-                            a_is_grad: bool = False, b_is_grad: bool = False,
+                            a_is_grad: bool = False, b_is_grad: bool = False, hadamard: tuple[int, ...] | None = None,
                             generator: torch.Tensor | None = None) -> torch.Tensor:
     """quantized_matmul as one custom operator, opaque to torch.compile: the same kernels and numbers,
     for a GEMM whose shapes inductor mishandles when traced (SNIPLinear's block-format wgrad).
@@ -187,18 +200,19 @@ def opaque_quantized_matmul(a: torch.Tensor, b: torch.Tensor, fmt: Format, *, re
     from lightning_snip.rng import token_for
 
     token = token_for(None) if generator is None else generator
-    return _opaque_quantized_matmul(a, b, fmt.value, recipe.key, a_is_grad, b_is_grad, token)
+    return _opaque_quantized_matmul(a, b, fmt.value, recipe.key, a_is_grad, b_is_grad,
+                                    [] if hadamard is None else list(hadamard), token)
 
 
 @torch.library.custom_op("lightning_snip::quantized_matmul", mutates_args=("token",))
 def _opaque_quantized_matmul(a: torch.Tensor, b: torch.Tensor, fmt: str, recipe: str, a_is_grad: bool,
-                             b_is_grad: bool, token: torch.Tensor) -> torch.Tensor:
+                             b_is_grad: bool, hadamard: list[int], token: torch.Tensor) -> torch.Tensor:
     return quantized_matmul(a, b, Format(fmt), recipe=QuantRecipe.from_key(recipe), a_is_grad=a_is_grad,
-                            b_is_grad=b_is_grad, generator=token)
+                            b_is_grad=b_is_grad, hadamard=tuple(hadamard) or None, generator=token)
 
 
 @_opaque_quantized_matmul.register_fake
-def _opaque_quantized_matmul_fake(a, b, fmt, recipe, a_is_grad, b_is_grad, token):
+def _opaque_quantized_matmul_fake(a, b, fmt, recipe, a_is_grad, b_is_grad, hadamard, token):
     return a.new_empty((a.shape[0], b.shape[0]))
 
 

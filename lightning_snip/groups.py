@@ -94,11 +94,15 @@ def row_scaled(fmt: Format, recipe: QuantRecipe) -> bool:
 
 
 def quantize_stack(t: torch.Tensor, fmt: Format, *, recipe: QuantRecipe, is_grad: bool = False,
-                   rounding: Rounding = Rounding.NEAREST, bits: list[torch.Tensor] | None = None) -> torch.Tensor:
+                   rounding: Rounding = Rounding.NEAREST, bits: list[torch.Tensor] | None = None,
+                   is_weight: bool = False) -> torch.Tensor:
     """fake_quantize of each slice t[i] (contraction axis last), for a stack (L, rows, k): one call on the
     stack as a (L * rows, k) matrix where the format's scales are row by row (row_scaled), else slice by
     slice. Stochastic rounding takes each slice's random bits, drawn by the caller (``bits``: grid.random_bits
-    of quantize.padded_numel per slice, in the order it would have drawn them), and the fused quantizers."""
+    of quantize.padded_numel per slice, in the order it would have drawn them), and the fused quantizers.
+    ``is_weight``: the slices are layers' weights (NVFP4's 16x16 tile scales where the recipe says)."""
+    if is_weight and recipe.weight_scales_2d(fmt):
+        return stack([fake_quantize(part, fmt, axis=1, recipe=recipe, scales_2d=True) for part in t])
     if (rounding is Rounding.STOCHASTIC) != (bits is not None):
         raise ValueError("bits: each slice's random bits are needed for (and only for) stochastic rounding, got "
                          f"rounding={rounding.value} and {'no ' if bits is None else ''}bits")

@@ -81,6 +81,12 @@ def nvfp4_nearest(rows: torch.Tensor) -> torch.Tensor:
     return run_compiled(_nvfp4_rtn_kernel, rows)
 
 
+def nvfp4_nearest_2d(tiles: torch.Tensor) -> torch.Tensor:
+    """NVFP4 with one E4M3 scale per 16x16 tile (``tiles``: fp32, (rows / 16, 16, cols / 16, 16)) and the per-tensor
+    scale, rounded to nearest, dequantized (quantize.nvfp4_2d_fake_quantize)."""
+    return run_compiled(_nvfp4_rtn_2d_kernel, tiles)
+
+
 def nvfp4_stochastic(rows: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """NVFP4 with stochastically rounded elements (``bits``: grid.random_bits), dequantized."""
     return run_compiled(_nvfp4_sr_kernel, rows, bits)
@@ -148,6 +154,16 @@ def _nvfp4_rtn_kernel(rows: torch.Tensor) -> torch.Tensor:
     per_tensor, block_fp8 = _nvfp4_scales(blocks)
     scaled = torch.clamp(blocks * ((1.0 / per_tensor) / block_fp8), -6.0, 6.0)
     return (round_to_grid(scaled, E2M1) * (per_tensor * block_fp8)).reshape(rows.shape)
+
+
+def _nvfp4_rtn_2d_kernel(tiles: torch.Tensor) -> torch.Tensor:
+    # (as _nvfp4_scales and _nvfp4_rtn_kernel, the block a 16x16 tile)
+    per_tensor = nvfp4_scale_floor(tiles.abs().amax().float() / (448.0 * 6.0))
+    tile_scale = tiles.abs().amax(dim=(1, 3), keepdim=True) / 6.0
+    eps = torch.finfo(torch.float8_e4m3fn).tiny
+    tile_fp8 = round_to_grid(torch.clamp(tile_scale / per_tensor, min=eps, max=448.0), E4M3)
+    scaled = torch.clamp(tiles * ((1.0 / per_tensor) / tile_fp8), -6.0, 6.0)
+    return round_to_grid(scaled, E2M1) * (per_tensor * tile_fp8)
 
 
 def _nvfp4_sr_kernel(rows: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:

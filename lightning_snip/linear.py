@@ -24,6 +24,7 @@ from torch import nn
 
 from lightning_snip.formats import Format, Fp8Dtype, Fp8Scaling, QuantRecipe, Rounding
 from lightning_snip.gemm import opaque_quantized_matmul, quantized_matmul
+from lightning_snip.hadamard import layer_signs
 from lightning_snip.rng import generator_of, token_for
 
 logger = logging.getLogger(__name__)
@@ -31,12 +32,13 @@ logger = logging.getLogger(__name__)
 
 class _SNIPLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, fmt: Format, backward_fmt: Format, recipe: QuantRecipe, generator, tap=None):
+    def forward(ctx, x, weight, bias, fmt: Format, backward_fmt: Format, recipe: QuantRecipe, generator, tap=None,
+                rht_signs=None):
         x2d = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x2d, weight)
         ctx.fmt, ctx.recipe, ctx.x_shape, ctx.has_bias = backward_fmt, recipe, x.shape, bias is not None
-        ctx.generator, ctx.tap = generator, tap
-        y = quantized_matmul(x2d, weight, fmt, recipe=recipe)
+        ctx.generator, ctx.tap, ctx.rht_signs = generator, tap, rht_signs
+        y = quantized_matmul(x2d, weight, fmt, recipe=recipe, b_is_weight=True)
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -51,17 +53,18 @@ class _SNIPLinearFunction(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             # dX (N x k) = G (N x m) @ W (m x k): contraction over m.
-            grad_x = quantized_matmul(g, weight.t(), fmt, recipe=recipe, a_is_grad=True,
+            grad_x = quantized_matmul(g, weight.t(), fmt, recipe=recipe, a_is_grad=True, b_is_weight=True,
                                       generator=generator).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             # dW (m x k) = G^T (m x N) @ X (N x k): contraction over tokens. Traced with a block format,
             # the token axis's padding to whole blocks is symbolic, and inductor's backward then failed
             # its stride checks when the token count changed (torch 2.13): opaque there instead.
             wgrad = opaque_quantized_matmul if fmt.block_size and torch.compiler.is_compiling() else quantized_matmul
-            grad_w = wgrad(g.t(), x2d.t(), fmt, recipe=recipe, a_is_grad=True, generator=generator).to(weight.dtype)
+            grad_w = wgrad(g.t(), x2d.t(), fmt, recipe=recipe, a_is_grad=True, hadamard=ctx.rht_signs,
+                           generator=generator).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 class SNIPLinear(nn.Linear):
@@ -103,6 +106,9 @@ class SNIPLinear(nn.Linear):
         # code calls it only while ``tap_open`` (the sampled steps); a compiled graph always holds it (see forward).
         self.first_order_tap: torch.Tensor | None = None
         self.tap_open = False
+        # The sign vector of the wgrad GEMM's random Hadamard transform (QuantRecipe.wgrad_hadamard): a function of
+        # the layer's name (hadamard.layer_signs; convert_linears names it), the same on every rank.
+        self.rht_signs: tuple[int, ...] = layer_signs("")
         self._format = Format.BF16
         self.format = format
 
@@ -170,6 +176,8 @@ class SNIPLinear(nn.Linear):
         # what orders them). A token from another process names nothing here: torch's default generator
         # until the callback (or the user) assigns one.
         super().__setstate__(state)
+        if "rht_signs" not in state:  # (a layer pickled before the attribute existed)
+            self.rht_signs = layer_signs("")
         token = state.get("_rng_token")
         if token is not None:
             self._rng_token = token_for(generator_of(token, missing_ok=True))
@@ -219,8 +227,9 @@ class SNIPLinear(nn.Linear):
             bias = bias.to(dtype) if bias is not None else None
             with torch.autocast(device_type, enabled=False):
                 return _SNIPLinearFunction.apply(x, weight, bias, forward_format, backward_format, recipe, self._rng_token,
-                                                 tap)
-        return _SNIPLinearFunction.apply(x, weight, bias, forward_format, backward_format, recipe, self._rng_token, tap)
+                                                 tap, self.rht_signs)
+        return _SNIPLinearFunction.apply(x, weight, bias, forward_format, backward_format, recipe, self._rng_token, tap,
+                                         self.rht_signs)
 
     def extra_repr(self) -> str:
         backward = "" if self._backward_format is None else f", backward_format={self._backward_format.value}"
@@ -265,8 +274,11 @@ def _first_order_tap_fake(x, g, weight, tap) -> None:
     return None
 
 
-_RECIPES = {r.key: r for r in (QuantRecipe(fp8_scaling=a, fp8_grad_dtype=b, fp4_grad_rounding=c)
-                               for a in Fp8Scaling.resolved() for b in Fp8Dtype for c in Rounding)}
+_HADAMARD_CHOICES = ((), (Format.MXFP4,), (Format.NVFP4,), (Format.MXFP4, Format.NVFP4))
+_RECIPES = {r.key: r for r in (QuantRecipe(fp8_scaling=a, fp8_grad_dtype=b, fp4_grad_rounding=c, wgrad_hadamard=h,
+                                           nvfp4_weight_scales_2d=d)
+                               for a in Fp8Scaling.resolved() for b in Fp8Dtype for c in Rounding
+                               for h in _HADAMARD_CHOICES for d in (False, True))}
 # "fwd/bwd|recipe" -> (forward Format, backward Format, QuantRecipe): SNIPLinear._gemm_formats' values.
 _GEMM_FORMATS = {f"{f.value}/{b.value}|{key}": (f, b, r) for f in Format for b in Format for key, r in _RECIPES.items()}
 

@@ -129,11 +129,11 @@ def _output_errors(inputs: RoundInputs, group: list[str], fmt: Format, outputs: 
     ||dY||^2."""
     stats, recipe = inputs.stats, inputs.recipe
     activations, weights = stacked_operands(inputs, group, "x"), stacked_operands(inputs, group, "w")
-    quantized_weights = quantize_stack(weights, fmt, recipe=recipe)
+    quantized_weights = quantize_stack(weights, fmt, recipe=recipe, is_weight=True)
     if kernel_for(fmt, activations.device) is Kernel.EMULATED:
         output_errors = bmm_fp32(quantize_stack(activations, fmt, recipe=recipe), quantized_weights) - outputs
     else:  # a native GEMM per layer (its own casts; shapes it does not take are emulated inside)
-        output_errors = stack([quantized_matmul(x, w, fmt, recipe=recipe, out_dtype=torch.float32)
+        output_errors = stack([quantized_matmul(x, w, fmt, recipe=recipe, b_is_weight=True, out_dtype=torch.float32)
                                for x, w in zip(activations, weights)]) - outputs
     del activations, weights, quantized_weights
     grads = stacked_operands(inputs, group, "g").float()

@@ -30,6 +30,7 @@ def fake_quantize(
     is_grad: bool = False,
     generator: torch.Generator | None = None,
     bits: torch.Tensor | None = None,
+    scales_2d: bool = False,
 ) -> torch.Tensor:
     """Quantize a 2-D tensor to ``fmt`` with scales shared along ``axis`` and return it dequantized.
 
@@ -48,8 +49,15 @@ def fake_quantize(
             padded to whole blocks along ``axis``, padded_numel) instead of from ``generator``; the fused
             quantizers only (not the reference's). 2-D (slices x draws, axis 1 only): one draw per equal
             slice of x's rows, each as for that slice alone (a stack of layers, groups.quantize_stack).
+        scales_2d: NVFP4 with one scale per 16x16 tile (a weight under QuantRecipe.nvfp4_weight_scales_2d; the same
+            numbers along either axis), rounded to nearest.
     """
     _check_quantize_args(x, fmt, axis, rounding)
+    if scales_2d:
+        if fmt is not Format.NVFP4 or rounding is not Rounding.NEAREST or bits is not None:
+            raise ValueError(f"scales_2d: 2D block scales are NVFP4's, for weights rounded to nearest (got "
+                             f"{fmt.value}, rounding={rounding.value})")
+        return nvfp4_2d_fake_quantize(x)
     if fmt is Format.BF16:
         return x
     if bits is not None and (rounding is not Rounding.STOCHASTIC or kernels.quantizer_mode() == "reference"):
@@ -80,6 +88,19 @@ def fake_quantize(
             _check_bits(bits, rows.numel(), x.shape[0], axis)
         out = kernels.nvfp4_stochastic(rows, bits) if fmt is Format.NVFP4 else kernels.mx_stochastic(rows, bits)
     return from_rows(out, x, axis)
+
+
+def nvfp4_2d_fake_quantize(x: torch.Tensor) -> torch.Tensor:
+    """NVFP4 with one E4M3 scale per 16x16 tile under the tensor's FP32 scale, rounded to nearest, dequantized (x's
+    dtype): the recipe's weights, one quantized tensor for the forward and (transposed) the dgrad GEMM. The two
+    scale levels and the rounding are those of 1x16 NVFP4 (kernels._nvfp4_rtn_kernel), the block a tile; written
+    here because torchao's 2D quantizer is a Triton kernel only (nvfp4_training.quantize_2d_triton). Both axes are
+    zero-padded to whole tiles (zeros change no tile's amax)."""
+    rows, cols = x.shape
+    padded = torch.nn.functional.pad(x.float(), (0, (-cols) % NVFP4_BLOCK, 0, (-rows) % NVFP4_BLOCK))
+    tiles = padded.reshape(padded.shape[0] // NVFP4_BLOCK, NVFP4_BLOCK, padded.shape[1] // NVFP4_BLOCK, NVFP4_BLOCK)
+    out = kernels.nvfp4_nearest_2d(tiles).reshape(padded.shape)  # (compiled; the padding and layout eager)
+    return out[:rows, :cols].to(x.dtype)
 
 
 def _check_bits(bits: torch.Tensor, numel: int, num_rows: int, axis: int) -> None:

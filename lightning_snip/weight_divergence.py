@@ -24,6 +24,7 @@ from lightning_snip.adamw import AdamState
 from lightning_snip.formats import Format, Rounding
 from lightning_snip.gemm import Kernel, bmm_fp32, kernel_for, operand_rounding, quantized_matmul
 from lightning_snip.grid import random_bits
+from lightning_snip.hadamard import hadamard_rows, rht_matrix
 from lightning_snip.groups import quantize_stack, stack
 from lightning_snip.quantize import padded_numel
 from lightning_snip.round_inputs import RoundInputs, a_sharded_weight, read_scalars, round_groups, stacked_operands
@@ -64,7 +65,8 @@ def backward_divergence(inputs: RoundInputs, valid: Mapping[str, Sequence[Format
         reference = bmm_fp32(grads, weights_t)
         errors = reference.new_empty(len(group), len(fmts), *reference.shape[1:])  # per layer: formats x rows x k
         for j, fmt in enumerate(fmts):
-            torch.sub(_quantized_bmm(inputs, grads, weights_t, fmt, group, bits), reference, out=errors[:, j])
+            torch.sub(_quantized_bmm(inputs, grads, weights_t, fmt, group, bits, wgrad=False), reference,
+                      out=errors[:, j])
         input_errors.update(zip(group, errors))
         del grads, weights_t, reference, errors
     propagated = None
@@ -82,7 +84,8 @@ def backward_divergence(inputs: RoundInputs, valid: Mapping[str, Sequence[Format
         references = bmm_fp32(grads_t, activations_t)
         weight_errors = references.new_empty(len(group), len(fmts), *references.shape[1:])  # layers x formats x out x in
         for j, fmt in enumerate(fmts):
-            torch.sub(_quantized_bmm(inputs, grads_t, activations_t, fmt, group, bits), references, out=weight_errors[:, j])
+            torch.sub(_quantized_bmm(inputs, grads_t, activations_t, fmt, group, bits, wgrad=True), references,
+                      out=weight_errors[:, j])
         del grads_t, activations_t
         norms = torch.linalg.vector_norm(weight_errors.flatten(2), dim=2).double()  # layers x formats
         energies = weight_errors.pow(2).sum(dim=(2, 3)).double()
@@ -143,22 +146,28 @@ class _GradientBits:
 
 
 def _quantized_bmm(inputs: RoundInputs, grads: torch.Tensor, others: torch.Tensor, fmt: Format, group: list[str],
-                   bits: _GradientBits) -> torch.Tensor:
+                   bits: _GradientBits, *, wgrad: bool) -> torch.Tensor:
     """Q(grads[i]) @ Q(others[i])^T in fp32 for a group's stacked gradient GEMM operands (dgrad: G and
-    W^T; wgrad: G^T and X^T), as quantized_matmul(a_is_grad=True) gives them layer by layer: the stochastic
+    W^T, the weight's scales as the recipe has them; ``wgrad``: G^T and X^T, each layer's random Hadamard transform
+    first where the recipe has one), as quantized_matmul(a_is_grad=True) gives them layer by layer: the stochastic
     rounding of the gradients from ``bits``, in one stacked quantizer call and one bmm. A native kernel, or
     the reference quantizers, run layer by layer and draw for themselves."""
     rounding = operand_rounding(fmt, inputs.recipe, True)
+    signs = [inputs.stats.layer_modules[fqn].rht_signs for fqn in group] if wgrad else [None] * len(group)
     # (The layer-order draws of ``bits`` hold while nothing else draws from inputs.generator between its takes: a
     # native kernel's own draws below come from formats that never take bits, all of one device's layers
     # having the same kernel per format, and the reference quantizers take none.)
     if kernel_for(fmt, grads.device) is not Kernel.EMULATED or (
             rounding is Rounding.STOCHASTIC and not bits.draws((group[0], fmt))):
-        return stack([quantized_matmul(a, b, fmt, recipe=inputs.recipe, a_is_grad=True, generator=inputs.generator,
-                                       out_dtype=torch.float32) for a, b in zip(grads, others)])
+        return stack([quantized_matmul(a, b, fmt, recipe=inputs.recipe, a_is_grad=True, b_is_weight=not wgrad,
+                                       hadamard=layer_signs, generator=inputs.generator, out_dtype=torch.float32)
+                      for a, b, layer_signs in zip(grads, others, signs)])
+    if wgrad and inputs.recipe.uses_hadamard(fmt):  # each layer's transform along the token axis
+        matrices = torch.stack([rht_matrix(layer_signs, str(grads.device)) for layer_signs in signs])
+        grads, others = hadamard_rows(grads, matrices), hadamard_rows(others, matrices)
     q_grads = quantize_stack(grads, fmt, recipe=inputs.recipe, is_grad=True, rounding=rounding,
                              bits=bits.take([(fqn, fmt) for fqn in group]) if rounding is Rounding.STOCHASTIC else None)
-    return bmm_fp32(q_grads, quantize_stack(others, fmt, recipe=inputs.recipe))
+    return bmm_fp32(q_grads, quantize_stack(others, fmt, recipe=inputs.recipe, is_weight=not wgrad))
 
 
 def _layer_backward_parts(inputs: RoundInputs, layer: LayerStats, fmts, input_errors: torch.Tensor, propagated,

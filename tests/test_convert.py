@@ -6,6 +6,7 @@ from torch import nn
 
 from lightning_snip.convert import apply_plan, convert_linears, glob_filter, switchable_layers
 from lightning_snip.formats import Format
+from lightning_snip.hadamard import layer_signs
 from lightning_snip.linear import SNIPLinear
 
 
@@ -124,7 +125,9 @@ def test_per_gemm_plan_runs_each_direction_in_its_format():
     # Each GEMM against its own reference: forward in fp8, dgrad and wgrad in mxfp4.
     assert torch.equal(y, quantized_matmul(x.detach(), w, Format.FP8, recipe=rtn))
     assert torch.equal(dx, quantized_matmul(g, w.t(), Format.MXFP4, recipe=rtn, a_is_grad=True))
-    assert torch.equal(dw, quantized_matmul(g.t(), x.detach().t(), Format.MXFP4, recipe=rtn, a_is_grad=True))
+    assert torch.equal(dw, quantized_matmul(g.t(), x.detach().t(), Format.MXFP4, recipe=rtn, a_is_grad=True,
+                                            hadamard=layers["0"].rht_signs))  # (the layer's own RHT signs)
+    assert layers["0"].rht_signs == layer_signs("0") != layer_signs("1")
     # ... and the swapped assignment differs in every GEMM (the test can tell the directions apart).
     y2, dx2, dw2 = gemms(Format.MXFP4, Format.FP8)
     assert not torch.equal(y, y2) and not torch.equal(dx, dx2) and not torch.equal(dw, dw2)

@@ -72,7 +72,7 @@ def test_first_order_term_equals_inner_product():
     loss = nn.functional.mse_loss(y, loss_fn.target)
     loss.backward()
     w = model.second.weight.detach()
-    dy = quantized_matmul(h.detach(), w, Format.NVFP4, recipe=QuantRecipe()) - h.detach() @ w.t()
+    dy = quantized_matmul(h.detach(), w, Format.NVFP4, recipe=QuantRecipe(), b_is_weight=True) - h.detach() @ w.t()
     expected = float((y.grad * dy).sum()) / loss.item()
     assert result.layers["second"].first_order[Format.NVFP4] == pytest.approx(expected, rel=1e-4)
     assert result.layers["second"].second_order[Format.NVFP4] == 0.0  # no noise draws: no curvature
@@ -650,7 +650,7 @@ def test_round_precision_follows_the_training_dtype_and_keeps_the_estimates(auto
         for fmt in (Format.MXFP4, Format.NVFP4):
             d = results[precision].layers["second"]
             y_ref = hd.float() @ w.float().t()
-            dy = quantized_matmul(hd, w, fmt, recipe=QuantRecipe(), out_dtype=torch.float32) - y_ref
+            dy = quantized_matmul(hd, w, fmt, recipe=QuantRecipe(), b_is_weight=True, out_dtype=torch.float32) - y_ref
             per_row = (g * dy).sum(1)
             per_sample = per_row.double().reshape(4, -1).sum(1)
             n = loss.item()

@@ -16,6 +16,8 @@ from lightning_snip.quantize import fake_quantize
 from lightning_snip.gemm import Kernel, describe_kernels, kernel_for, quantized_matmul, torchao_block_mm
 from lightning_snip.linear import SNIPLinear
 
+ONE_D = QuantRecipe(nvfp4_weight_scales_2d=False)  # NVFP4 weights in 1x16 blocks: every GEMM natively
+
 
 def _mock_gpu(monkeypatch, capability):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -68,6 +70,13 @@ def test_setup_names_the_layers_a_native_kernel_does_not_take(monkeypatch, caplo
     assert "1 layer(s) run fp8 emulated (weight dimensions not multiples of 16): odd (64->40)" in caplog.text
     assert "1 layer(s) run nvfp4 emulated (weight dimensions not multiples of 32): nv (48->64)" in caplog.text
     assert "every layer that can run mxfp4 has weight dimensions its native kernel takes" in caplog.text
+    # the recipe's 2D NVFP4 weight scales emulate the weights' GEMMs on this GPU: said, with the setting that avoids it
+    assert "their forward and dgrad GEMMs run emulated on this GPU" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="lightning_snip"):
+        log_setup(SNIPConfig(candidate_formats=("fp8", "mxfp4", "nvfp4"), nvfp4_weight_scales_2d=False), layers, cuda,
+                  None)
+    assert "2D 16x16 scales" not in caplog.text
 
 
 @pytest.mark.parametrize("capability, num_warnings", [((9, 0), 1), ((10, 0), 0), (None, 0)])
@@ -345,7 +354,7 @@ def test_snip_linear_routes_all_three_gemms_to_the_block_kernel(monkeypatch, fmt
         return real(a, b, fmt_, recipe, a_is_grad, b_is_grad, generator, emulate=True)
 
     torch.manual_seed(0)
-    layer = SNIPLinear(64, 96, format=fmt)
+    layer = SNIPLinear(64, 96, format=fmt, recipe=ONE_D)
     x = torch.randn(2, 32, 64, requires_grad=True)
     layer.generator = torch.Generator().manual_seed(5)
     emulated = [t.detach().clone() for t in _fwd_bwd(layer, x)]
@@ -358,6 +367,11 @@ def test_snip_linear_routes_all_three_gemms_to_the_block_kernel(monkeypatch, fmt
                       (fmt, True, False, (96, 64), (64, 64))]    # wgrad: G^T, X^T along tokens
     for n, e in zip(native, emulated):
         assert torch.equal(n.detach(), e)
+    if fmt is Format.NVFP4:  # the recipe's 2D weight scales: the weight's GEMMs emulated, the wgrad native
+        routed.clear()
+        layer.recipe = QuantRecipe()
+        _fwd_bwd(layer, x)
+        assert routed == [(fmt, True, False, (96, 64), (64, 64))]
 
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=lambda f: f.value)
@@ -392,7 +406,7 @@ def test_snip_linear_native_block_path_in_all_three_gemms(monkeypatch, fmt):
     NVFP4: up to the per-tensor scales applied in fp32 instead of bf16)."""
     calls = _decode_block_gemms(monkeypatch)
     torch.manual_seed(0)
-    layer = SNIPLinear(64, 96, format=fmt).bfloat16()
+    layer = SNIPLinear(64, 96, format=fmt, recipe=ONE_D).bfloat16()
     x = torch.randn(2, 32, 64, dtype=torch.bfloat16, requires_grad=True)
     # A loss whose output gradient does not depend on the output: both runs round the same G
     # stochastically (with the output's gradient, NVFP4's small forward difference would move every

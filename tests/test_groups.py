@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import inspect
 import json
+import types
 from collections.abc import Mapping
 
 import pytest
@@ -16,6 +17,7 @@ from lightning_snip.convert import convert_linears
 from lightning_snip.statistics_round import estimate_divergence
 from lightning_snip.formats import Format, Fp8Scaling, QuantRecipe, Rounding
 from lightning_snip.gemm import bmm_fp32, mm_fp32
+from lightning_snip.hadamard import layer_signs
 from lightning_snip.grid import random_bits, uniforms_from_bits
 from lightning_snip.groups import MAX_GROUP_BYTES, layer_groups, quantize_stack, row_scaled, working_bytes
 from lightning_snip.quantize import fake_quantize, padded_numel
@@ -99,6 +101,8 @@ class _Stats:
         self.sharded = sharded
         self.layers = {f"l{i}": LayerStats(f"l{i}", torch.zeros(8, k), torch.zeros(8, n), torch.zeros(n, k), None, 2)
                        for i, (k, n) in enumerate(shapes)}
+        # each layer's RHT signs, as convert_linears names them (what _quantized_bmm reads of the modules)
+        self.layer_modules = {fqn: types.SimpleNamespace(rht_signs=layer_signs(fqn)) for fqn in self.layers}
 
 
 def test_layer_groups_by_shape_in_order_and_chunked():
@@ -218,7 +222,8 @@ def test_interleaved_groups_hold_the_bits_of_few_other_layers():
 @pytest.mark.parametrize("operand", ["g", "g_t"])
 def test_a_groups_gradient_gemm_is_quantized_matmul_layer_by_layer(fmt, operand):
     """_quantized_bmm of a stack against quantized_matmul (the training GEMMs' path, not the stacked
-    quantizers), one layer after another from the same generator: stochastic rounding included."""
+    quantizers), one layer after another from the same generator: stochastic rounding included, with the recipe's
+    2D NVFP4 weight scales on dgrad's W^T and each layer's own RHT on wgrad's operands."""
     from lightning_snip.weight_divergence import _GradientBits, _quantized_bmm
     from lightning_snip.gemm import quantized_matmul
 
@@ -233,10 +238,12 @@ def test_a_groups_gradient_gemm_is_quantized_matmul_layer_by_layer(fmt, operand)
     r = _Round(shapes, torch.Generator().manual_seed(11))
     r.stats.layers = {fqn: dataclasses.replace(s, x=torch.zeros(rows, k), g=torch.zeros(rows, out))
                       for fqn, s in r.stats.layers.items()}
-    got = _quantized_bmm(r, grads, others, fmt, group, _GradientBits(r, [(f, fmt) for f in group], operand))
+    got = _quantized_bmm(r, grads, others, fmt, group, _GradientBits(r, [(f, fmt) for f in group], operand),
+                         wgrad=operand == "g_t")
     generator = torch.Generator().manual_seed(11)
     for i in range(3):
         one = quantized_matmul(grads[i], others[i], fmt, recipe=QuantRecipe(), a_is_grad=True, generator=generator,
+                               b_is_weight=operand == "g", hadamard=layer_signs(f"l{i}") if operand == "g_t" else None,
                                out_dtype=torch.float32)
         assert torch.equal(got[i], one), i
 

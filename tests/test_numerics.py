@@ -23,7 +23,9 @@ from lightning_snip.stats import Propagation, collect_stats
 from harness import torchao_float8, torchao_mx  # the constructions benchmarks/emulation_speed.py times
 
 LOW_FORMATS = [Format.FP8, Format.MXFP8, Format.MXFP4, Format.NVFP4]
-RTN = QuantRecipe(fp4_grad_rounding="nearest")  # deterministic gradient operands for exact checks
+# deterministic gradient operands for exact checks, in the plain layout (no RHT, 1x16 weight scales: the recipe's
+# pieces are checked in test_nvfp4_recipe.py)
+RTN = QuantRecipe(fp4_grad_rounding="nearest", wgrad_hadamard=(), nvfp4_weight_scales_2d=False)
 
 
 def _rel(a, b):
@@ -226,7 +228,8 @@ def test_each_operand_is_quantized_along_its_gemms_contraction_axis(fmt, gemm):
 @pytest.mark.parametrize("fmt", [Format.MXFP4, Format.NVFP4])
 def test_fp4_gradient_gemms_round_stochastically_and_are_unbiased(fmt):
     torch.manual_seed(0)
-    layer = SNIPLinear(64, 64, bias=False, format=fmt)  # the default recipe: stochastic rounding
+    # stochastic rounding on G (the default); plain layout (the recipe's RHT and 2D scales: test_nvfp4_recipe.py)
+    layer = SNIPLinear(64, 64, bias=False, format=fmt, recipe=QuantRecipe(wgrad_hadamard=(), nvfp4_weight_scales_2d=False))
     x, g = torch.randn(64, 64), torch.randn(64, 64)
     num_calls = 128
     dxs, dws = [], []
