@@ -9,14 +9,12 @@ rule. What torchao does not have, written here by hand:
   cast packs and unpacks codes in a dozen passes; inductor does not vectorize float8 casts);
 - ``stochastic_round_e2m1``: stochastic rounding onto E2M1 (torchao has it only inside GPU kernels);
 - the NVFP4 per-tensor scale's floor and its all-zero rule (``nvfp4_scale_floor``), which torchao
-  lacks, and the 2^-e multiply that never forms a subnormal factor (``times_pow2_neg``);
-- ``to_rows`` / ``from_rows``: any contraction axis moved last and zero-padded to whole blocks.
+  lacks, and the 2^-e multiply that never forms a subnormal factor (``times_pow2_neg``).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from lightning_snip.formats import Fp8Dtype
 
@@ -123,20 +121,3 @@ def nvfp4_scale_floor(scale: torch.Tensor) -> torch.Tensor:
     all-zero gradient must quantize to zeros); and at least NVFP4_MIN_PER_TENSOR_SCALE (an eager
     0 * inf gave NaN for a tensor of amax ~1e-34). A NaN scale stays NaN."""
     return torch.where(scale == 0, torch.ones_like(scale), scale.clamp(min=NVFP4_MIN_PER_TENSOR_SCALE))
-
-
-def to_rows(x: torch.Tensor, axis: int, block: int) -> torch.Tensor:
-    """fp32, contraction axis last (a view when x is fp32), zero-padded to whole blocks (zero terms
-    leave every dot product exact). Eager in the fused path: shapes and layout stay out of the
-    compiled graphs, which would otherwise specialize on them."""
-    rows = x.float() if axis == 1 else x.float().t()
-    pad = (-rows.shape[1]) % block
-    # Contiguous: blocks along a strided axis made the compiled kernels 5x slower (measured).
-    return F.pad(rows, (0, pad)) if pad else rows.contiguous()
-
-
-def from_rows(out: torch.Tensor, x: torch.Tensor, axis: int) -> torch.Tensor:
-    """to_rows undone: the padding cut, the axis moved back, x's dtype."""
-    cols = x.shape[1] if axis == 1 else x.shape[0]
-    out = out[:, :cols]
-    return (out if axis == 1 else out.t()).to(x.dtype)

@@ -101,6 +101,7 @@ def quantize_stack(t: torch.Tensor, fmt: Format, *, recipe: QuantRecipe, is_grad
     slice. Stochastic rounding takes each slice's random bits, drawn by the caller (``bits``: grid.random_bits
     of quantize.padded_numel per slice, in the order it would have drawn them), and the fused quantizers.
     ``is_weight``: the slices are layers' weights (NVFP4's 16x16 tile scales where the recipe says)."""
+    by_rows = row_scaled(fmt, recipe)
     if is_weight and recipe.weight_scales_2d(fmt):
         return stack([fake_quantize(part, fmt, axis=1, recipe=recipe, scales_2d=True) for part in t])
     if (rounding is Rounding.STOCHASTIC) != (bits is not None):
@@ -108,7 +109,7 @@ def quantize_stack(t: torch.Tensor, fmt: Format, *, recipe: QuantRecipe, is_grad
                          f"rounding={rounding.value} and {'no ' if bits is None else ''}bits")
     if bits is not None and len(bits) != len(t):
         raise ValueError(f"bits: expected the random bits of {len(t)} slices, got {len(bits)}")
-    if row_scaled(fmt, recipe):
+    if by_rows:
         length, rows, cols = t.shape
         return fake_quantize(t.reshape(length * rows, cols), fmt, axis=1, recipe=recipe, is_grad=is_grad,
                              rounding=rounding, bits=None if bits is None else stack(bits)

@@ -10,7 +10,7 @@ scales are torchao's: ``amax_to_scale`` (FP8) is called as it is; the MX (RCEIL)
 tests/test_kernels.py checks every format, both roundings and both axes bit for bit against the
 reference, on random and edge inputs (zeros, subnormals, block maxima, inf, NaN).
 
-Every kernel takes ``rows``: fp32, 2-D, contraction axis last, whole blocks (grid.to_rows); the
+Every kernel takes ``rows``: fp32, 2-D, contraction axis last, whole blocks (quantize.to_rows); the
 public functions below are its typed entry points. Stochastic rounding takes random bits drawn
 eagerly by the caller (grid.random_bits, as the reference draws them), so both paths agree for the
 same generator state; the bits become uniforms inside the compiled kernel.

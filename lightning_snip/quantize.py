@@ -4,10 +4,10 @@ The numerics are torchao's: FP8 scales and casts from ``torchao.float8``, MX blo
 ``torchao.prototype.mx_formats.MXTensor`` and NVFP4 two-level scaling from ``NVFP4Tensor`` /
 ``nvfp4_quantize``, composed in ``reference_fake_quantize``. ``fake_quantize`` runs the same numbers
 through lightning_snip.kernels (compiled, 3-13x faster on a CPU; tested bit for bit against the
-reference). What torchao lacks is written by hand in lightning_snip.grid: quantizing along an
-arbitrary axis (the contraction axis moved last and zero-padded to whole blocks, which leaves every
-dot product exact) and stochastic rounding onto the FP4 (E2M1) grid, which torchao only has as a GPU
-kernel (it reuses torchao's block scales and replaces only the final rounding step).
+reference). What torchao lacks is written by hand: quantizing along an arbitrary axis (here: ``to_rows`` /
+``from_rows``, the contraction axis moved last and zero-padded to whole blocks, which leaves every dot product
+exact), stochastic rounding onto the FP4 (E2M1) grid, which torchao only has as a GPU kernel (lightning_snip.grid:
+it reuses torchao's block scales and replaces only the final rounding step), and NVFP4's 2D weight scales.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 
 from lightning_snip import kernels
 from lightning_snip.formats import Format, Fp8Dtype, Fp8Scaling, QuantRecipe, Rounding
-from lightning_snip.grid import (MX_BLOCK, NVFP4_BLOCK, fp8_dtype, from_rows, nvfp4_scale_floor, random_bits,
-                                 stochastic_round_e2m1, times_pow2_neg, to_rows)
+from lightning_snip.grid import (MX_BLOCK, NVFP4_BLOCK, fp8_dtype, nvfp4_scale_floor, random_bits, stochastic_round_e2m1,
+                                 times_pow2_neg)
 
 
 def fake_quantize(
@@ -101,6 +101,23 @@ def nvfp4_2d_fake_quantize(x: torch.Tensor) -> torch.Tensor:
     tiles = padded.reshape(padded.shape[0] // NVFP4_BLOCK, NVFP4_BLOCK, padded.shape[1] // NVFP4_BLOCK, NVFP4_BLOCK)
     out = kernels.nvfp4_nearest_2d(tiles).reshape(padded.shape)  # (compiled; the padding and layout eager)
     return out[:rows, :cols].to(x.dtype)
+
+
+def to_rows(x: torch.Tensor, axis: int, block: int) -> torch.Tensor:
+    """fp32, contraction axis last (a view when x is fp32), zero-padded to whole blocks (zero terms
+    leave every dot product exact). Eager in the fused path: shapes and layout stay out of the
+    compiled graphs, which would otherwise specialize on them."""
+    rows = x.float() if axis == 1 else x.float().t()
+    pad = (-rows.shape[1]) % block
+    # Contiguous: blocks along a strided axis made the compiled kernels 5x slower (measured).
+    return torch.nn.functional.pad(rows, (0, pad)) if pad else rows.contiguous()
+
+
+def from_rows(out: torch.Tensor, x: torch.Tensor, axis: int) -> torch.Tensor:
+    """to_rows undone: the padding cut, the axis moved back, x's dtype."""
+    cols = x.shape[1] if axis == 1 else x.shape[0]
+    out = out[:, :cols]
+    return (out if axis == 1 else out.t()).to(x.dtype)
 
 
 def _check_bits(bits: torch.Tensor, numel: int, num_rows: int, axis: int) -> None:
