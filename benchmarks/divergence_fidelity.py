@@ -706,7 +706,8 @@ def curvature_noise_study(name: str, cfg: LlamaConfig, corpus: str | None, args,
             errors = {}
             for fqn in fqns:  # the round's dY: its operands in the layer's training dtype, as estimate_divergence
                 x, _, w = round_operands(stats, stats.layers[fqn], RoundPrecision.TRAINING)
-                errors[fqn, fmt] = quantized_matmul(x, w, fmt, recipe=QuantRecipe(), out_dtype=torch.float32) - mm_fp32(x, w)
+                errors[fqn, fmt] = quantized_matmul(x, w, fmt, recipe=QuantRecipe(), b_is_weight=True,
+                                                   out_dtype=torch.float32) - mm_fp32(x, w)
             exact = [0.5 * float((errors[f, fmt] * (stats.output_grads_with_noise({f: errors[f, fmt]})[f]
                                                      - stats.layers[f].g)).sum()) / stats.loss for f in fqns]
             second.setdefault(("exact", fmt), []).append([exact])

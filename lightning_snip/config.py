@@ -195,7 +195,7 @@ class SNIPConfig:
         object.__setattr__(self, "initial_format", Format.parse(self.initial_format, field_name="initial_format"))
         check_field(not isinstance(self.wgrad_hadamard, str) and isinstance(self.wgrad_hadamard, Sequence),
                     "wgrad_hadamard", self.wgrad_hadamard, "a list of FP4 formats, e.g. ['mxfp4', 'nvfp4'], or []")
-        hadamard = tuple(Format.parse(f, field_name="wgrad_hadamard") for f in self.wgrad_hadamard)
+        hadamard = tuple(dict.fromkeys(Format.parse(f, field_name="wgrad_hadamard") for f in self.wgrad_hadamard))
         check_field(all(f.is_fp4 for f in hadamard), "wgrad_hadamard", [f.value for f in hadamard],
                     "FP4 formats only (mxfp4, nvfp4), or []")
         object.__setattr__(self, "wgrad_hadamard", hadamard)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from torch import nn
 
 from lightning_snip.formats import Format, QuantRecipe
-from lightning_snip.hadamard import layer_signs
+from lightning_snip.hadamard import sign_tensor
 from lightning_snip.linear import SNIPLinear, is_fsdp_composed
 from lightning_snip.plan import BACKWARD, FORWARD, Granularity, gemm_key, split_key
 from lightning_snip.sharding import is_sharded
@@ -103,7 +103,7 @@ def convert_linears(
         pinned = next((f for p, f in pin_formats.items() if fnmatch.fnmatchcase(fqn, p)), head_format if fqn == head else None)
         if pinned is not None and pinned not in layer.allowed_formats:
             raise ValueError(f"pins: layer {fqn} ({layer.in_features}->{layer.out_features}) cannot run in {pinned.value}")
-        layer.pinned, layer.rht_signs = pinned, layer_signs(fqn)  # (the wgrad's RHT signs: the same on every rank)
+        layer.pinned, layer.rht_signs = pinned, sign_tensor(fqn)  # (the wgrad's RHT signs: the same on every rank)
         start = pinned or initial
         if start not in layer.allowed_formats:
             logger.warning(

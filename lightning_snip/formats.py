@@ -171,13 +171,16 @@ class QuantRecipe:
                 except ValueError:
                     valid = ", ".join(e.value for e in enum_type if e is not Fp8Scaling.AUTO)
                     raise ValueError(f"{name}: invalid value {value!r}; valid: {valid}") from None
-        if isinstance(self.wgrad_hadamard, str):  # (its characters would be read as formats)
+        if isinstance(self.wgrad_hadamard, str) or not isinstance(self.wgrad_hadamard, (tuple, list, frozenset, set)):
             raise ValueError(f"wgrad_hadamard: expected a list of FP4 formats, e.g. ['mxfp4', 'nvfp4'], got "
                              f"{self.wgrad_hadamard!r}")
         formats = []
         for value in self.wgrad_hadamard:
-            fmt = Format(value) if value in {f.value for f in Format} else value
-            if not isinstance(fmt, Format) or not fmt.is_fp4:
+            try:
+                fmt = Format.parse(value, field_name="wgrad_hadamard")
+            except (ValueError, TypeError):
+                fmt = None
+            if fmt is None or not fmt.is_fp4:
                 raise ValueError(f"wgrad_hadamard: invalid value {value!r}; allowed: FP4 formats (mxfp4, nvfp4)")
             formats.append(fmt)
         object.__setattr__(self, "wgrad_hadamard", tuple(sorted(set(formats), key=lambda f: f.value)))

@@ -149,7 +149,7 @@ def quantized_matmul(
     a_is_grad: bool = False,
     b_is_grad: bool = False,
     b_is_weight: bool = False,
-    hadamard: tuple[int, ...] | None = None,
+    hadamard: tuple[int, ...] | torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     kernel: Kernel | None = None,
     out_dtype: torch.dtype | None = None,
@@ -170,7 +170,7 @@ def quantized_matmul(
     if fmt is Format.BF16:
         return mm_fp32(a, b) if out_dtype is not None else a @ b.t()
     if hadamard is not None and recipe.uses_hadamard(fmt):
-        matrix = rht_matrix(tuple(hadamard), str(a.device))
+        matrix = rht_matrix(hadamard, str(a.device))
         a, b = hadamard_rows(a, matrix), hadamard_rows(b, matrix)
     scales_2d = b_is_weight and recipe.weight_scales_2d(fmt)
     kernel = kernel_for(fmt, a.device) if kernel is None else kernel
@@ -192,7 +192,8 @@ def quantized_matmul(
 
 
 def opaque_quantized_matmul(a: torch.Tensor, b: torch.Tensor, fmt: Format, *, recipe: QuantRecipe,
-                            a_is_grad: bool = False, b_is_grad: bool = False, hadamard: tuple[int, ...] | None = None,
+                            a_is_grad: bool = False, b_is_grad: bool = False,
+                            hadamard: tuple[int, ...] | torch.Tensor | None = None,
                             generator: torch.Tensor | None = None) -> torch.Tensor:
     """quantized_matmul as one custom operator, opaque to torch.compile: the same kernels and numbers,
     for a GEMM whose shapes inductor mishandles when traced (SNIPLinear's block-format wgrad).
@@ -200,15 +201,16 @@ def opaque_quantized_matmul(a: torch.Tensor, b: torch.Tensor, fmt: Format, *, re
     from lightning_snip.rng import token_for
 
     token = token_for(None) if generator is None else generator
-    return _opaque_quantized_matmul(a, b, fmt.value, recipe.key, a_is_grad, b_is_grad,
-                                    [] if hadamard is None else list(hadamard), token)
+    if hadamard is not None and not isinstance(hadamard, torch.Tensor):
+        hadamard = torch.tensor(hadamard, dtype=torch.int8)
+    return _opaque_quantized_matmul(a, b, fmt.value, recipe.key, a_is_grad, b_is_grad, hadamard, token)
 
 
 @torch.library.custom_op("lightning_snip::quantized_matmul", mutates_args=("token",))
 def _opaque_quantized_matmul(a: torch.Tensor, b: torch.Tensor, fmt: str, recipe: str, a_is_grad: bool,
-                             b_is_grad: bool, hadamard: list[int], token: torch.Tensor) -> torch.Tensor:
+                             b_is_grad: bool, hadamard: torch.Tensor | None, token: torch.Tensor) -> torch.Tensor:
     return quantized_matmul(a, b, Format(fmt), recipe=QuantRecipe.from_key(recipe), a_is_grad=a_is_grad,
-                            b_is_grad=b_is_grad, hadamard=tuple(hadamard) or None, generator=token)
+                            b_is_grad=b_is_grad, hadamard=hadamard, generator=token)
 
 
 @_opaque_quantized_matmul.register_fake

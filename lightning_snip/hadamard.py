@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import functools
 import zlib
-from collections.abc import Sequence
-
 import torch
 
 HADAMARD_SIZE = 16  # the recipe's (and torchao's only) block of the transform
@@ -31,20 +29,36 @@ def layer_signs(fqn: str, seed: int = SIGN_SEED) -> tuple[int, ...]:
     return tuple(int(v) for v in drawn * 2 - 1)
 
 
-def check_signs(signs: Sequence[int], field: str = "rht_signs") -> tuple[int, ...]:
-    """``signs`` as a tuple of 16 values, each 1 or -1; a clear error naming ``field`` otherwise."""
-    values = tuple(signs)
+def sign_tensor(fqn: str) -> torch.Tensor:
+    """layer_signs as SNIPLinear holds them: an int8 tensor on the CPU, so that a compiled graph takes it as an input
+    (no guard on its values: blocks compiled one by one share their graph although each has its own signs)."""
+    return torch.tensor(layer_signs(fqn), dtype=torch.int8, device="cpu")
+
+
+def check_signs(signs, field: str = "rht_signs") -> tuple[int, ...]:
+    """``signs`` (a sequence, or a CPU tensor as SNIPLinear holds them) as a tuple of 16 values, each 1 or -1; a
+    clear error naming ``field`` otherwise."""
+    values = tuple(signs.tolist()) if isinstance(signs, torch.Tensor) else tuple(signs)
     if len(values) != HADAMARD_SIZE or any(v not in (1, -1) or isinstance(v, bool) for v in values):
         raise ValueError(f"{field}: expected {HADAMARD_SIZE} values, each 1 or -1, got {values!r}")
     return tuple(int(v) for v in values)
 
 
+def rht_matrix(signs, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """R = diag(signs) H / 4, torchao's get_rht_matrix for the same signs (16x16, orthonormal), cached per device;
+    ``signs``: a sequence, or a tensor as SNIPLinear holds them (never read on the host: the training path makes no
+    host read on a plain step; the same values, diag(s) H = s * H row by row, exactly)."""
+    if isinstance(signs, torch.Tensor):
+        hadamard = _rht_matrix((1,) * HADAMARD_SIZE, str(torch.device(device)), dtype)
+        return signs.to(device=hadamard.device, dtype=dtype).unsqueeze(1) * hadamard
+    return _rht_matrix(check_signs(signs), str(torch.device(device)), dtype)
+
+
 @functools.lru_cache(maxsize=256)
-def rht_matrix(signs: tuple[int, ...], device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """R = diag(signs) H / 4, torchao's get_rht_matrix for the same signs (16x16, orthonormal), cached per device."""
+def _rht_matrix(signs: tuple[int, ...], device: str, dtype: torch.dtype) -> torch.Tensor:
     from torchao.prototype.moe_training.nvfp4_training.hadamard_utils import get_rht_matrix
 
-    return get_rht_matrix(check_signs(signs), str(torch.device(device)), dtype, HADAMARD_SIZE)
+    return get_rht_matrix(signs, device, dtype, HADAMARD_SIZE)
 
 
 def hadamard_rows(t: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from torch import nn
 
 from lightning_snip.formats import Format, Fp8Dtype, Fp8Scaling, QuantRecipe, Rounding
 from lightning_snip.gemm import opaque_quantized_matmul, quantized_matmul
-from lightning_snip.hadamard import layer_signs
+from lightning_snip.hadamard import sign_tensor
 from lightning_snip.rng import generator_of, token_for
 
 logger = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class SNIPLinear(nn.Linear):
         self.tap_open = False
         # The sign vector of the wgrad GEMM's random Hadamard transform (QuantRecipe.wgrad_hadamard): a function of
         # the layer's name (hadamard.layer_signs; convert_linears names it), the same on every rank.
-        self.rht_signs: tuple[int, ...] = layer_signs("")
+        self.rht_signs: torch.Tensor = sign_tensor("")  # (a CPU tensor, not a buffer: the state_dict is nn.Linear's)
         self._format = Format.BF16
         self.format = format
 
@@ -176,8 +176,9 @@ class SNIPLinear(nn.Linear):
         # what orders them). A token from another process names nothing here: torch's default generator
         # until the callback (or the user) assigns one.
         super().__setstate__(state)
-        if "rht_signs" not in state:  # (a layer pickled before the attribute existed)
-            self.rht_signs = layer_signs("")
+        if "rht_signs" not in state:  # (a layer pickled before the recipe's knobs existed: their recipe key too)
+            self.rht_signs = sign_tensor("")
+            self._update_gemm_formats()
         token = state.get("_rng_token")
         if token is not None:
             self._rng_token = token_for(generator_of(token, missing_ok=True))

@@ -171,7 +171,7 @@ def test_a_layer_trains_with_the_recipe_in_all_three_gemms():
     recipe = _recipe_rtn()
     model = nn.Sequential(nn.Linear(64, 48, bias=False))
     layer = convert_linears(model, recipe=recipe, initial_format=Format.NVFP4)["0"]
-    assert layer.rht_signs == layer_signs("0")
+    assert tuple(layer.rht_signs.tolist()) == layer_signs("0")
     x, g = torch.randn(40, 64, requires_grad=True), torch.randn(40, 48)
     y = model(x)
     y.backward(g)
@@ -248,3 +248,61 @@ def test_the_app_sets_the_knobs_and_bad_values_name_the_field():
             SNIPConfig(**bad)
     with pytest.raises(ValueError, match=r"wgrad_hadamard: expected a list of FP4 formats"):
         QuantRecipe(wgrad_hadamard="nvfp4")
+
+
+def test_blocks_compiled_one_by_one_share_their_graph_despite_their_own_signs():
+    """Each layer has its own signs, held as a tensor (a graph input, not a guarded constant): blocks compiled one by
+    one (all of one code object, lightning_snip.recompile) share their graph, as with one sign vector for all (a
+    tuple of signs made every block its own graph, past dynamo's recompile limit)."""
+    from torch import nn
+    from torch._dynamo.utils import counters
+
+    from lightning_snip.convert import convert_linears
+    from lightning_snip.hadamard import check_signs, sign_tensor
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(64, 64, bias=False)
+
+        def forward(self, x):
+            return x + self.up(x)
+
+    graphs = {}
+    for shared in (False, True):
+        torch.manual_seed(0)
+        blocks = nn.Sequential(*[Block() for _ in range(4)])
+        layers = convert_linears(blocks, initial_format=Format.NVFP4)
+        if shared:
+            for layer in layers.values():
+                layer.rht_signs = sign_tensor("")
+        assert len({check_signs(layer.rht_signs) for layer in layers.values()}) == (1 if shared else 4)
+        for block in blocks:
+            block.compile(backend="eager")
+        torch._dynamo.reset()
+        counters.clear()
+        blocks(torch.randn(32, 64, requires_grad=True)).sum().backward()
+        graphs[shared] = counters["stats"]["unique_graphs"]
+    assert graphs[False] == graphs[True]
+
+
+def test_the_recipe_reaches_the_wgrad_under_bf16_autocast():
+    """Under autocast SNIPLinear casts its operands and calls its GEMMs itself: the wgrad still takes the layer's
+    RHT (the layer's own, bit for bit against quantized_matmul on the cast operands)."""
+    from torch import nn
+
+    from lightning_snip.convert import convert_linears
+
+    torch.manual_seed(2)
+    recipe = _recipe_rtn()
+    model = nn.Sequential(nn.Linear(64, 64, bias=False))
+    layer = convert_linears(model, recipe=recipe, initial_format=Format.MXFP4)["0"]
+    assert layer.format is Format.MXFP4
+    x, g = torch.randn(40, 64), torch.randn(40, 64).bfloat16()
+    with torch.autocast("cpu", torch.bfloat16):
+        y = model(x)
+    y.backward(g)
+    xb, signs = x.bfloat16(), layer_signs("0")
+    expected = quantized_matmul(g.t(), xb.t(), Format.MXFP4, recipe=recipe, a_is_grad=True, hadamard=signs).float()
+    plain = quantized_matmul(g.t(), xb.t(), Format.MXFP4, recipe=recipe, a_is_grad=True).float()
+    assert torch.equal(model[0].weight.grad, expected) and not torch.equal(expected, plain)
