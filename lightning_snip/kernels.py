@@ -139,31 +139,29 @@ def _mx_sr_kernel(rows: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return (stochastic_round_e2m1(times_pow2_neg(blocks, e), bits) * scale).reshape(rows.shape)
 
 
-def _nvfp4_scales(blocks: torch.Tensor):
+def _nvfp4_scales(blocks: torch.Tensor, block_dims: tuple[int, ...] = (-1,)):
     """nvfp4_quantize's two-level scale (torchao, per_tensor_scale given): per-tensor fp32 scale and
-    the E4M3 block scales as fp32 values."""
+    the E4M3 block scales as fp32 values, a block spanning ``block_dims`` (a 16x16 tile: two of them)."""
     per_tensor = nvfp4_scale_floor(blocks.abs().amax().float() / (448.0 * 6.0))  # per_tensor_amax_to_scale
-    block_scale = blocks.abs().amax(-1, keepdim=True) / 6.0
+    block_scale = blocks.abs().amax(block_dims, keepdim=True) / 6.0
     eps = torch.finfo(torch.float8_e4m3fn).tiny
     block_fp8 = round_to_grid(torch.clamp(block_scale / per_tensor, min=eps, max=448.0), E4M3)
     return per_tensor, block_fp8
 
 
-def _nvfp4_rtn_kernel(rows: torch.Tensor) -> torch.Tensor:
-    blocks = rows.reshape(rows.shape[0], -1, NVFP4_BLOCK)
-    per_tensor, block_fp8 = _nvfp4_scales(blocks)
+def _nvfp4_round_nearest(blocks: torch.Tensor, block_dims: tuple[int, ...] = (-1,)) -> torch.Tensor:
+    """NVFP4 of ``blocks`` rounded to nearest, dequantized, a block spanning ``block_dims``."""
+    per_tensor, block_fp8 = _nvfp4_scales(blocks, block_dims)
     scaled = torch.clamp(blocks * ((1.0 / per_tensor) / block_fp8), -6.0, 6.0)
-    return (round_to_grid(scaled, E2M1) * (per_tensor * block_fp8)).reshape(rows.shape)
+    return round_to_grid(scaled, E2M1) * (per_tensor * block_fp8)
+
+
+def _nvfp4_rtn_kernel(rows: torch.Tensor) -> torch.Tensor:
+    return _nvfp4_round_nearest(rows.reshape(rows.shape[0], -1, NVFP4_BLOCK)).reshape(rows.shape)
 
 
 def _nvfp4_rtn_2d_kernel(tiles: torch.Tensor) -> torch.Tensor:
-    # (as _nvfp4_scales and _nvfp4_rtn_kernel, the block a 16x16 tile)
-    per_tensor = nvfp4_scale_floor(tiles.abs().amax().float() / (448.0 * 6.0))
-    tile_scale = tiles.abs().amax(dim=(1, 3), keepdim=True) / 6.0
-    eps = torch.finfo(torch.float8_e4m3fn).tiny
-    tile_fp8 = round_to_grid(torch.clamp(tile_scale / per_tensor, min=eps, max=448.0), E4M3)
-    scaled = torch.clamp(tiles * ((1.0 / per_tensor) / tile_fp8), -6.0, 6.0)
-    return round_to_grid(scaled, E2M1) * (per_tensor * tile_fp8)
+    return _nvfp4_round_nearest(tiles, (1, 3))
 
 
 def _nvfp4_sr_kernel(rows: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:

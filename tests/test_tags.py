@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _written_tags(source: str) -> set[str]:
-    """The strings starting ``snip/`` a module writes: literals, and f-strings with each placeholder as ``x``."""
+    """The strings starting ``snip/`` a module writes: its string literals, and its f-strings with every
+    placeholder replaced by the letter x (so ``f"snip/ld/{fqn}"`` reads ``snip/ld/x``)."""
     found, tree = set(), ast.parse(source)
     parts = {id(v) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for v in node.values}
     for node in ast.walk(tree):
