@@ -458,13 +458,59 @@ def fixed_plan(policy: str, fraction: float, seed: int, module, s: Setup, measur
     return baseline_plan(policy, plan_candidates(module, None, s.candidates), context)
 
 
+def policy_callback(s: Setup, policy: str, fraction: float, seed: int, measured: dict):
+    """The SNIPCallback a run trains with: SNIP's (planning from its own rounds) or a fixed plan's (replan off)."""
+    from lightning_snip.callback import SNIPCallback
+    from lightning_snip.config import SNIPConfig
+
+    base, _, lam = policy.partition("@")  # "snip_gemm@0.3": SNIP with weight_divergence_weight 0.3
+    # "snip_gemm+rows2048": SNIP with max_rows 2048 (since 2026-12-04 also the first-order sample's rows; the
+    # committed rows2048 study sampled 1024 rows there, the then default of first_order_rows)
+    base, *modifiers = base.split("+")
+    max_rows = next((int(m[len("rows"):]) for m in modifiers if m.startswith("rows")), s.max_rows)
+    # "snip_gemm+every60": rounds every 60 steps instead of the setting's snip_interval (fewer rounds: issue 50)
+    interval = next((int(m[len("every"):]) for m in modifiers if m.startswith("every")), s.snip_interval)
+    granularity = "gemm" if base.endswith("_gemm") or base == "backward_only" else "layer"
+    # Every config but +ships sets its granularity and target_scope=model: the fractions are shares of the whole model's
+    # linear FLOPs (the pinned head's included), as the committed results were measured; and the spike guard
+    # off (spike_threshold=None), as it did not exist then: a revert would make a run incomparable; and the fixed
+    # schedule (overhead_budget=None): the protocol's rounds every snip_interval steps, as the results were measured.
+    if base in ("snip", "snip_gemm") and "ships" in modifiers:
+        # "snip_gemm+ships": SNIP exactly as it ships (issue 63's FP4 candidate study): every SNIPConfig default,
+        # the target on the switchable layers (target_scope's default) included, but for the setting's formats and
+        # pins, its CPU-sized rows, and the first round at the checkpoint, where every policy's plan starts.
+        config = SNIPConfig(warmup_steps=0, fp4_fraction=fraction, candidate_formats=s.candidates, pins=PINS,
+                            granularity=granularity, max_rows=max_rows)
+        return SNIPCallback(config)
+    elif base in ("snip", "snip_gemm") and "defaults" in modifiers:
+        # "snip_gemm+defaults": SNIP as it ships (issue 52): the library's defaults (its schedule, overhead budget,
+        # first-order sample, spike guard) but for the protocol's target (fraction of the whole model, its formats
+        # and pins), its CPU-sized rows, and the first round at the checkpoint, where every policy's plan starts.
+        # (SNIP's schedule counts from the step it is resumed at: warmup_steps=0 puts the first round there)
+        config = SNIPConfig(warmup_steps=0, fp4_fraction=fraction, target_scope="model",
+                            candidate_formats=s.candidates, pins=PINS, granularity=granularity, max_rows=max_rows)
+        return SNIPCallback(config)
+    elif base in ("snip", "snip_gemm"):
+        # The first round runs at the checkpoint (no first-order history yet), then every interval.
+        config = SNIPConfig(warmup_steps=0, interval=interval, fp4_fraction=fraction,
+                            target_scope="model", candidate_formats=s.candidates, initial_format="fp8", pins=PINS,
+                            granularity=granularity, first_order_steps=min(s.first_order_steps, s.snip_interval - 1),
+                            max_rows=max_rows, spike_threshold=None,
+                            overhead_budget=None,
+                            **({"weight_divergence_weight": float(lam)} if lam else {}))
+        return SNIPCallback(config)
+    else:
+        plan = fixed_plan(policy, fraction, seed, run_module(s), s, measured)
+        return SNIPCallback(SNIPConfig(replan=False, fp4_fraction=fraction or 0.0, target_scope="model", pins=PINS,
+                                       spike_threshold=None, granularity=granularity,
+                                       candidate_formats=s.candidates), plan=plan)
+
+
 def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measured: dict, root: str) -> dict:
     """Continue from the checkpoint under one policy; return the held-out loss (high precision)."""
     import lightning.pytorch as pl
     import torch
 
-    from lightning_snip.callback import SNIPCallback
-    from lightning_snip.config import SNIPConfig
     from lightning_snip.convert import high_precision
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -474,40 +520,7 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
         _smollm2()  # loaded once per worker, before the seed: every run's random streams start alike
     pl.seed_everything(seed)
     module = run_module(s, continuation=True)
-    base, _, lam = policy.partition("@")  # "snip_gemm@0.3": SNIP with weight_divergence_weight 0.3
-    # "snip_gemm+rows2048": SNIP with max_rows 2048 (since 2026-12-04 also the first-order sample's rows; the
-    # committed rows2048 study sampled 1024 rows there, the then default of first_order_rows)
-    base, *modifiers = base.split("+")
-    max_rows = next((int(m[len("rows"):]) for m in modifiers if m.startswith("rows")), s.max_rows)
-    # "snip_gemm+every60": rounds every 60 steps instead of the setting's snip_interval (fewer rounds: issue 50)
-    interval = next((int(m[len("every"):]) for m in modifiers if m.startswith("every")), s.snip_interval)
-    granularity = "gemm" if base.endswith("_gemm") or base == "backward_only" else "layer"
-    # Every config sets its granularity and target_scope=model: the fractions are shares of the whole model's
-    # linear FLOPs (the pinned head's included), as the committed results were measured; and the spike guard
-    # off (spike_threshold=None), as it did not exist then: a revert would make a run incomparable; and the fixed
-    # schedule (overhead_budget=None): the protocol's rounds every snip_interval steps, as the results were measured.
-    if base in ("snip", "snip_gemm") and "defaults" in modifiers:
-        # "snip_gemm+defaults": SNIP as it ships (issue 52): the library's defaults (its schedule, overhead budget,
-        # first-order sample, spike guard) but for the protocol's target (fraction of the whole model, its formats
-        # and pins), its CPU-sized rows, and the first round at the checkpoint, where every policy's plan starts.
-        # (SNIP's schedule counts from the step it is resumed at: warmup_steps=0 puts the first round there)
-        config = SNIPConfig(warmup_steps=0, fp4_fraction=fraction, target_scope="model",
-                            candidate_formats=s.candidates, pins=PINS, granularity=granularity, max_rows=max_rows)
-        callback = SNIPCallback(config)
-    elif base in ("snip", "snip_gemm"):
-        # The first round runs at the checkpoint (no first-order history yet), then every interval.
-        config = SNIPConfig(warmup_steps=0, interval=interval, fp4_fraction=fraction,
-                            target_scope="model", candidate_formats=s.candidates, initial_format="fp8", pins=PINS,
-                            granularity=granularity, first_order_steps=min(s.first_order_steps, s.snip_interval - 1),
-                            max_rows=max_rows, spike_threshold=None,
-                            overhead_budget=None,
-                            **({"weight_divergence_weight": float(lam)} if lam else {}))
-        callback = SNIPCallback(config)
-    else:
-        plan = fixed_plan(policy, fraction, seed, run_module(s), s, measured)
-        callback = SNIPCallback(SNIPConfig(replan=False, fp4_fraction=fraction or 0.0, target_scope="model", pins=PINS,
-                                           spike_threshold=None,
-                                           granularity=granularity, candidate_formats=s.candidates), plan=plan)
+    callback = policy_callback(s, policy, fraction, seed, measured)
     data = _data(s, seed)
     trajectory = _Trajectory(s, callback, data) if s.trajectory_every else None
     start = time.perf_counter()
@@ -520,7 +533,7 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
         eval_loss = held_out_loss(module, data)  # the trained weights, evaluated in high precision (the headline)
     eval_loss_plan = held_out_loss(module, data)  # ... and with every forward GEMM in its plan's format (serving in it)
     plan = callback.plan
-    extra = {"oracle_lambda": oracle_lambda(policy)} if base.startswith("oracle") else {}
+    extra = {"oracle_lambda": oracle_lambda(policy)} if policy.startswith("oracle") else {}
     if trajectory:  # [continuation step, high-precision held-out loss], the end's included
         extra["trajectory"] = trajectory.points + [[s.continue_steps, eval_loss]]
         extra["eval_seconds"] = trajectory.seconds
