@@ -29,7 +29,9 @@ Policies at each FP4 fraction (candidates fp8 / mxfp4 / nvfp4; the fixed rules u
   industry_tail_gemm     its per-GEMM version: every backward GEMM first (in the rule's order), then the
                          forwards by the rule (quality v4, benchmarks/quality_long.py)
 and at their own fractions: all_bf16, all_fp8 ("0.0"), all_fp4 ("1.0"), backward_only (every
-backward in FP4, forward fp8: its natural fraction).
+backward in FP4, forward fp8: its natural fraction), and where --policies names it nvfp4_recipe (the published
+NVFP4 training recipe: NVFP4 with the recipe's numerics in every linear layer but its BF16 blocks, the first and
+last blocks by the paper's shares of the depth; lightning_snip.baselines.nvfp4_recipe_plan).
 
     python benchmarks/compare_policies.py [--setting deep8] [--seeds 5] [--fractions 0.75 0.9]
     python benchmarks/compare_policies.py --search deep8 deep8_lr ...   # the setting search
@@ -67,7 +69,11 @@ FRACTION_POLICIES = ("snip", "snip_gemm", "oracle", "oracle_gemm", "oracle_poole
                      "random_gemm", "min_rel_err",
                      "layer_type", "layer_type_gemm", "layer_type_edges_gemm", "first_last", "industry_tail")
 BASELINES = ("random", "random_gemm", "min_rel_err", "layer_type", "layer_type_gemm", "layer_type_edges_gemm",
-             "first_last", "industry_tail", "industry_tail_gemm", "backward_only")
+             "first_last", "industry_tail", "industry_tail_gemm", "backward_only", "nvfp4_recipe")
+# Policies at their own FP4 fraction (the row's fraction is what its plan reached): every backward GEMM in FP4, and
+# the published NVFP4 training recipe (issue 63: NVFP4 with the recipe but its BF16 blocks; nvfp4 is added to the
+# setting's candidates for it)
+NATURAL = ("backward_only", "nvfp4_recipe")
 PER_LAYER = ("random", "min_rel_err", "layer_type", "first_last", "industry_tail")
 FIXED_RULES = ("layer_type", "layer_type_gemm", "layer_type_edges_gemm", "first_last", "industry_tail",
                "industry_tail_gemm")
@@ -455,7 +461,12 @@ def fixed_plan(policy: str, fraction: float, seed: int, module, s: Setup, measur
                      weight_divergence_weight=oracle_lambda(policy))
     context = PolicyContext(fp4_fraction=fraction, seed=seed, low=Format.parse(s.low), high=Format.FP8,
                             relative_error=measured.get("rel_error"))
-    return baseline_plan(policy, plan_candidates(module, None, s.candidates), context)
+    return baseline_plan(policy, plan_candidates(module, None, policy_formats(s, policy)), context)
+
+
+def policy_formats(s: Setup, policy: str) -> tuple[str, ...]:
+    """The candidate formats a policy's run converts its layers for: the setting's, and nvfp4 for the recipe."""
+    return tuple(dict.fromkeys(s.candidates + (("nvfp4",) if policy == "nvfp4_recipe" else ())))
 
 
 def policy_callback(s: Setup, policy: str, fraction: float, seed: int, measured: dict):
@@ -503,7 +514,7 @@ def policy_callback(s: Setup, policy: str, fraction: float, seed: int, measured:
         plan = fixed_plan(policy, fraction, seed, run_module(s), s, measured)
         return SNIPCallback(SNIPConfig(replan=False, fp4_fraction=fraction or 0.0, target_scope="model", pins=PINS,
                                        spike_threshold=None, granularity=granularity,
-                                       candidate_formats=s.candidates), plan=plan)
+                                       candidate_formats=policy_formats(s, policy)), plan=plan)
 
 
 def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measured: dict, root: str) -> dict:
@@ -592,12 +603,15 @@ def jobs_for(fractions, seeds: int, policies=FRACTION_POLICIES, uniform=True, na
 
 
 def natural_fractions(s: Setup) -> dict[str, float]:
-    """The FP4 fractions the industry rule and backward-only FP4 reach by themselves on this model."""
-    from lightning_snip.baselines import backward_only_plan, natural_fp4_fraction
+    """The FP4 fractions (of the whole model's linear FLOPs) the industry rule, backward-only FP4 and the NVFP4
+    recipe reach by themselves on this model."""
+    from lightning_snip.baselines import backward_only_plan, natural_fp4_fraction, nvfp4_recipe_plan
 
     cands = plan_candidates(run_module(s), None, s.candidates)
+    recipe = nvfp4_recipe_plan(plan_candidates(run_module(s), None, policy_formats(s, "nvfp4_recipe")))
     return {"industry_tail": round(natural_fp4_fraction(cands), 6),
-            "backward_only": round(backward_only_plan(cands, low=s.low).fp4_fraction, 6)}
+            "backward_only": round(backward_only_plan(cands, low=s.low).fp4_fraction, 6),
+            "nvfp4_recipe": round(recipe.fp4_fraction, 6)}
 
 
 def _key(row) -> str:
@@ -605,7 +619,7 @@ def _key(row) -> str:
         return "0.0"
     if row["policy"] == "all_fp4":
         return "1.0"
-    if row["policy"] == "backward_only":
+    if row["policy"] in NATURAL:
         return f"{round(row['achieved_fraction'], 3):g}"
     return f"{round(row['fraction'], 3):g}"
 
@@ -1103,6 +1117,8 @@ def _jobs(args, s: Setup, parser: argparse.ArgumentParser) -> list[tuple]:
         # where --policies names it
         named = [p for p in args.policies or () if re.fullmatch(r"snip(_gemm)?\+(rows|every)[1-9]\d*", p)]
         jobs += [(p, f, seed) for p in named for seed in range(seeds) for f in args.fractions]
+        if "nvfp4_recipe" in (args.policies or ()):  # the recipe at its own FP4 fraction, where --policies names it
+            jobs += [("nvfp4_recipe", natural_fractions(s)["nvfp4_recipe"], seed) for seed in range(seeds)]
     if args.policies:
         unknown = set(args.policies) - {j[0] for j in jobs}
         if unknown:
@@ -1235,7 +1251,7 @@ def plot(summary: dict, path: Path) -> None:
         ax.errorbar(xs, [summary[f"{x:g}"][name]["mean"] for x in xs], yerr=[summary[f"{x:g}"][name]["std"] for x in xs],
                     marker="o", capsize=3, label=name, ls="--" if name.endswith("_gemm") else "-")
     for frac, policies in summary.items():
-        for name in ("all_fp8", "all_fp4", "backward_only"):
+        for name in ("all_fp8", "all_fp4") + NATURAL:
             if name in policies:
                 ax.errorbar([float(frac)], [policies[name]["mean"]], yerr=[policies[name]["std"]], marker="s", label=name)
     ax.axhline(0.0, color="gray", lw=0.8)

@@ -229,6 +229,65 @@ def _industry_tail_rank(layers: Sequence[LayerCandidates], first_blocks: int, ta
     return rank
 
 
+# The NVFP4 training recipe's high-precision layers: NVIDIA, "Pretraining Large Language Models with NVFP4" (2025),
+# section 4: its 12B model keeps the linear layers of the first two and the last eight of its 62 blocks in BF16
+# (about 16% of the linear layers), every other linear layer's three GEMMs in NVFP4. Applied here by block position,
+# as shares of the depth, to any number of blocks (docs/method.md, "The NVFP4 recipe as a policy").
+RECIPE_FIRST_BLOCKS = 2 / 62
+RECIPE_LAST_BLOCKS = 8 / 62
+
+
+def recipe_high_blocks(blocks: Sequence[int], *, first_share: float = RECIPE_FIRST_BLOCKS,
+                       last_share: float = RECIPE_LAST_BLOCKS) -> set[int]:
+    """The blocks the recipe keeps in high precision: the first round(first_share * n) and the last
+    round(last_share * n) of the n ``blocks`` (at least one at each end; all of them where the two meet).
+    SmolLM2's 30 blocks: 1 and 4 (5 of 30, 17%); 62 blocks: the paper's 2 and 8."""
+    for name, share in (("first_share", first_share), ("last_share", last_share)):
+        if not (isinstance(share, (int, float)) and 0 <= share <= 1):
+            raise ValueError(f"{name}: must be a number in [0, 1], got {share!r}")
+    blocks = sorted(set(blocks))
+    n = len(blocks)
+    if n == 0:
+        return set()
+    first, last = max(1, round(first_share * n)), max(1, round(last_share * n))
+    if first + last >= n:
+        return set(blocks)
+    return set(blocks[:first]) | set(blocks[n - last:])
+
+
+def nvfp4_recipe_plan(layers: Sequence[LayerCandidates], *, low: Format | str = Format.NVFP4,
+                      high: Format | str = Format.BF16, first_share: float = RECIPE_FIRST_BLOCKS,
+                      last_share: float = RECIPE_LAST_BLOCKS) -> Plan:
+    """The published NVFP4 training recipe as a plan (policy "nvfp4_recipe"): every unpinned layer in ``low``
+    (all three GEMMs; the recipe's numerics are QuantRecipe's defaults) but those of the recipe's high-precision
+    blocks (recipe_high_blocks) and those outside any block (embeddings, heads), which run in ``high``; pins hold.
+    A layer whose shape rules ``low`` out stays in ``high``. Its FP4 share is the rule's own, not a target.
+
+    Raises:
+        ValueError: ``low`` is not an FP4 format or a candidate of any unpinned layer; ``high`` is an FP4
+            format or not a candidate of a layer that needs it.
+    """
+    low, high = Format.parse(low, field_name="low"), Format.parse(high, field_name="high")
+    if not low.is_fp4 or high.is_fp4:
+        raise ValueError(f"low / high: need an FP4 format and a non-FP4 one, got {low.value} / {high.value}")
+    free = [layer for layer in layers if layer.pinned is None]
+    if free and not any(low in layer.choices() for layer in free):
+        raise ValueError(f"low: {low.value} is not a candidate format of any unpinned layer; add it to "
+                         "candidate_formats (the recipe is NVFP4's)")
+    protected = recipe_high_blocks([b for b in map(block_index, (layer.fqn for layer in layers)) if b is not None],
+                                   first_share=first_share, last_share=last_share)
+    choices = {layer.fqn: layer.choices() for layer in layers}
+    formats: dict[str, Format] = {}
+    for layer in layers:
+        block = block_index(layer.fqn)
+        fp4 = layer.pinned is None and block is not None and block not in protected and low in choices[layer.fqn]
+        formats[layer.fqn] = layer.pinned or (low if fp4 else high)
+    missing = [fqn for fqn, fmt in formats.items() if fmt is high and high not in choices[fqn]]
+    if missing:
+        raise ValueError(f"high: {high.value} is not a candidate format of layer(s) {missing[:5]}")
+    return _plan(layers, formats, "nvfp4_recipe")
+
+
 def backward_only_plan(layers: Sequence[LayerCandidates], *, low: Format | str = Format.MXFP4,
                        high: Format | str = Format.FP8) -> Plan:
     """Per-GEMM baseline (issue 12): every unpinned layer's backward GEMMs in the FP4 format ``low``
@@ -292,6 +351,8 @@ BASELINES: Mapping[str, Baseline] = {
     "industry_tail": _ordered(industry_tail_plan),
     "industry_tail_gemm": _ordered(industry_tail_plan, granularity=Granularity.GEMM),
     "backward_only": lambda layers, ctx: backward_only_plan(layers, low=ctx.low, high=ctx.high),
+    # NVFP4 by definition (ctx.low is the other rules' FP4 format), BF16 where the recipe keeps layers high
+    "nvfp4_recipe": lambda layers, ctx: nvfp4_recipe_plan(layers),
 }
 
 

@@ -170,6 +170,26 @@ def test_quality_per_gemm_layer_type_baseline_fills_backward_gemms_first():
     assert all(f is Format.NVFP4 for k, f in edges.items() if split_key(k)[1] == BACKWARD and "lm_head" not in k)
 
 
+def test_quality_nvfp4_recipe_is_a_policy_at_its_own_fraction():
+    """nvfp4_recipe (issue 63): the recipe's plan on the demo (8 blocks: blocks 0 and 7 in bf16, the rest NVFP4) even
+    where the setting's candidates lack nvfp4, reported at the FP4 fraction its plan reached."""
+    import dataclasses
+
+    from lightning_snip.demo.lightning import DemoLM
+    from lightning_snip.formats import Format
+
+    cp = _benchmark("compare_policies")
+    s = dataclasses.replace(cp.SETTINGS["deep8"], candidates=("fp8", "mxfp4"), low="mxfp4")
+    assert cp.policy_formats(s, "nvfp4_recipe") == ("fp8", "mxfp4", "nvfp4")
+    assert cp.policy_formats(s, "layer_type_gemm") == ("fp8", "mxfp4")
+    plan = cp.fixed_plan("nvfp4_recipe", 0.75, 0, DemoLM(cp.model_config(s)), s, {})
+    assert plan.policy == "nvfp4_recipe" and set(plan.values()) == {Format.NVFP4, Format.BF16}
+    assert {int(k.split(".")[2]) for k, f in plan.items() if f is Format.BF16 and "lm_head" not in k} == {0, 7}
+    natural = cp.natural_fractions(s)["nvfp4_recipe"]
+    assert natural == pytest.approx(plan.fp4_fraction, abs=1e-6) and 0.5 < natural < 0.75
+    assert cp._key({"policy": "nvfp4_recipe", "fraction": 0.75, "achieved_fraction": natural}) == f"{round(natural, 3):g}"
+
+
 def test_quality_oracle_plans_at_snips_lambda_unless_named():
     """The oracle is SNIP's ILP fed with truths: at SNIP's default lambda unless the policy names one
     ("oracle@1"). Synthetic truths where the lambda decides: at 0.1 the MLP layers (GEMMs: attention backwards)

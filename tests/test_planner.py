@@ -500,6 +500,50 @@ def test_industry_tail_keeps_the_first_two_and_the_last_blocks_high():
         industry_tail_plan(layers, fp4_fraction=0.5, first_blocks=-1)
 
 
+def _recipe_layers(blocks, *, nvfp4=True):
+    """Llama-shaped candidates over bf16 / fp8 (/ nvfp4), the head pinned bf16."""
+    fmts = (Format.BF16, Format.FP8) + ((Format.NVFP4,) if nvfp4 else ())
+    return [LayerCandidates(l.fqn, l.flops, dict.fromkeys(fmts, 0.0), dict.fromkeys(fmts, 0.0), l.pinned)
+            for l in _llama_layers(blocks)]
+
+
+def test_nvfp4_recipe_keeps_the_papers_first_and_last_blocks_in_bf16():
+    from lightning_snip.baselines import PolicyContext, baseline_plan, nvfp4_recipe_plan, recipe_high_blocks
+
+    # The paper's 62 blocks: the first 2 and the last 8; by shares of the depth elsewhere, one at each end at least.
+    assert recipe_high_blocks(range(62)) == {0, 1, *range(54, 62)}
+    assert recipe_high_blocks(range(30)) == {0, 26, 27, 28, 29}  # SmolLM2: 1 and round(3.87) = 4
+    assert recipe_high_blocks(range(8)) == {0, 7}
+    assert recipe_high_blocks(range(2)) == {0, 1} and recipe_high_blocks([]) == set()
+    assert recipe_high_blocks([3, 5, 9, 11, 12], first_share=0.2, last_share=0.4) == {3, 11, 12}  # by position
+    layers = _recipe_layers(30)
+    plan = baseline_plan("nvfp4_recipe", layers, PolicyContext(fp4_fraction=0.1))  # the target plays no part
+    assert plan.policy == "nvfp4_recipe" and plan["lm_head"] is Format.BF16
+    high = {int(fqn.split(".")[1]) for fqn, f in plan.items() if f is Format.BF16 and fqn != "lm_head"}
+    assert high == {0, 26, 27, 28, 29}
+    assert {f for fqn, f in plan.items() if int(fqn.split(".")[1] if fqn != "lm_head" else -1) not in high
+            and fqn != "lm_head"} == {Format.NVFP4}  # never FP8: the recipe is NVFP4 or BF16
+    block = sum(l.flops for l in layers if l.fqn.startswith("layers.0."))
+    assert plan.fp4_fraction == pytest.approx(25 * block / sum(l.flops for l in layers))
+    # An unpinned layer outside any block stays high; a layer whose shape rules NVFP4 out too.
+    unpinned = [dataclasses.replace(l, pinned=None) if l.fqn == "lm_head" else l for l in layers]
+    no_nvfp4 = [LayerCandidates(l.fqn, l.flops, {Format.BF16: 0.0, Format.FP8: 0.0}, {Format.BF16: 0.0, Format.FP8: 0.0})
+                if l.fqn == "layers.10.q" else l for l in unpinned]
+    other = nvfp4_recipe_plan(no_nvfp4)
+    assert other["lm_head"] is Format.BF16 and other["layers.10.q"] is Format.BF16
+    assert other["layers.10.k"] is Format.NVFP4
+    with pytest.raises(ValueError, match="low: nvfp4 is not a candidate"):
+        nvfp4_recipe_plan(_recipe_layers(8, nvfp4=False))
+    no_bf16 = [LayerCandidates(l.fqn, l.flops, {Format.FP8: 0.0, Format.NVFP4: 0.0}, {Format.FP8: 0.0, Format.NVFP4: 0.0})
+               for l in _llama_layers(8) if l.pinned is None]
+    with pytest.raises(ValueError, match="high: bf16 is not a candidate format of layer"):
+        nvfp4_recipe_plan(no_bf16)
+    with pytest.raises(ValueError, match="low / high"):
+        nvfp4_recipe_plan(layers, low="fp8")
+    with pytest.raises(ValueError, match="last_share"):
+        recipe_high_blocks(range(8), last_share=2)
+
+
 def test_industry_tail_per_gemm_puts_every_backward_in_fp4_before_any_forward():
     layers = _llama_layers(blocks=8)
     unpinned = sum(l.flops for l in layers if l.pinned is None) / sum(l.flops for l in layers)
