@@ -305,7 +305,8 @@ def backward_only_plan(layers: Sequence[LayerCandidates], *, low: Format | str =
 
 
 def _plan(layers: Sequence[LayerCandidates], formats: Mapping[str, Format], policy: str) -> Plan:
-    return Plan(formats=formats, flops={layer.fqn: layer.flops for layer in layers}, policy=policy)
+    return Plan(formats=formats, flops={layer.fqn: layer.flops for layer in layers}, policy=policy,
+                extra_cost={layer.fqn: layer.extra_cost for layer in layers if layer.extra_cost})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 from lightning_snip.config import SNIPConfig, TargetScope
 from lightning_snip.divergence import DivergenceResult
-from lightning_snip.formats import Format
+from lightning_snip.formats import Format, hadamard_backward_cost
 from lightning_snip.linear import SNIPLinear
 from lightning_snip.plan import Granularity, Plan
 from lightning_snip.planner import (FORWARD_SHARE, LayerCandidates, PlanInfeasibleError, check_target, gemm_items,
@@ -59,12 +59,15 @@ def layer_candidates(layers: Mapping[str, SNIPLinear], formats: Sequence[Format]
         def value(estimates, fmt):
             return 0.0 if estimates is None else planning_value(estimates, fqn, fmt)
 
+        # the RHT's price where the layer's recipe transforms the format's wgrad, per FLOP of the whole layer
+        rht = (1 - FORWARD_SHARE) * hadamard_backward_cost(layer.in_features, layer.out_features)
         out.append(LayerCandidates(
             fqn=fqn,
             flops=flops[fqn],
             loss_divergence={f: value(loss_divergence, f) for f in allowed},
             weight_divergence={f: value(weight_divergence, f) for f in allowed},
             pinned=layer.pinned,
+            extra_cost={f: rht for f in Format if layer.recipe.uses_hadamard(f)},  # (a pin's format too)
         ))
     return out
 

@@ -54,6 +54,8 @@ class Plan(Mapping[str, Format]):
         relative_cost: Format -> GEMM cost relative to bf16.
         policy: who made it ("snip", "random", ...).
         status, objective, solve_seconds: what the solver reported.
+        extra_cost: key -> Format -> relative cost per FLOP the layer's recipe adds to the format's own there (the
+            RHT on an FP4 wgrad: formats.hadamard_backward_cost); in ``relative_gemm_cost``.
         noise_guarded: fqn -> the FP4 formats the gradient-noise guard kept out of the layer's
             backward (SNIPConfig.noise_guard_threshold; at granularity layer, out of the whole layer); the table
             marks these layers.
@@ -67,6 +69,7 @@ class Plan(Mapping[str, Format]):
     objective: float | None = None
     solve_seconds: float = 0.0
     noise_guarded: Mapping[str, tuple[Format, ...]] = field(default_factory=dict)
+    extra_cost: Mapping[str, Mapping[Format, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         formats = {fqn: Format.parse(f, field_name=f"formats[{fqn}]") for fqn, f in self.formats.items()}
@@ -77,6 +80,9 @@ class Plan(Mapping[str, Format]):
         object.__setattr__(self, "formats", MappingProxyType(formats))
         object.__setattr__(self, "flops", MappingProxyType(flops))
         object.__setattr__(self, "relative_cost", MappingProxyType(costs))
+        object.__setattr__(self, "extra_cost", MappingProxyType({
+            key: MappingProxyType({Format.parse(f, field_name=f"extra_cost[{key}]"): float(v) for f, v in per.items()})
+            for key, per in self.extra_cost.items()}))
         guarded = self.noise_guarded
         if not isinstance(guarded, Mapping):  # a plain collection of fqns: every FP4 format
             guarded = {fqn: tuple(f for f in Format if f.is_fp4) for fqn in guarded}
@@ -113,7 +119,8 @@ class Plan(Mapping[str, Format]):
     def relative_gemm_cost(self) -> float:
         """GEMM cost of the plan relative to running every planned layer in bf16."""
         total = self.total_flops
-        return sum(self.flops[f] * self.relative_cost[fmt] for f, fmt in self.formats.items()) / total if total else 0.0
+        return sum(self.flops[f] * (self.relative_cost[fmt] + self.extra_cost.get(f, {}).get(fmt, 0.0))
+                   for f, fmt in self.formats.items()) / total if total else 0.0
 
     def count(self, fmt: Format) -> int:
         return sum(1 for f in self.formats.values() if f is fmt)
@@ -135,6 +142,7 @@ class Plan(Mapping[str, Format]):
                 "objective": self.objective,
                 "solve_seconds": self.solve_seconds,
                 "noise_guarded": {fqn: [f.value for f in fmts] for fqn, fmts in self.noise_guarded.items()},
+                "extra_cost": {key: {f.value: v for f, v in per.items()} for key, per in self.extra_cost.items()},
             }
         )
 
@@ -150,6 +158,7 @@ class Plan(Mapping[str, Format]):
             objective=data["objective"],
             solve_seconds=data["solve_seconds"],
             noise_guarded=data.get("noise_guarded", {}),  # absent in plans saved before the guard
+            extra_cost=data.get("extra_cost", {}),  # absent in plans saved before the RHT was priced
         )
 
     def table(self, *, max_rows: int | None = None) -> str:

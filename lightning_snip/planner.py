@@ -54,10 +54,16 @@ class LayerCandidates:
     loss_divergence: Mapping[Format, float]
     weight_divergence: Mapping[Format, float]
     pinned: Format | None = None
+    extra_cost: Mapping[Format, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.flops, (int, float)) or not math.isfinite(self.flops) or self.flops < 0:
             raise ValueError(f"flops of {self.fqn}: must be a finite number >= 0, got {self.flops!r}")
+        extra = {Format.parse(f, field_name=f"extra_cost of {self.fqn}"): float(v) for f, v in self.extra_cost.items()}
+        bad = {f.value: v for f, v in extra.items() if not (math.isfinite(v) and v >= 0)}
+        if bad:
+            raise ValueError(f"extra_cost of {self.fqn}: must be finite numbers >= 0, got {bad}")
+        object.__setattr__(self, "extra_cost", MappingProxyType(extra))
         ld = _parse_metric(self.loss_divergence, f"loss_divergence of {self.fqn}")
         wd = _parse_metric(self.weight_divergence, f"weight_divergence of {self.fqn}")
         if set(ld) != set(wd):
@@ -71,6 +77,11 @@ class LayerCandidates:
         object.__setattr__(self, "weight_divergence", MappingProxyType(wd))
         if self.pinned is not None:
             object.__setattr__(self, "pinned", Format.parse(self.pinned, field_name=f"pinned of {self.fqn}"))
+
+    def cost(self, fmt: Format, relative_cost: Mapping[Format, float]) -> float:
+        """The relative cost per FLOP of this layer (or GEMM item) in ``fmt``: the format's, plus what the layer's
+        recipe adds in it (``extra_cost``: the RHT on an FP4 wgrad, formats.hadamard_backward_cost)."""
+        return relative_cost[fmt] + self.extra_cost.get(fmt, 0.0)
 
     def choices(self) -> list[Format]:
         """Formats this layer may take: its pin, or every candidate with finite divergence."""
@@ -163,7 +174,7 @@ def _check_reachable(stage, group: Sequence[LayerCandidates], target: _Target) -
                 f"(e.g. {blocked[:3]})"
             )
     else:
-        best = sum(layer.flops * min(target.relative_cost[f] for f in layer.choices()) for layer in group) / total
+        best = sum(layer.flops * min(layer.cost(f, target.relative_cost) for f in layer.choices()) for layer in group) / total
         if best > target.cost_budget + 1e-12:
             raise PlanInfeasibleError(
                 f"{where}: relative cost budget {target.cost_budget} is unreachable; the cheapest choice the pins "
@@ -239,7 +250,8 @@ def solve_plan(
             )
         else:
             model += (
-                mip.xsum(share[layer.fqn] * target.relative_cost[f] * x[layer.fqn, f] for layer in group for f in choices[layer.fqn])
+                mip.xsum(share[layer.fqn] * layer.cost(f, target.relative_cost) * x[layer.fqn, f]
+                         for layer in group for f in choices[layer.fqn])
                 <= target.cost_budget + 1e-9
             )
         if target.fp4_fraction is not None:
@@ -261,6 +273,7 @@ def solve_plan(
         formats=formats,
         flops={layer.fqn: layer.flops for layer in layers},
         relative_cost=target.relative_cost,
+        extra_cost={layer.fqn: layer.extra_cost for layer in layers if layer.extra_cost},
         policy="snip",
         status=SolveStatus.OPTIMAL if status == mip.OptimizationStatus.OPTIMAL else SolveStatus.FEASIBLE,
         objective=objective,
@@ -319,7 +332,9 @@ def split_directions(layer: LayerCandidates) -> tuple[LayerCandidates, LayerCand
     backward = LayerCandidates(
         fqn=gemm_key(layer.fqn, BACKWARD), flops=layer.flops * (1 - FORWARD_SHARE), pinned=layer.pinned,
         loss_divergence={f: math.inf if f in excluded else 0.0 for f in ld},
-        weight_divergence={f: math.inf if f in excluded else v for f, v in wd.items()})
+        weight_divergence={f: math.inf if f in excluded else v for f, v in wd.items()},
+        # the layer's extra cost is the backward's (the RHT is on the wgrad), per FLOP of the backward's share
+        extra_cost={f: v / (1 - FORWARD_SHARE) for f, v in layer.extra_cost.items()})
     return forward, backward
 
 
@@ -334,7 +349,8 @@ def keep_out_of_fp4(layer: LayerCandidates, formats: Collection[Format] | None =
     wd = {f: math.inf if f in out else v for f, v in layer.weight_divergence.items()}
     if not any(math.isfinite(ld[f]) and math.isfinite(wd[f]) for f in ld):
         ld[Format.BF16] = wd[Format.BF16] = 0.0
-    return LayerCandidates(fqn=layer.fqn, flops=layer.flops, loss_divergence=ld, weight_divergence=wd)
+    return LayerCandidates(fqn=layer.fqn, flops=layer.flops, loss_divergence=ld, weight_divergence=wd,
+                           extra_cost=layer.extra_cost)
 
 
 def max_fp4_fraction(layers: Sequence[LayerCandidates]) -> float:
@@ -347,7 +363,7 @@ def max_fp4_fraction(layers: Sequence[LayerCandidates]) -> float:
 def min_relative_cost(layers: Sequence[LayerCandidates], relative_cost: Mapping[Format, float] = DEFAULT_RELATIVE_COST) -> float:
     """The lowest relative GEMM cost any plan over these layers (or GEMM items) can reach."""
     total = sum(layer.flops for layer in layers)
-    cheapest = sum(layer.flops * min(relative_cost[f] for f in layer.choices()) for layer in layers)
+    cheapest = sum(layer.flops * min(layer.cost(f, relative_cost) for f in layer.choices()) for layer in layers)
     return cheapest / total if total else 0.0
 
 
@@ -401,7 +417,7 @@ def _undominated(layer: LayerCandidates, target: _Target, weight_divergence_weig
     """
 
     def constraint_rank(f: Format) -> float:  # lower is better for the constraint
-        return -float(f.is_fp4) if target.fp4_fraction is not None else target.relative_cost[f]
+        return -float(f.is_fp4) if target.fp4_fraction is not None else layer.cost(f, target.relative_cost)
 
     options = sorted(layer.choices(), key=lambda f: (constraint_rank(f), layer.score(f, weight_divergence_weight)))
     kept: list[Format] = []

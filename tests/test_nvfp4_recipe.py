@@ -306,3 +306,47 @@ def test_the_recipe_reaches_the_wgrad_under_bf16_autocast():
     expected = quantized_matmul(g.t(), xb.t(), Format.MXFP4, recipe=recipe, a_is_grad=True, hadamard=signs).float()
     plain = quantized_matmul(g.t(), xb.t(), Format.MXFP4, recipe=recipe, a_is_grad=True).float()
     assert torch.equal(model[0].weight.grad, expected) and not torch.equal(expected, plain)
+
+
+def test_the_cost_model_prices_the_rht_on_the_wgrads_it_transforms():
+    """The RHT costs 32 T (in + out) bf16-rate FLOPs per wgrad (two operands, a 16x16 matmul per 16 tokens): the
+    planner's layers carry it per FLOP where the recipe transforms the format, the per-GEMM split keeps it on the
+    backward, a plan's relative cost and its saved form include it, and a cost budget is met with it."""
+    import dataclasses
+
+    from lightning_snip.evidence import layer_candidates
+    from lightning_snip.formats import hadamard_backward_cost
+    from lightning_snip.linear import SNIPLinear
+    from lightning_snip.plan import Plan
+    from lightning_snip.planner import LayerCandidates, solve_gemm_plan, solve_plan, split_directions
+
+    assert hadamard_backward_cost(576, 576) == pytest.approx(32 * (576 + 576) / (4 * 576 * 576))
+    layers = {"a": SNIPLinear(64, 32), "b": SNIPLinear(64, 32, recipe=QuantRecipe(wgrad_hadamard=("nvfp4",))),
+              "c": SNIPLinear(64, 32, recipe=PLAIN)}
+    cands = {c.fqn: c for c in layer_candidates(layers, [Format.FP8, Format.MXFP4, Format.NVFP4])}
+    rht = 2 / 3 * hadamard_backward_cost(64, 32)  # per FLOP of the layer's three GEMMs
+    assert dict(cands["a"].extra_cost) == {Format.MXFP4: pytest.approx(rht), Format.NVFP4: pytest.approx(rht)}
+    assert dict(cands["b"].extra_cost) == {Format.NVFP4: pytest.approx(rht)} and not cands["c"].extra_cost
+    forward, backward = split_directions(cands["a"])
+    assert not forward.extra_cost and backward.flops * backward.extra_cost[Format.MXFP4] == pytest.approx(
+        cands["a"].flops * rht)
+    mx = {c.fqn: c for c in layer_candidates(layers, [Format.FP8, Format.MXFP4])}  # only a's mxfp4 transformed
+    all_fp4 = solve_plan(list(mx.values()), fp4_fraction=1.0)
+    assert all_fp4.relative_gemm_cost == pytest.approx(0.25 + rht / 3)
+    assert Plan.from_json(all_fp4.to_json()).relative_gemm_cost == pytest.approx(all_fp4.relative_gemm_cost)
+    per_gemm = solve_gemm_plan(list(mx.values()), fp4_fraction=1.0)
+    assert per_gemm.relative_gemm_cost == pytest.approx(all_fp4.relative_gemm_cost)
+    # Under a cost budget between all-FP4 without the RHT and with it, the transformed backward goes to FP8
+    # (FP4 is what the divergences prefer here); without the price, everything would stay FP4.
+    prefer_fp4 = {Format.FP8: 1.0, Format.MXFP4: 0.0}
+    two = [LayerCandidates(c.fqn, c.flops, prefer_fp4, prefer_fp4, extra_cost=c.extra_cost) for c in (mx["a"], mx["c"])]
+    budget = 0.25 + 0.5 * rht - 0.01  # all-FP4 costs 0.25 + 0.5 rht; a's backward in FP8 0.25 + 0.5 * 2/3 * 0.25
+    assert 0.25 + 0.5 * 2 / 3 * 0.25 < budget
+    plan = solve_gemm_plan(two, cost_budget=budget)
+    assert plan.relative_gemm_cost <= budget + 1e-9
+    assert {k: f.value for k, f in plan.items()} == {"a:forward": "mxfp4", "a:backward": "fp8", "c:forward": "mxfp4",
+                                                     "c:backward": "mxfp4"}
+    unpriced = solve_gemm_plan([dataclasses.replace(t, extra_cost={}) for t in two], cost_budget=budget)
+    assert all(f is Format.MXFP4 for f in unpriced.values())
+    with pytest.raises(ValueError, match="extra_cost of x: must be finite numbers >= 0"):
+        LayerCandidates("x", 1.0, {Format.FP8: 0.0}, {Format.FP8: 0.0}, extra_cost={Format.MXFP4: -1.0})
