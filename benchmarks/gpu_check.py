@@ -27,6 +27,9 @@
    forward and backward under bf16 autocast, timed in bf16, torchao's Float8Linear (compiled) and
    SNIPLinear fp8 (compiled, and eager as before issue 36); with ``round_cost``, issue 36's GPU check:
    ``python benchmarks/gpu_check.py --parts block round_cost --repeats 10``.
+``nvfp4_recipe`` (not in the default parts; issue 63): one 4096-wide SNIPLinear in NVFP4 with the recipe, forward
+   and backward: native vs emulated (the same draws) and each vs fp64 per GEMM, its time over bf16 and over plain
+   NVFP4, and torchao's whole-layer NVFP4Linear beside it: ``python benchmarks/gpu_check.py --parts nvfp4_recipe``.
 ``overhead`` (not in the default parts; issue 50): benchmarks/overhead.py's A/B of SNIP at its defaults (the
    overhead budget on) against its plans frozen, width 1024 x 4 blocks, bf16-mixed, eager and compiled, within
    --quality-budget seconds: ``python benchmarks/gpu_check.py --parts overhead --steps 400 --quality-budget 330``.
@@ -150,6 +153,73 @@ def numerics(device, lines):
                 lines.append(f"numerics {fmt.value} {str(dtype)[6:]} n={n} grad_sr emulated_vs_fp64 "
                              f"{rel(emulated, ref):.5f} native_vs_fp64 {rel(native, ref):.5f} "
                              f"native_vs_emulated {rel(native, emulated):.5f} kernel {kernel.value}")
+
+
+def nvfp4_recipe(device, lines, width: int, tokens: int, repeats: int):
+    """Issue 63: one SNIPLinear in NVFP4 with the recipe (RHT on the wgrad, 2D weight scales, SR on gradients),
+    forward and backward under bf16 autocast: native (kernel_for) against emulated with the same random draws, each
+    against fp64; its time over bf16 and over plain NVFP4 (1x16 weights, no RHT); and torchao's whole-layer
+    NVFP4Linear path (nvfp4_linear, its own SR stream) for time and error where the device runs it."""
+    from lightning_snip import gemm as gemm_mod
+    from lightning_snip.linear import SNIPLinear
+
+    torch.manual_seed(0)
+    x = torch.randn(tokens, width, device=device) * torch.exp(torch.randn(1, width, device=device))
+    grad = torch.randn(tokens, width, device=device)
+    layer = SNIPLinear(width, width, format=Format.NVFP4).to(device)
+    w = layer.weight.detach()
+    ref = (x.double() @ w.double().t(), grad.double() @ w.double(), grad.double().t() @ x.double())
+
+    def run(recipe, kernel=None):
+        layer.recipe, layer.generator = recipe, torch.Generator(device=device).manual_seed(1)
+        real = gemm_mod.kernel_for
+        if kernel is not None:
+            gemm_mod.kernel_for = lambda fmt, dev: kernel
+        try:
+            xi = x.clone().requires_grad_(True)
+            layer.weight.grad = None
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                out = layer(xi)
+            out.backward(grad.to(out.dtype))
+            return out.detach(), xi.grad.detach(), layer.weight.grad.detach()
+        finally:
+            gemm_mod.kernel_for = real
+
+    emulated, native = run(QuantRecipe(), Kernel.EMULATED), run(QuantRecipe())
+    names = ("forward", "dgrad", "wgrad")
+    lines.append(f"nvfp4_recipe width={width} tokens={tokens} kernel {kernel_for(Format.NVFP4, device).value}: " + ", ".join(
+        f"{n} emulated_vs_fp64 {rel(e, r):.5f} native_vs_fp64 {rel(t, r):.5f} native_vs_emulated {rel(t, e):.5f}"
+        for n, e, t, r in zip(names, emulated, native, ref)))
+    step = {"bf16": lambda: run_bf16(layer, x, grad), "recipe": lambda: run(QuantRecipe()),
+            "plain": lambda: run(QuantRecipe(wgrad_hadamard=(), nvfp4_weight_scales_2d=False))}
+    times = {k: timed(fn, repeats) for k, fn in step.items()}
+    line = (f"nvfp4_recipe speed fwd+bwd recipe/bf16 {times['recipe'] / times['bf16']:.3f} plain/bf16 "
+            f"{times['plain'] / times['bf16']:.3f} recipe/plain {times['recipe'] / times['plain']:.3f}")
+    try:
+        from torchao.prototype.moe_training.nvfp4_training.nvfp4_linear import nvfp4_linear
+
+        def torchao_layer():
+            xi = x.bfloat16().clone().requires_grad_(True)
+            wi = w.bfloat16().clone().requires_grad_(True)
+            out = nvfp4_linear(xi, wi, sign_vector=list(layer.rht_signs.tolist()))
+            out.backward(grad.bfloat16())
+            return out.detach(), xi.grad.detach(), wi.grad.detach()
+
+        theirs = torchao_layer()
+        line += f" torchao_NVFP4Linear/bf16 {timed(torchao_layer, repeats) / times['bf16']:.3f} " + " ".join(
+            f"{n}_torchao_vs_fp64 {rel(t, r):.5f}" for n, t, r in zip(names, theirs, ref))
+    except Exception as err:  # no Triton / not CC 10.x / shapes: say why
+        line += f" torchao_NVFP4Linear: not run ({type(err).__name__}: {str(err).splitlines()[0][:120]})"
+    lines.append(line)
+
+
+def run_bf16(layer, x, grad):
+    """A bf16 (autocast) linear's forward and backward with the layer's weight: the speed reference."""
+    xi = x.clone().requires_grad_(True)
+    weight = layer.weight.detach().clone().requires_grad_(True)
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.device.type == "cuda"):
+        out = torch.nn.functional.linear(xi, weight)
+    out.backward(grad.to(out.dtype))
 
 
 def speed(device, sizes, repeats, lines):
@@ -564,7 +634,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--parts", nargs="+", default=["fused_vs_reference", "numerics", "speed", "round_cost", "demo"],
                         choices=["fused_vs_reference", "numerics", "speed", "round_cost", "round_profile", "train_fp4",
-                                 "demo", "quality", "block", "overhead"])
+                                 "demo", "quality", "block", "overhead", "nvfp4_recipe"])
     parser.add_argument("--quality-budget", type=float, default=420.0,
                         help="seconds the quality part's benchmark may run before its finished runs are reported")
     args = parser.parse_args()
@@ -582,6 +652,8 @@ def main() -> None:
                                                            else (256, (2, 128), 3))),
              "quality": lambda: quality(device, lines, args.out, args.quality_budget),
              "overhead": lambda: overhead_ab(device, lines, args.steps, args.quality_budget),
+             "nvfp4_recipe": lambda: nvfp4_recipe(device, lines, *((4096, 8192, args.repeats) if device.type == "cuda"
+                                                                   else (256, 512, 3))),
              "round_profile": lambda: round_profile(device, lines, *((4096, 4) if device.type == "cuda" else (128, 2)))}
     for part_name in args.parts:
         part = parts[part_name]

@@ -19,7 +19,8 @@ import torch
 from lightning_snip.formats import Format, Fp8Scaling, QuantRecipe, Rounding
 from lightning_snip.grid import fp8_dtype
 from lightning_snip.hadamard import hadamard_rows, rht_matrix
-from lightning_snip.quantize import fake_quantize, mxfp4_stochastic_parts, nvfp4_per_tensor_scale, nvfp4_stochastic_parts
+from lightning_snip.quantize import (fake_quantize, mxfp4_stochastic_parts, nvfp4_2d_parts, nvfp4_per_tensor_scale,
+                                     nvfp4_stochastic_parts)
 
 logger = logging.getLogger(__name__)
 
@@ -179,10 +180,8 @@ def quantized_matmul(
         if out_dtype is not None:  # torchao returns its operands' dtype: fp32 operands (the same FP8 casts,
             a, b = a.float(), b.float()  # scales from the same amax) give the fp32 output of torch._scaled_mm
         return torchao_fp8_mm(a, b, recipe, a_is_grad, b_is_grad)
-    # (2D weight scales: emulated until the native path takes torchao's 2D quantizer)
-    if kernel is Kernel.TORCHAO_BLOCK and not scales_2d and block_native_supported(a, b, fmt, recipe, a_is_grad,
-                                                                                    b_is_grad):
-        out = torchao_block_mm(a, b, fmt, recipe, a_is_grad, b_is_grad, generator)
+    if kernel is Kernel.TORCHAO_BLOCK and block_native_supported(a, b, fmt, recipe, a_is_grad, b_is_grad):
+        out = torchao_block_mm(a, b, fmt, recipe, a_is_grad, b_is_grad, generator, b_scales_2d=scales_2d)
         return out if out_dtype is None else out.to(out_dtype)
     qa = fake_quantize(a, fmt, axis=1, rounding=operand_rounding(fmt, recipe, a_is_grad), recipe=recipe, is_grad=a_is_grad,
                        generator=generator)
@@ -267,8 +266,8 @@ def block_native_supported(a: torch.Tensor, b: torch.Tensor, fmt: Format, recipe
 
 
 def torchao_block_mm(a: torch.Tensor, b: torch.Tensor, fmt: Format, recipe: QuantRecipe, a_is_grad: bool,
-                     b_is_grad: bool, generator: torch.Generator | None = None, *, emulate: bool = False
-                     ) -> torch.Tensor:
+                     b_is_grad: bool, generator: torch.Generator | None = None, *, emulate: bool = False,
+                     b_scales_2d: bool = False) -> torch.Tensor:
     """Q(a) @ Q(b)^T through torchao.prototype.mx_formats' tensors: MXTensor (mxfp8, mxfp4) or
     NVFP4Tensor, whose torch.mm dispatch runs torch._scaled_mm / F.scaled_mm with block scales
     (cuBLAS / CUTLASS on compute capability 10.x). ``emulate=True`` takes torchao's emulated GEMM
@@ -280,7 +279,11 @@ def torchao_block_mm(a: torch.Tensor, b: torch.Tensor, fmt: Format, recipe: Quan
     only, so stochastically rounded FP4 gradient operands are built here from the emulation's own
     parts, the rounded E2M1 codes and the scales they were rounded with
     (quantize.mxfp4_stochastic_parts / nvfp4_stochastic_parts, drawing the same random bits), packed
-    into torchao's tensors. Operands are drawn a first, then b, as the emulation draws them.
+    into torchao's tensors. Operands are drawn a first, then b, as the emulation draws them. ``b_scales_2d``: b is
+    an NVFP4 weight under the recipe's 16x16 tile scales (quantize.nvfp4_2d_parts: each tile's scale in its rows'
+    1x16 blocks, which torchao's 1x16 block-scaled GEMM takes as they are); written here because torchao's own 2D
+    quantizer (nvfp4_training.quantize_2d_triton) is a Triton kernel for NVFP4Linear's whole-layer autograd path,
+    whose stochastic rounding draws from its own Philox stream, not the layer's generator.
 
     Numerics of the native kernels (not run here: no such GPU): torchao's MX GEMM returns bf16 (cast
     to a's dtype after), so an fp32 run gets bf16-rounded MX GEMM outputs; NVFP4 operands are wrapped
@@ -296,7 +299,7 @@ def torchao_block_mm(a: torch.Tensor, b: torch.Tensor, fmt: Format, recipe: Quan
 
     preference = KernelPreference.EMULATED if emulate else KernelPreference.AUTO
 
-    def cast(t: torch.Tensor, is_grad: bool):
+    def cast(t: torch.Tensor, is_grad: bool, scales_2d: bool = False):
         t = t.contiguous()
         stochastic = operand_rounding(fmt, recipe, is_grad) is Rounding.STOCHASTIC
         if fmt is Format.NVFP4:
@@ -305,7 +308,10 @@ def torchao_block_mm(a: torch.Tensor, b: torch.Tensor, fmt: Format, recipe: Quan
             # runs torch._scaled_mm. Both operands are pre-quantized, so its fields are unused.
             kwargs = None if emulate else QuantizeTensorToNVFP4Kwargs()
             orig_dtype = t.dtype if emulate else torch.float32
-            if stochastic:
+            if scales_2d:
+                codes, scales, per_tensor_scale = nvfp4_2d_parts(t32)
+                qdata = pack_uint4(f32_to_f4_unpacked(codes))
+            elif stochastic:
                 codes, scales, per_tensor_scale = nvfp4_stochastic_parts(t32, generator)
                 qdata = pack_uint4(f32_to_f4_unpacked(codes))
             else:
@@ -323,7 +329,7 @@ def torchao_block_mm(a: torch.Tensor, b: torch.Tensor, fmt: Format, recipe: Quan
         return MXTensor.to_mx(t, elem, 32, scaling_mode=ScaleCalculationMode.RCEIL, kernel_preference=preference)
 
     qa = cast(a, a_is_grad)
-    qb = cast(b, b_is_grad)
+    qb = cast(b, b_is_grad, scales_2d=b_scales_2d and fmt is Format.NVFP4)
     return torch.mm(qa, qb.t()).to(a.dtype)
 
 

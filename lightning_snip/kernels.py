@@ -6,7 +6,7 @@ passes, and inductor does not vectorize float8 casts, so compiling torchao's fun
 speed-up. What is written here by hand is only the final rounding onto a float grid
 (lightning_snip.grid), which inductor fuses with the scale computation into one vectorized loop. The
 scales are torchao's: ``amax_to_scale`` (FP8) is called as it is; the MX (RCEIL) and NVFP4
-(two-level) scale rules are restated in a few lines each (see _e8m0_scales and _nvfp4_scales for why).
+(two-level) scale rules are restated in a few lines each (see _e8m0_scales and nvfp4_scales for why).
 tests/test_kernels.py checks every format, both roundings and both axes bit for bit against the
 reference, on random and edge inputs (zeros, subnormals, block maxima, inf, NaN).
 
@@ -139,7 +139,7 @@ def _mx_sr_kernel(rows: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return (stochastic_round_e2m1(times_pow2_neg(blocks, e), bits) * scale).reshape(rows.shape)
 
 
-def _nvfp4_scales(blocks: torch.Tensor, block_dims: tuple[int, ...] = (-1,)):
+def nvfp4_scales(blocks: torch.Tensor, block_dims: tuple[int, ...] = (-1,)):
     """nvfp4_quantize's two-level scale (torchao, per_tensor_scale given): per-tensor fp32 scale and
     the E4M3 block scales as fp32 values, a block spanning ``block_dims`` (a 16x16 tile: two of them)."""
     per_tensor = nvfp4_scale_floor(blocks.abs().amax().float() / (448.0 * 6.0))  # per_tensor_amax_to_scale
@@ -151,7 +151,7 @@ def _nvfp4_scales(blocks: torch.Tensor, block_dims: tuple[int, ...] = (-1,)):
 
 def _nvfp4_round_nearest(blocks: torch.Tensor, block_dims: tuple[int, ...] = (-1,)) -> torch.Tensor:
     """NVFP4 of ``blocks`` rounded to nearest, dequantized, a block spanning ``block_dims``."""
-    per_tensor, block_fp8 = _nvfp4_scales(blocks, block_dims)
+    per_tensor, block_fp8 = nvfp4_scales(blocks, block_dims)
     scaled = torch.clamp(blocks * ((1.0 / per_tensor) / block_fp8), -6.0, 6.0)
     return round_to_grid(scaled, E2M1) * (per_tensor * block_fp8)
 
@@ -166,7 +166,7 @@ def _nvfp4_rtn_2d_kernel(tiles: torch.Tensor) -> torch.Tensor:
 
 def _nvfp4_sr_kernel(rows: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     blocks = rows.reshape(rows.shape[0], -1, NVFP4_BLOCK)
-    per_tensor, block_fp8 = _nvfp4_scales(blocks)
+    per_tensor, block_fp8 = nvfp4_scales(blocks)
     scale = block_fp8 * per_tensor
     # As the reference: where the E4M3 block scale rounded down, step it one E4M3 value up.
     too_small = blocks.abs().amax(-1, keepdim=True) > 6.0 * scale

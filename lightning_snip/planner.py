@@ -250,8 +250,7 @@ def solve_plan(
             )
         else:
             model += (
-                mip.xsum(share[layer.fqn] * layer.cost(f, target.relative_cost) * x[layer.fqn, f]
-                         for layer in group for f in choices[layer.fqn])
+                mip.xsum(share[layer.fqn] * layer.cost(f, target.relative_cost) * x[layer.fqn, f] for layer in group for f in choices[layer.fqn])
                 <= target.cost_budget + 1e-9
             )
         if target.fp4_fraction is not None:
@@ -270,8 +269,7 @@ def solve_plan(
     formats = {layer.fqn: next(f for f in choices[layer.fqn] if x[layer.fqn, f].x >= 0.5) for layer in layers}
     objective = sum(scores[fqn, f] for fqn, f in formats.items())
     plan = Plan(
-        formats=formats,
-        flops={layer.fqn: layer.flops for layer in layers},
+        formats=formats, flops={layer.fqn: layer.flops for layer in layers},
         relative_cost=target.relative_cost,
         extra_cost={layer.fqn: layer.extra_cost for layer in layers if layer.extra_cost},
         policy="snip",

@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from lightning_snip.config import SNIPConfig
 from lightning_snip.convert import log_output_head
 from lightning_snip.evidence import describe_target
-from lightning_snip.formats import Format, Fp8Scaling
-from lightning_snip.gemm import Kernel, describe_kernels, emulated_layers, kernel_for, warn_if_fp4_emulated
+from lightning_snip.formats import Format
+from lightning_snip.gemm import describe_kernels, emulated_layers, warn_if_fp4_emulated
 from lightning_snip.linear import SNIPLinear
 
 logger = logging.getLogger(__name__)
@@ -32,12 +32,6 @@ def log_setup(config: SNIPConfig, layers: Mapping[str, SNIPLinear], device, max_
                      key=lambda f: f.value)
     logger.info("SNIP: GEMM kernels: %s", describe_kernels(formats, device))
     warn_if_fp4_emulated(formats, device)
-    recipe = cfg.recipe if cfg.fp8_scaling is not Fp8Scaling.AUTO else None
-    if recipe is not None and Format.NVFP4 in formats and recipe.weight_scales_2d(Format.NVFP4) and (
-            kernel_for(Format.NVFP4, device) is Kernel.TORCHAO_BLOCK):
-        logger.warning("SNIP: NVFP4 weights take 2D 16x16 scales (snip.nvfp4_weight_scales_2d, the NVFP4 recipe's): "
-                       "their forward and dgrad GEMMs run emulated on this GPU (the wgrad natively); "
-                       "snip.nvfp4_weight_scales_2d=false runs all three natively with 1x16 weight scales")
     for fmt, names in emulated_layers(formats, device, layers).items():
         if names:  # which layers run emulated although the format has a native kernel: said once
             shown = ", ".join(f"{n} ({layers[n].in_features}->{layers[n].out_features})" for n in names[:8])

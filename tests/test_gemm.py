@@ -70,13 +70,8 @@ def test_setup_names_the_layers_a_native_kernel_does_not_take(monkeypatch, caplo
     assert "1 layer(s) run fp8 emulated (weight dimensions not multiples of 16): odd (64->40)" in caplog.text
     assert "1 layer(s) run nvfp4 emulated (weight dimensions not multiples of 32): nv (48->64)" in caplog.text
     assert "every layer that can run mxfp4 has weight dimensions its native kernel takes" in caplog.text
-    # the recipe's 2D NVFP4 weight scales emulate the weights' GEMMs on this GPU: said, with the setting that avoids it
-    assert "their forward and dgrad GEMMs run emulated on this GPU" in caplog.text
-    caplog.clear()
-    with caplog.at_level("INFO", logger="lightning_snip"):
-        log_setup(SNIPConfig(candidate_formats=("fp8", "mxfp4", "nvfp4"), nvfp4_weight_scales_2d=False), layers, cuda,
-                  None)
-    assert "2D 16x16 scales" not in caplog.text
+    # the recipe's 2D NVFP4 weight scales run natively too (since 2026-12-06): no warning about them
+    assert "2D 16x16 scales" not in caplog.text and "emulated on this GPU" not in caplog.text
 
 
 @pytest.mark.parametrize("capability, num_warnings", [((9, 0), 1), ((10, 0), 0), (None, 0)])
@@ -324,6 +319,32 @@ def test_block_kernel_native_path_through_torchs_block_scaled_gemm(monkeypatch, 
     assert abs(float((native * exact).sum() / (exact * exact).sum()) - 1.0) < 2e-4
 
 
+def test_block_kernel_takes_the_recipes_2d_weight_through_torchs_block_scaled_gemm(monkeypatch):
+    """The recipe's 2D-scaled NVFP4 weight (issue 63) on the native path: a forward (W) and a dgrad (W^T) GEMM reach
+    torch's block-scaled GEMM (the stand-in decodes what torchao hands it) with each 16x16 tile's scale in its rows'
+    1x16 blocks, and give the emulated 2D product; with 1x16 scales they would not."""
+    from lightning_snip.quantize import nvfp4_2d_parts
+
+    calls = _decode_block_gemms(monkeypatch)
+    a, w = _operands(torch.float32, m=64, n=96, k=128)
+    for operand_b, a_in in ((w, a), (w.t().contiguous(), torch.randn(64, 96))):
+        kwargs = dict(recipe=QuantRecipe(), b_is_weight=True, generator=torch.Generator().manual_seed(1))
+        native = quantized_matmul(a_in, operand_b, Format.NVFP4, kernel=Kernel.TORCHAO_BLOCK, **kwargs)
+        emulated = quantized_matmul(a_in, operand_b, Format.NVFP4, kernel=Kernel.EMULATED, **kwargs)
+        one_d = quantized_matmul(a_in, operand_b, Format.NVFP4, kernel=Kernel.EMULATED,
+                                 **dict(kwargs, recipe=QuantRecipe(nvfp4_weight_scales_2d=False)))
+        assert len(calls) == 1
+        calls.clear()
+        diff = float((native.double() - emulated.double()).norm() / emulated.double().norm())
+        assert diff < 1e-6, diff  # fp32 accumulation order only
+        assert float((one_d.double() - emulated.double()).norm() / emulated.double().norm()) > 100 * max(diff, 1e-9)
+    codes, scales, _ = nvfp4_2d_parts(w)
+    tiles = scales.float().reshape(6, 16, 8)
+    assert torch.equal(tiles, tiles[:, :1].expand_as(tiles))  # one scale per tile, in each of its 16 rows
+    with pytest.raises(ValueError, match="multiples of 16"):
+        nvfp4_2d_parts(torch.randn(24, 32))
+
+
 def test_block_kernel_unsupported_gemms_are_emulated(monkeypatch):
     """Shapes off the 32-grid, and MXFP8 gradients in E5M2 (torchao's MX GEMM takes E4M3 only), take
     the emulation: no block-scaled GEMM call, the emulated result."""
@@ -349,9 +370,9 @@ def test_snip_linear_routes_all_three_gemms_to_the_block_kernel(monkeypatch, fmt
     routed = []
     real = gemm_mod.torchao_block_mm
 
-    def through_torchao(a, b, fmt_, recipe, a_is_grad, b_is_grad, generator=None):
-        routed.append((fmt_, a_is_grad, b_is_grad, tuple(a.shape), tuple(b.shape)))
-        return real(a, b, fmt_, recipe, a_is_grad, b_is_grad, generator, emulate=True)
+    def through_torchao(a, b, fmt_, recipe, a_is_grad, b_is_grad, generator=None, b_scales_2d=False):
+        routed.append((fmt_, a_is_grad, b_is_grad, tuple(a.shape), tuple(b.shape)) + ((True,) if b_scales_2d else ()))
+        return real(a, b, fmt_, recipe, a_is_grad, b_is_grad, generator, emulate=True, b_scales_2d=b_scales_2d)
 
     torch.manual_seed(0)
     layer = SNIPLinear(64, 96, format=fmt, recipe=ONE_D)
@@ -367,11 +388,21 @@ def test_snip_linear_routes_all_three_gemms_to_the_block_kernel(monkeypatch, fmt
                       (fmt, True, False, (96, 64), (64, 64))]    # wgrad: G^T, X^T along tokens
     for n, e in zip(native, emulated):
         assert torch.equal(n.detach(), e)
-    if fmt is Format.NVFP4:  # the recipe's 2D weight scales: the weight's GEMMs emulated, the wgrad native
-        routed.clear()
+    if fmt is Format.NVFP4:  # the recipe (2D weight scales, the RHT on the wgrad): all three native, the same numbers
         layer.recipe = QuantRecipe()
-        _fwd_bwd(layer, x)
-        assert routed == [(fmt, True, False, (96, 64), (64, 64))]
+        monkeypatch.undo()
+        layer.generator = torch.Generator().manual_seed(5)
+        emulated = [t.detach().clone() for t in _fwd_bwd(layer, x)]
+        monkeypatch.setattr(gemm_mod, "torchao_block_mm", through_torchao)
+        monkeypatch.setattr(gemm_mod, "kernel_for", lambda f, device: Kernel.TORCHAO_BLOCK)
+        routed.clear()
+        layer.generator = torch.Generator().manual_seed(5)
+        native = _fwd_bwd(layer, x)
+        assert routed == [(fmt, False, False, (64, 64), (96, 64), True),  # fwd: W with 16x16 tile scales
+                          (fmt, True, False, (64, 96), (64, 96), True),   # dgrad: the same tiles, transposed
+                          (fmt, True, False, (96, 64), (64, 64))]         # wgrad: after the RHT
+        for n, e in zip(native, emulated):
+            assert torch.equal(n.detach(), e)
 
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=lambda f: f.value)
