@@ -98,13 +98,14 @@ def run_all(settings: dict, prepared: dict, jobs, stores: dict, workers: int, wo
 
 
 def plan_cost(s: cp.Setup, plan: dict[str, str]) -> float:
-    """A run's plan priced by the library's cost model (Plan.relative_gemm_cost) over its own FLOPs accounting."""
+    """A run's plan priced by the library's cost model (Plan.relative_gemm_cost: the formats' costs and the RHT where
+    the layer's recipe transforms the format's wgrad) over its own FLOPs accounting."""
     from lightning_snip.plan import Plan
     from lightning_snip.planner import gemm_items
 
-    items = {c.fqn: c.flops for c in gemm_items(cp.plan_candidates(cp.run_module(s, continuation=True), None,
-                                                                   s.candidates))}
-    return Plan(formats=plan, flops={k: items[k] for k in plan}).relative_gemm_cost
+    items = {c.fqn: c for c in gemm_items(cp.plan_candidates(cp.run_module(s, continuation=True), None, s.candidates))}
+    return Plan(formats=plan, flops={k: items[k].flops for k in plan},
+                extra_cost={k: items[k].extra_cost for k in plan}).relative_gemm_cost
 
 
 def _stats(values: list[float]) -> tuple[float, float, float]:
