@@ -172,8 +172,9 @@ def first_last_plan(layers: Sequence[LayerCandidates], *, fp4_fraction: float, *
 
 def industry_tail_plan(layers: Sequence[LayerCandidates], *, fp4_fraction: float, first_blocks: int = 2,
                        tail_share: float = 0.15, granularity: Granularity | str = Granularity.LAYER, **kw) -> Plan:
-    """The industry's default rule (NVIDIA's NVFP4 pretraining recipe, which keeps the first two and
-    the last ~15% of blocks in high precision; torchtitan's tail rule): FP4 fills the unprotected
+    """The industry's default rule (after NVIDIA's NVFP4 pretraining recipe, which keeps the first two and the
+    last eight of 62 blocks in BF16, ~16% together, nvfp4_recipe_plan; torchtitan's tail rule; here the first two
+    and the last ``tail_share`` of blocks, 15% by default): FP4 fills the unprotected
     blocks first, from the middle of that range outwards; past the rule's natural fraction, the first
     ``first_blocks`` blocks next (the last first), then the last ceil(``tail_share`` * blocks) blocks
     (the earliest first: the final blocks stay high longest); layers outside any block (embeddings,

@@ -41,7 +41,7 @@ from lightning_snip.device_clock import Timeline
 from lightning_snip.divergence import DivergenceResult
 from lightning_snip.convert import UnmatchedPinsError, apply_plan, convert_linears, glob_filter, layer_assignment
 from lightning_snip.evidence import (aggregate_candidates, check_reachable, current_fp4_fraction, grad_noise_ratios,
-                                     guarded_formats, invalid_formats, layer_flops)
+                                     guarded_formats, invalid_formats, layer_flops, priced_plan)
 from lightning_snip.first_order import FirstOrderRecorder
 from lightning_snip.formats import Format
 from lightning_snip.linear import SNIPLinear
@@ -193,6 +193,7 @@ class SNIPController:
         """At train start: apply the plan held (given, or restored from a checkpoint), and restart a
         solve the checkpoint was saved in the middle of."""
         if self.plan is not None:
+            self.plan = priced_plan(self.plan, self.layers)  # (a hand-made or older plan: the RHT's price added)
             apply_plan(model, self.plan)
             self.compiled_plans.note_plan(self.layers)
             if collective.is_rank_zero:

@@ -17,7 +17,7 @@ from lightning_snip.config import SNIPConfig, TargetScope
 from lightning_snip.divergence import DivergenceResult
 from lightning_snip.formats import Format, hadamard_backward_cost
 from lightning_snip.linear import SNIPLinear
-from lightning_snip.plan import Granularity, Plan
+from lightning_snip.plan import BACKWARD, FORWARD, Granularity, Plan, split_key
 from lightning_snip.planner import (FORWARD_SHARE, LayerCandidates, PlanInfeasibleError, check_target, gemm_items,
                                     keep_out_of_fp4, max_fp4_fraction, solve_plan)
 
@@ -59,17 +59,39 @@ def layer_candidates(layers: Mapping[str, SNIPLinear], formats: Sequence[Format]
         def value(estimates, fmt):
             return 0.0 if estimates is None else planning_value(estimates, fqn, fmt)
 
-        # the RHT's price where the layer's recipe transforms the format's wgrad, per FLOP of the whole layer
-        rht = (1 - FORWARD_SHARE) * hadamard_backward_cost(layer.in_features, layer.out_features)
         out.append(LayerCandidates(
             fqn=fqn,
             flops=flops[fqn],
             loss_divergence={f: value(loss_divergence, f) for f in allowed},
             weight_divergence={f: value(weight_divergence, f) for f in allowed},
             pinned=layer.pinned,
-            extra_cost={f: rht for f in Format if layer.recipe.uses_hadamard(f)},  # (a pin's format too)
+            extra_cost=rht_price(layer, None),  # (a pin's format too)
         ))
     return out
+
+
+def rht_price(layer: SNIPLinear, direction: str | None) -> dict[Format, float]:
+    """The RHT's price (formats.hadamard_backward_cost) of the formats whose wgrad the layer's recipe transforms, per
+    FLOP of a plan item: the whole layer (``direction`` None: its backward's share of its FLOPs), its backward
+    (BACKWARD) or its forward (FORWARD: none)."""
+    if direction == FORWARD:
+        return {}
+    share = 1.0 if direction == BACKWARD else 1 - FORWARD_SHARE
+    rht = share * hadamard_backward_cost(layer.in_features, layer.out_features)
+    return {f: rht for f in Format if layer.recipe.uses_hadamard(f)}
+
+
+def priced_plan(plan: Plan, layers: Mapping[str, SNIPLinear]) -> Plan:
+    """``plan`` with the RHT's price of its layers' recipes where it carries none (a plan made by hand, or saved
+    before the price existed, 2026-12-06): its relative GEMM cost then reads as a solved plan's would."""
+    if plan.extra_cost:
+        return plan
+    extra = {}
+    for key in plan.formats:
+        fqn, direction = split_key(key)
+        if fqn in layers and (price := rht_price(layers[fqn], direction)):
+            extra[key] = price
+    return dataclasses.replace(plan, extra_cost=extra) if extra else plan
 
 
 def aggregate_candidates(layers: Mapping[str, SNIPLinear], config: SNIPConfig, aggregate,

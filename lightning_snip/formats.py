@@ -95,7 +95,8 @@ def hadamard_backward_cost(in_features: int, out_features: int) -> float:
     """The price of the NVFP4 recipe's random Hadamard transform per FLOP of a layer's backward GEMMs (dgrad and
     wgrad, 4 T in out FLOPs for T tokens), in the cost model's units (a bf16 GEMM FLOP = 1.0): a 16x16 matmul per
     16 tokens on both wgrad operands, X (T x in) and G (T x out), 32 T (in + out) FLOPs, priced at the bf16 rate
-    (Transformer Engine and torchao run it as a bf16 matmul fused with the amax). 8 (in + out) / (in out): 0.028 on
+    (Transformer Engine and torchao run it as a bf16 matmul fused with the amax: the hardware path, not this library's
+    unfused fp32 transform; in units where bf16 = 1, as DEFAULT_RELATIVE_COST). 8 (in + out) / (in out): 0.028 on
     a 576 x 576 layer (11% of its FP4 backward's 0.25), 0.004 at 4096 x 4096. The recipe's 2D weight scales cost no
     GEMM time (one quantized weight serves the forward and the dgrad) and are not priced."""
     return 8.0 * (in_features + out_features) / (in_features * out_features)

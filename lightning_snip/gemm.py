@@ -282,8 +282,8 @@ def torchao_block_mm(a: torch.Tensor, b: torch.Tensor, fmt: Format, recipe: Quan
     into torchao's tensors. Operands are drawn a first, then b, as the emulation draws them. ``b_scales_2d``: b is
     an NVFP4 weight under the recipe's 16x16 tile scales (quantize.nvfp4_2d_parts: each tile's scale in its rows'
     1x16 blocks, which torchao's 1x16 block-scaled GEMM takes as they are); written here because torchao's own 2D
-    quantizer (nvfp4_training.quantize_2d_triton) is a Triton kernel for NVFP4Linear's whole-layer autograd path,
-    whose stochastic rounding draws from its own Philox stream, not the layer's generator.
+    quantizer (nvfp4_training.quantize_2d_triton) is a Triton kernel (CUDA only) of NVFP4Linear's whole-layer path,
+    which takes only layers whose three GEMMs are all NVFP4, bf16, with every dimension a multiple of 128.
 
     Numerics of the native kernels (not run here: no such GPU): torchao's MX GEMM returns bf16 (cast
     to a's dtype after), so an fp32 run gets bf16-rounded MX GEMM outputs; NVFP4 operands are wrapped

@@ -80,9 +80,12 @@ class Plan(Mapping[str, Format]):
         object.__setattr__(self, "formats", MappingProxyType(formats))
         object.__setattr__(self, "flops", MappingProxyType(flops))
         object.__setattr__(self, "relative_cost", MappingProxyType(costs))
-        object.__setattr__(self, "extra_cost", MappingProxyType({
-            key: MappingProxyType({Format.parse(f, field_name=f"extra_cost[{key}]"): float(v) for f, v in per.items()})
-            for key, per in self.extra_cost.items()}))
+        extra = {key: {Format.parse(f, field_name=f"extra_cost[{key}]"): float(v) for f, v in per.items()}
+                 for key, per in self.extra_cost.items()}
+        bad = {key: per for key, per in extra.items() if key not in formats or not all(0 <= v < float("inf") for v in per.values())}
+        if bad:
+            raise ValueError(f"extra_cost: must be finite numbers >= 0 for planned keys, got {dict(list(bad.items())[:3])}")
+        object.__setattr__(self, "extra_cost", MappingProxyType({k: MappingProxyType(v) for k, v in extra.items()}))
         guarded = self.noise_guarded
         if not isinstance(guarded, Mapping):  # a plain collection of fqns: every FP4 format
             guarded = {fqn: tuple(f for f in Format if f.is_fp4) for fqn in guarded}

@@ -44,7 +44,8 @@ def spike(out_dir: str) -> None:
     module = DemoLM(LlamaConfig(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=160))
     rank = int(os.environ.get("LOCAL_RANK", 0))
     data = ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1, seed=rank)
-    snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=10, interval=100, fp4_fraction=0.6, max_rows=128))
+    snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=10, interval=100, fp4_fraction=0.6, max_rows=128,
+                                   candidate_formats=("fp8", "mxfp4")))  # (the fault is in mxfp4)
     reverts, seen = [], [0]
 
     class Fault(pl.Callback):
@@ -77,7 +78,8 @@ def main(out_dir: str) -> None:
     rank = int(os.environ.get("LOCAL_RANK", 0))
     data = ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1, seed=rank)
     _record_reductions()
-    snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=2, interval=4, fp4_fraction=0.6, max_rows=128, granularity="layer", target_scope="model"))
+    snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=2, interval=4, fp4_fraction=0.6, max_rows=128, granularity="layer", target_scope="model",
+                                   candidate_formats=("fp8", "mxfp4")))  # (the test reads mxfp4 by name)
     trainer = pl.Trainer(
         max_steps=6, accelerator="cpu", devices=2, strategy="ddp", callbacks=[snip], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,

@@ -116,6 +116,7 @@ def main(out_dir: str, mode: str) -> None:
         unbatch_probes(module)
     data = ByteTextDataModule(seq_len=32, batch_size=8, val_batches=1, seed=0)  # the same data on both ranks
     snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=2, interval=3, fp4_fraction=0.6, max_rows=128,
+                                   candidate_formats=("fp8", "mxfp4"),  # (the fault and the test read mxfp4)
                                    initial_format="fp8", granularity="layer",
                                    target_scope="model"))
     restored = _RestoredPlan(snip)

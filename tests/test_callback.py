@@ -23,8 +23,10 @@ SMALL = LlamaConfig(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, hidden_di
 
 def _snip(**kw):
     # granularity and target scope as the defaults were until 2026-12-04: these tests check plans by layer,
-    # against whole-model FP4 fractions; the new defaults have tests of their own (test_default_*)
-    base = dict(warmup_steps=2, interval=4, fp4_fraction=0.6, max_rows=128, granularity="layer", target_scope="model", overhead_budget=None)
+    # against whole-model FP4 fractions; the new defaults have tests of their own (test_default_*); and the FP4
+    # candidate as it was until 2026-12-06 (mxfp4: these tests read its metrics by name)
+    base = dict(warmup_steps=2, interval=4, fp4_fraction=0.6, max_rows=128, granularity="layer", target_scope="model",
+                overhead_budget=None, candidate_formats=("fp8", "mxfp4"))
     return SNIPConfig(**{**base, **kw})
 
 

@@ -20,7 +20,8 @@ def test_a_plain_pytorch_loop_samples_plans_and_switches():
     model = TinyLlama(LlamaConfig(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=160))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     controller = SNIPController(SNIPConfig(overhead_budget=None, warmup_steps=2, interval=3, first_order_steps=1, max_rows=128, fp4_fraction=0.6, pins=["lm_head=bf16"],
-                                           granularity="layer", target_scope="model"))
+                                           granularity="layer", target_scope="model",
+                                           candidate_formats=("fp8", "mxfp4")))  # (mxfp4's metrics read by name)
     controller.attach(model)
     assert len(controller.layers) == 2 * 7 + 1 and controller.layers["lm_head"].pinned is Format.BF16
     tokens = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(0))
@@ -80,7 +81,7 @@ def test_a_round_measures_a_pinned_layer_in_its_pin_only(monkeypatch):
 
     loss_fn().backward()
     opt.step()
-    cfg = SNIPConfig()  # candidates fp8, mxfp4
+    cfg = SNIPConfig(candidate_formats=("fp8", "mxfp4"))
     result = run_statistics_round(model, tokens, lambda _: loss_fn(), layers, cfg, optimizer=opt,
                                   generator=torch.Generator().manual_seed(0)).layers
     head, q0 = result["lm_head"], result["model.layers.0.self_attn.q_proj"]
@@ -135,8 +136,9 @@ def test_the_default_target_is_a_share_of_the_switchable_layers(caplog):
     fraction = model_target(layer_candidates(controller.layers, cfg.candidate_formats), cfg)
     assert fraction == pytest.approx(expected_model)
     g = torch.Generator().manual_seed(1)
+    fp4 = next(f for f in cfg.candidate_formats if f.is_fp4)  # the default FP4 candidate
     estimates = [{fqn: {Format.FP8: float(torch.rand((), generator=g)) * 1e-3,
-                        Format.MXFP4: float(torch.rand((), generator=g))}
+                        fp4: float(torch.rand((), generator=g))}
                   for fqn in controller.layers} for _ in range(2)]
     candidates = layer_candidates(controller.layers, cfg.candidate_formats, loss_divergence=estimates[0],
                                   weight_divergence=estimates[1])

@@ -92,7 +92,7 @@ def test_setup_warns_once_where_a_gpu_emulates_fp4(monkeypatch, caplog, capabili
     if num_warnings:
         assert "\n" not in warnings[0] and warnings[0].startswith("SNIP: cuda:0 (compute capability 9.0) has no native "
                                                                   "FP4 GEMM")
-        assert "mxfp4 run emulated and train slower than bf16" in warnings[0]
+        assert "nvfp4 run emulated and train slower than bf16" in warnings[0]  # the default FP4 candidate
         assert "candidate_formats=[fp8], fp4_fraction=0 (the app: snip.candidate_formats=[fp8] snip.fp4_fraction=0)" \
             in warnings[0]
         SNIPConfig(candidate_formats=["fp8"], fp4_fraction=0)  # the advice is a valid config

@@ -350,3 +350,43 @@ def test_the_cost_model_prices_the_rht_on_the_wgrads_it_transforms():
     assert all(f is Format.MXFP4 for f in unpriced.values())
     with pytest.raises(ValueError, match="extra_cost of x: must be finite numbers >= 0"):
         LayerCandidates("x", 1.0, {Format.FP8: 0.0}, {Format.FP8: 0.0}, extra_cost={Format.MXFP4: -1.0})
+
+
+def test_the_rhts_price_survives_every_path_a_plan_takes():
+    """The price stays where plans are made other than by the solver: a baseline's plan, a layer whose backward the
+    noise guard keeps out of one FP4 format, a cost budget the RHT makes unreachable (named at the check), and a
+    plan made by hand or saved before the price (priced when the controller applies it at train start)."""
+    from lightning_snip.baselines import uniform_plan
+    from lightning_snip.config import SNIPConfig
+    from lightning_snip.controller import SNIPController
+    from lightning_snip.demo.model import LlamaConfig, TinyLlama
+    from lightning_snip.evidence import layer_candidates, priced_plan
+    from lightning_snip.formats import hadamard_backward_cost
+    from lightning_snip.linear import SNIPLinear
+    from lightning_snip.plan import Plan
+    from lightning_snip.planner import PlanInfeasibleError, check_target, gemm_items
+
+    layers = {"a": SNIPLinear(64, 32), "b": SNIPLinear(64, 32)}
+    cands = layer_candidates(layers, [Format.FP8, Format.MXFP4, Format.NVFP4])
+    rht = hadamard_backward_cost(64, 32)
+    assert uniform_plan(cands, "nvfp4").relative_gemm_cost == pytest.approx(0.25 + 2 / 3 * rht)
+    guarded = gemm_items(cands, {"a": {Format.MXFP4}})
+    backward_a = next(item for item in guarded if item.fqn == "a:backward")
+    assert backward_a.extra_cost[Format.NVFP4] == pytest.approx(rht)
+    with pytest.raises(PlanInfeasibleError, match="relative cost budget 0.26 is unreachable"):
+        check_target(gemm_items([c for c in cands]), cost_budget=0.26)  # reachable at 0.25 without the RHT
+    with pytest.raises(ValueError, match="extra_cost: must be finite numbers >= 0 for planned keys"):
+        Plan(formats={"a": "fp8"}, flops={"a": 1.0}, extra_cost={"c": {"mxfp4": 0.1}})
+    hand = Plan(formats={"a:forward": "nvfp4", "a:backward": "nvfp4", "b:forward": "fp8", "b:backward": "fp8"},
+                flops={"a:forward": 1.0, "a:backward": 2.0, "b:forward": 1.0, "b:backward": 2.0})
+    priced = priced_plan(hand, layers)
+    assert priced.relative_gemm_cost == pytest.approx(hand.relative_gemm_cost + 2 / 6 * rht)
+    assert priced_plan(priced, layers) is priced and dict(priced) == dict(hand)
+    # the controller prices a plan given to it when it applies it at train start
+    model = TinyLlama(LlamaConfig(dim=64, num_layers=1, num_heads=4, num_kv_heads=2, hidden_dim=128))
+    keys = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in name]
+    plan = Plan(formats={k: "nvfp4" for k in keys}, flops=dict.fromkeys(keys, 1.0))
+    controller = SNIPController(SNIPConfig(replan=False), plan=plan)
+    controller.attach(model)
+    controller.resume(model)
+    assert controller.plan.relative_gemm_cost > 0.25 and dict(controller.plan) == dict(plan)

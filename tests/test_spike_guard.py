@@ -143,7 +143,8 @@ def _broken_run(tmp_path, monkeypatch, mode, **kw):
     from faults import broken_fp4_forward
 
     # the loss watch alone (the plan canary, on by default, puts such layers back before the step: test_plan_canary.py)
-    settings = dict(overhead_budget=None, warmup_steps=10, interval=100, fp4_fraction=0.6, max_rows=128, plan_canary=False)
+    settings = dict(overhead_budget=None, warmup_steps=10, interval=100, fp4_fraction=0.6, max_rows=128, plan_canary=False,
+                    candidate_formats=("fp8", "mxfp4"))  # (the fault is in mxfp4)
     snip = SNIPCallback(SNIPConfig(**{**settings, **kw}))
 
     class InjectFault(Callback):  # the fault comes with the layers (converted at fit start)
@@ -205,7 +206,7 @@ def test_a_resumed_run_reverts_as_the_uninterrupted_one(tmp_path, monkeypatch):
 
     def run(path, max_steps, ckpt_path=None, save_every=None):
         snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=10, interval=100, fp4_fraction=0.6,
-                                       max_rows=128, plan_canary=False))
+                                       max_rows=128, plan_canary=False, candidate_formats=("fp8", "mxfp4")))
         step = {"now": 0}
 
         class InjectFault(Callback):
@@ -275,7 +276,7 @@ def test_under_torch_compile_a_revert_returns_to_a_compiled_assignment(tmp_path,
 
     torch._dynamo.reset()
     snip = SNIPCallback(SNIPConfig(overhead_budget=None, warmup_steps=10, interval=100, fp4_fraction=0.6, max_rows=128,
-                                   plan_canary=False))
+                                   plan_canary=False, candidate_formats=("fp8", "mxfp4")))  # (the fault is in mxfp4)
     counter = _CompileCounter(snip)
 
     class InjectFault(Callback):

@@ -108,8 +108,8 @@ def test_progress_plan_lines_clean_output_and_summary(tmp_path):
     log = proc.stderr + proc.stdout
     assert log.count("step 8/8 | loss ") == 1  # a progress line per step here, each printed once
     assert "SNIP plan applied at step 3: FP4 FLOPs fraction" in log and "layers changed" in log
-    assert "GEMM kernels: fp8: emulated; mxfp4: emulated (cpu)" in log
-    assert "compiled kernel _mx_sr_kernel for cpu in" in log  # compiled, its first-call time reported
+    assert "GEMM kernels: fp8: emulated; nvfp4: emulated (cpu)" in log
+    assert "compiled kernel _nvfp4_sr_kernel for cpu in" in log  # compiled, its first-call time reported
     for noise in ("💡", "Failed to load", "Detected no triton", "LeafSpec", "register_constant", "INFO: "):
         assert noise not in log, noise
     # Every line before the summary is Lightning's or the project's, once, in Hydra's format; nothing on stderr.
@@ -151,7 +151,7 @@ def test_progress_plan_lines_clean_output_and_summary(tmp_path):
     (["trainer.val_check_interval=-5"], "trainer.val_check_interval: invalid value -5; allowed: an integer > 0"),
     (["snip.fp4_fraction=1.0", "snip.target_scope=model"], "snip.fp4_fraction: 1.0 cannot be met"),
     (["trainer.ckpt_path=last"], "trainer.ckpt_path: 'last', but there is no checkpoint"),
-    (["model.dim=48", "model.hidden_dim=96"], "snip.fp4_fraction: 0.6 cannot be met"),  # 48: no 32-block
+    (["model.dim=40", "model.hidden_dim=72"], "snip.fp4_fraction: 0.6 cannot be met"),  # 40, 72: no 16-block
     (["model.name=smollm2"], "model.name: 'smollm2' with the model preset 'tiny'; allowed: choose the model with "
                              "model=smollm2"),
     (["trainer.lr_warmup_steps=-1"], "trainer.lr_warmup_steps: invalid value -1; allowed: an integer >= 0"),
@@ -174,8 +174,8 @@ def test_configuration_errors_are_one_line_before_training(tmp_path, overrides, 
     assert message.format(**paths) in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "app" / "runs").exists()  # no empty output or version folder left behind
-    if "model.dim=48" in overrides:  # the shape, not a pin, is named as the reason
-        assert "no FP4 candidate fits the shape (mxfp4 needs dimensions divisible by 32)" in proc.stderr
+    if "model.dim=40" in overrides:  # the shape, not a pin, is named as the reason
+        assert "no FP4 candidate fits the shape (nvfp4 needs dimensions divisible by 16)" in proc.stderr
 
 
 def test_a_configuration_error_exits_2_from_the_command_line(tmp_path):
