@@ -218,7 +218,7 @@ def test_frozen_given_plan_holds_and_bad_plan_fails_at_setup(tmp_path):
     plan = Plan(formats, {f: 1.0 for f in module_fqns})
     snip = SNIPCallback(_snip(replan=False), plan=plan)
     _fit(tmp_path, snip, max_steps=8)
-    assert snip.num_stats_rounds == 0 and snip.plan is plan
+    assert snip.num_stats_rounds == 0 and snip.plan == plan  # (the same formats, the RHT priced: evidence.priced_plan)
     assert {f: l.format.value for f, l in snip.layers.items()} == formats
     bad = Plan({"model.nothing": "fp8"}, {"model.nothing": 1.0})
     with pytest.raises(ValueError, match="not a converted layer"):
