@@ -271,13 +271,13 @@ def nvfp4_recipe_plan(layers: Sequence[LayerCandidates], *, low: Format | str = 
     low, high = Format.parse(low, field_name="low"), Format.parse(high, field_name="high")
     if not low.is_fp4 or high.is_fp4:
         raise ValueError(f"low / high: need an FP4 format and a non-FP4 one, got {low.value} / {high.value}")
-    free = [layer for layer in layers if layer.pinned is None]
-    if free and not any(low in layer.choices() for layer in free):
+    choices = {layer.fqn: layer.choices() for layer in layers}
+    free = [layer.fqn for layer in layers if layer.pinned is None]
+    if free and not any(low in choices[fqn] for fqn in free):
         raise ValueError(f"low: {low.value} is not a candidate format of any unpinned layer; add it to "
                          "candidate_formats (the recipe is NVFP4's)")
     protected = recipe_high_blocks([b for b in map(block_index, (layer.fqn for layer in layers)) if b is not None],
                                    first_share=first_share, last_share=last_share)
-    choices = {layer.fqn: layer.choices() for layer in layers}
     formats: dict[str, Format] = {}
     for layer in layers:
         block = block_index(layer.fqn)

@@ -149,11 +149,18 @@ def nvfp4_scales(blocks: torch.Tensor, block_dims: tuple[int, ...] = (-1,)):
     return per_tensor, block_fp8
 
 
-def _nvfp4_round_nearest(blocks: torch.Tensor, block_dims: tuple[int, ...] = (-1,)) -> torch.Tensor:
-    """NVFP4 of ``blocks`` rounded to nearest, dequantized, a block spanning ``block_dims``."""
+def nvfp4_nearest_parts(blocks: torch.Tensor, block_dims: tuple[int, ...] = (-1,)):
+    """NVFP4 of ``blocks`` rounded to nearest as parts: (E2M1 values, the per-tensor scale, the E4M3 block scales as
+    fp32 values), a block spanning ``block_dims``; element = value x per-tensor scale x block scale."""
     per_tensor, block_fp8 = nvfp4_scales(blocks, block_dims)
     scaled = torch.clamp(blocks * ((1.0 / per_tensor) / block_fp8), -6.0, 6.0)
-    return round_to_grid(scaled, E2M1) * (per_tensor * block_fp8)
+    return round_to_grid(scaled, E2M1), per_tensor, block_fp8
+
+
+def _nvfp4_round_nearest(blocks: torch.Tensor, block_dims: tuple[int, ...] = (-1,)) -> torch.Tensor:
+    """NVFP4 of ``blocks`` rounded to nearest, dequantized, a block spanning ``block_dims``."""
+    codes, per_tensor, block_fp8 = nvfp4_nearest_parts(blocks, block_dims)
+    return codes * (per_tensor * block_fp8)
 
 
 def _nvfp4_rtn_kernel(rows: torch.Tensor) -> torch.Tensor:

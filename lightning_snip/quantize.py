@@ -16,8 +16,8 @@ import torch
 
 from lightning_snip import kernels
 from lightning_snip.formats import Format, Fp8Dtype, Fp8Scaling, QuantRecipe, Rounding
-from lightning_snip.grid import (E2M1, MX_BLOCK, NVFP4_BLOCK, fp8_dtype, nvfp4_scale_floor, random_bits,
-                                 round_to_grid, stochastic_round_e2m1, times_pow2_neg)
+from lightning_snip.grid import (MX_BLOCK, NVFP4_BLOCK, fp8_dtype, nvfp4_scale_floor, random_bits, stochastic_round_e2m1,
+                                 times_pow2_neg)
 
 
 def fake_quantize(
@@ -108,14 +108,13 @@ def nvfp4_2d_parts(x: torch.Tensor):
     values as float32 of x's shape, E4M3 block scales (rows, cols / 16) along dim 1, the float32 per-tensor scale),
     element = value x block scale x per-tensor scale. A 16x16 tile's one scale is written into each of its 16 rows'
     1x16 blocks, so torchao's 1x16 block-scaled GEMM multiplies the recipe's 2D-scaled weight unchanged; x's
-    transpose gives the transposed parts (the dgrad's W^T). Both dimensions must be multiples of 16. The same
-    arithmetic as kernels._nvfp4_round_nearest over a tile, eager."""
+    transpose gives the transposed parts (the dgrad's W^T). Both dimensions must be multiples of 16. The 2D kernel's
+    own arithmetic (kernels.nvfp4_nearest_parts over a tile), eager."""
     rows, cols = x.shape
     if rows % NVFP4_BLOCK or cols % NVFP4_BLOCK:
         raise ValueError(f"x: both dimensions must be multiples of {NVFP4_BLOCK} for 2D NVFP4 parts, got {tuple(x.shape)}")
     tiles = x.float().reshape(rows // NVFP4_BLOCK, NVFP4_BLOCK, cols // NVFP4_BLOCK, NVFP4_BLOCK)
-    per_tensor, block_fp8 = kernels.nvfp4_scales(tiles, (1, 3))
-    codes = round_to_grid(torch.clamp(tiles * ((1.0 / per_tensor) / block_fp8), -6.0, 6.0), E2M1)
+    codes, per_tensor, block_fp8 = kernels.nvfp4_nearest_parts(tiles, (1, 3))
     scales = block_fp8.expand(-1, NVFP4_BLOCK, -1, 1).reshape(rows, cols // NVFP4_BLOCK)
     return codes.reshape(rows, cols), scales.to(torch.float8_e4m3fn), per_tensor.reshape(())
 
