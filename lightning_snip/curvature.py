@@ -89,10 +89,18 @@ def _samples_independent(stats: Statistics, output_errors, keys, units) -> bool:
 
 
 def error_probe_second_order(stats: Statistics, output_errors, formats, draws: int, generator, *,
-                              per_sample: bool = True) -> dict:
-    """1/2 dY^T H dY per (layer, format): inject eps dY(l, p) into every layer for one format at a
+                              per_sample: bool = True, scale: float = 1.0, antithetic: bool = False) -> dict:
+    """1/2 dY^T H dY per (layer, format): inject eps h dY(l, p) into every layer for one format at a
     time, eps = +-1 independent per layer and (``per_sample``, where _samples_independent) per sample
-    of its rows, read 1/2 sum_rows eps <dY(l, p), G'_l - G_l>, average over draws."""
+    of its rows, h = ``scale``, read 1/2 sum_rows eps <h dY(l, p), G'_l - G_l> / h^2, average over draws.
+    ``antithetic``: G'_l - G_l is the central difference (G'(+eps) - G'(-eps)) / 2 of the draw and its negation
+    (two passes per draw), which cancels the gradient change's even orders in the injected errors: the noise
+    that every other layer's error adds to a layer's term. A scale below 1 keeps the injected errors in the
+    range where the quadratic term is what the pass measures: at 1, with every layer's FP4 error in at once,
+    SmolLM2's probe summed to 2.4x the loss change its layers make one at a time, on the same batch
+    (benchmarks/results/ld_variance_2026-12-06.md)."""
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale: expected a finite number > 0, got {scale!r}")
     totals = {key: 0.0 for key in output_errors}
     if draws <= 0:
         return totals
@@ -113,21 +121,23 @@ def error_probe_second_order(stats: Statistics, output_errors, formats, draws: i
             noise = {}
             for (fqn, f), signs, n in zip(keys, drawn.split(units), units):
                 dy = output_errors[fqn, f]
-                noise[fqn] = signs.repeat_interleave(dy.shape[0] // n).unsqueeze(1) * dy
+                noise[fqn] = (signs * scale).repeat_interleave(dy.shape[0] // n).unsqueeze(1) * dy
             noisy = stats.output_grads_with_noise(noise)
+            opposite = stats.output_grads_with_noise({fqn: -v for fqn, v in noise.items()}) if antithetic else None
             for fqn, f in keys:
-                delta_g = noisy[fqn].float() - stats.layers[fqn].g.float()
-                # (eps dY) . (G' - G) = eps <dY, G' - G> row by row
+                delta_g = (noisy[fqn].float() - (opposite[fqn].float() if antithetic else stats.layers[fqn].g.float())
+                           ) / (2.0 if antithetic else 1.0)
+                # (eps h dY) . (G' - G) = eps h <dY, G' - G> row by row
                 terms[fqn, f].append((noise[fqn] * delta_g).sum().double())
-            del noise, noisy
+            del noise, noisy, opposite
     flat = [(key, t) for key, ts in terms.items() for t in ts]
     for (key, _), value in zip(flat, read_scalars([t for _, t in flat])):
-        totals[key] += 0.5 * value / draws
+        totals[key] += 0.5 * value / draws / scale ** 2
     return totals
 
 
 def transferred_second_order(inputs: RoundInputs, output_errors: dict, fmt: Format, parts: Mapping, ordered, draws: int,
-                             generator) -> dict:
+                             generator, *, scale: float = 1.0, antithetic: bool = False) -> dict:
     """1/2 dY^T H dY of an 8-bit format as q_l ||dY||^2, q_l the layer's curvature along its FP4 errors this
     round (sum of their probed second-order terms / sum of their ||dY||^2: ``parts``, (fqn, format) ->
     loss_divergence.ForwardParts of the formats measured so far, in the order ``ordered``). Layers with no FP4
@@ -146,5 +156,5 @@ def transferred_second_order(inputs: RoundInputs, output_errors: dict, fmt: Form
     out = {key: quotient[key[0]] * e for key, e in zip(keys, energies)}
     rest = {key: dy for key, dy in output_errors.items() if key[0] not in quotient}
     if rest:
-        out.update(error_probe_second_order(stats, rest, [fmt], draws, generator))
+        out.update(error_probe_second_order(stats, rest, [fmt], draws, generator, scale=scale, antithetic=antithetic))
     return out

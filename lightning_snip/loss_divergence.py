@@ -67,8 +67,10 @@ def combine_loss_divergence(*, first: float, first_stderr: float, first_accumula
     return first * max(0.0, 1.0 - (first_stderr / first) ** 2) + second
 
 
-def forward_divergence(inputs: RoundInputs, valid: Mapping[str, Sequence[Format]], noise_draws: int) -> ForwardEstimate:
-    """LD's parts of every valid (layer, format)."""
+def forward_divergence(inputs: RoundInputs, valid: Mapping[str, Sequence[Format]], noise_draws: int, *,
+                       probe_scale: float = 1.0, antithetic: bool = False) -> ForwardEstimate:
+    """LD's parts of every valid (layer, format); ``probe_scale`` and ``antithetic``: the error probe's
+    (curvature.error_probe_second_order)."""
     stats, generator = inputs.stats, inputs.generator
     estimate = ForwardEstimate()
     # Layers of one shape (and the same formats) stacked: each quantizer and GEMM below runs once per
@@ -100,10 +102,11 @@ def forward_divergence(inputs: RoundInputs, valid: Mapping[str, Sequence[Format]
         del errors
         _drop_non_finite(inputs, output_errors, [finite[key] for key in keys], estimate)
         if fmt.is_fp4:
-            second_order = error_probe_second_order(stats, output_errors, [fmt], noise_draws, generator)
+            second_order = error_probe_second_order(stats, output_errors, [fmt], noise_draws, generator,
+                                                    scale=probe_scale, antithetic=antithetic)
         else:
             second_order = transferred_second_order(inputs, output_errors, fmt, estimate.parts, ordered, noise_draws,
-                                                    generator)
+                                                    generator, scale=probe_scale, antithetic=antithetic)
         # Every layer's scalars of this format read with one device transfer (a sync per value made a GPU
         # round wait ~10x per layer and format).
         flat = [(key, i) for key in output_errors for i in range(len(scalars[key]))]

@@ -28,8 +28,10 @@ from lightning_snip.stats import Propagation, RoundPrecision, Statistics, collec
 from lightning_snip.weight_divergence import BackwardParts, backward_divergence, update_energy
 
 # The round's estimator settings, fixed by their studies (docs/configuration.md, "Removed options (2026-12-04)"):
-NOISE_DRAWS = 2  # error-probe passes of LD's second-order term per FP4 format
+NOISE_DRAWS = 2  # error-probe draws of LD's second-order term per FP4 format
 WD_PROBES = 4  # forward-mode probes of WD's propagated term
+PROBE_SCALE = 1.0  # the error probe's injected errors, as a multiple of the quantization errors
+ANTITHETIC = False  # each error-probe draw also with its signs negated (a central difference; two passes a draw)
 
 logger = logging.getLogger(__name__)
 
@@ -37,16 +39,23 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RoundSettings:
     """The estimator's settings of a round: fixed for users by their studies, varied by benchmarks by argument (never
-    by patching this module). ``noise_draws``: error-probe passes of LD's second-order term per FP4 format;
+    by patching this module). ``noise_draws``: error-probe draws of LD's second-order term per FP4 format;
     ``wd_probes``: forward-mode probes of WD's propagated term; ``group_layers``: the most layers of one shape batched
-    into one call (None: the device's default, lightning_snip.groups). The rows a round takes are a user's setting,
-    SNIPConfig.max_rows."""
+    into one call (None: the device's default, lightning_snip.groups); ``probe_scale`` and ``antithetic``: the error
+    probe's (curvature.error_probe_second_order). The rows a round takes are a user's setting, SNIPConfig.max_rows."""
 
     noise_draws: int = NOISE_DRAWS
     wd_probes: int = WD_PROBES
     group_layers: int | None = None
+    probe_scale: float = PROBE_SCALE
+    antithetic: bool = ANTITHETIC
 
     def __post_init__(self) -> None:
+        if isinstance(self.probe_scale, bool) or not isinstance(self.probe_scale, (int, float)) or not (
+                math.isfinite(self.probe_scale) and 0 < self.probe_scale <= 1):
+            raise ValueError(f"probe_scale: expected a number in (0, 1], got {self.probe_scale!r}")
+        if not isinstance(self.antithetic, bool):
+            raise ValueError(f"antithetic: expected a bool, got {self.antithetic!r}")
         for name in ("noise_draws", "wd_probes", "group_layers"):
             value = getattr(self, name)
             if not (value is None and name == "group_layers") and (
@@ -116,7 +125,8 @@ def _estimated_round(model, loss_fn, layers, config: SNIPConfig, optimizer, loss
                     stats, config.candidate_formats, recipe=config.recipe, noise_draws=settings.noise_draws,
                     first_order_history=first_order_history or {}, allowed=measured_formats(layers),
                     generator=generator() if callable(generator) else generator, probes=settings.wd_probes,
-                    group_layers=settings.group_layers)
+                    group_layers=settings.group_layers, probe_scale=settings.probe_scale,
+                    antithetic=settings.antithetic)
             except ForwardModeUnsupportedError as err:
                 if stats.sharded or propagation is Propagation.EXACT:
                     raise
@@ -170,6 +180,8 @@ def estimate_divergence(
     probes: int = WD_PROBES,
     precision: RoundPrecision = RoundPrecision.TRAINING,
     group_layers: int | None = None,
+    probe_scale: float = PROBE_SCALE,
+    antithetic: bool = ANTITHETIC,
 ) -> DivergenceResult:
     """The round's estimate: LD and WD for every recorded layer and each of ``formats`` (LD unclamped).
 
@@ -186,6 +198,7 @@ def estimate_divergence(
         precision: the dtype of the round's GEMM operands (RoundPrecision).
         group_layers: the most layers of one shape whose quantizers and GEMMs run as one batched call
             (lightning_snip.groups: the same numbers, fewer launches); None: the device's default.
+        probe_scale, antithetic: the error probe's (curvature.error_probe_second_order).
 
     A layer whose sample holds NaN/Inf, or whose metric comes out non-finite, gets +inf for its
     low-precision formats (the planner then keeps it high) and a warning naming it.
@@ -207,7 +220,7 @@ def estimate_divergence(
         denominator=update_energy(stats, adam, precision) or 1.0, loss_norm=abs(stats.loss) if stats.loss else 1.0,
         first_order_history=first_order_history or {}, generator=generator, precision=precision,
         group_layers=group_layers)
-    forward = forward_divergence(inputs, valid, noise_draws)
+    forward = forward_divergence(inputs, valid, noise_draws, probe_scale=probe_scale, antithetic=antithetic)
     invalid.extend(forward.invalid)
     # Backward (WD) of what the forward kept: the dgrad errors E_X of every (layer, format), drawn before any
     # propagation (one order of stochastic-rounding draws for both Propagation modes), then each layer's wgrad error.

@@ -118,8 +118,8 @@ def test_group_layers_reaches_the_round(monkeypatch):
 
     seen = []
 
-    def estimate(*args, group_layers, **kwargs):
-        seen.append(group_layers)
+    def estimate(*args, group_layers, probe_scale, antithetic, **kwargs):
+        seen.append((group_layers, probe_scale, antithetic))
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(statistics_round, "estimate_divergence", estimate)
@@ -130,11 +130,13 @@ def test_group_layers_reaches_the_round(monkeypatch):
     model = TinyLlama(LlamaConfig(dim=32, num_layers=1, num_heads=2, num_kv_heads=1, hidden_dim=64))
     layers = convert_linears(model)
     tokens = torch.randint(0, 256, (2, 9))
-    for settings in (statistics_round.RoundSettings(group_layers=3), statistics_round.RoundSettings()):
+    default = statistics_round.RoundSettings()
+    for settings in (statistics_round.RoundSettings(group_layers=3, probe_scale=0.5, antithetic=True), default):
         with pytest.raises(RuntimeError, match="stop here"):
             statistics_round.run_statistics_round(model, (tokens[:, :-1], tokens[:, 1:]), model.loss, layers,
                                                   SNIPConfig(), settings=settings)
-    assert seen == [3, None]
-    for bad in (dict(noise_draws=0), dict(wd_probes=2.0), dict(group_layers=True)):
+    assert seen == [(3, 0.5, True), (None, default.probe_scale, default.antithetic)]
+    for bad in (dict(noise_draws=0), dict(wd_probes=2.0), dict(group_layers=True), dict(probe_scale=0),
+                dict(probe_scale=1.5), dict(probe_scale=float("nan")), dict(probe_scale=True), dict(antithetic=1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             statistics_round.RoundSettings(**bad)

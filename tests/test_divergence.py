@@ -1013,3 +1013,68 @@ def test_a_nan_fp4_curvature_voids_that_format_and_is_not_transferred(monkeypatc
     assert math.isfinite(result["second"].second_order[Format.FP8])  # probed, not transferred
     assert math.isfinite(result["second"].loss_divergence[Format.FP8])
     assert math.isfinite(result["first"].loss_divergence[Format.MXFP4])
+
+
+def _cubic_probe_setup():
+    """One layer whose loss is cubic in its output, L = sum(y^3) / 6: G = y^2 / 2, H = diag(y), so the exact
+    second-order term is 1/2 sum(y dY^2) and a one-sided probe adds a third-order term eps h sum(dY^3) / 4 per
+    sample, of either sign."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(16, 16, bias=False))
+    x = torch.randn(4, 8, 16)
+    layers = convert_linears(model)
+    stats = collect_stats(model, lambda: (model(x) ** 3).sum() / 6, layers=layers)
+    (fqn, s), = stats.layers.items()
+    y = s.x @ s.weight.t()
+    dy = quantized_matmul(s.x, s.weight, Format.MXFP4, recipe=QuantRecipe()) - y
+    exact = 0.5 * float((y * dy * dy).sum())
+    return stats, {(fqn, Format.MXFP4): dy}, exact, fqn
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_antithetic_error_probe_cancels_the_third_order_term_exactly(scale):
+    from lightning_snip.curvature import error_probe_second_order
+
+    stats, errors, exact, fqn = _cubic_probe_setup()
+    for seed in range(3):
+        value = error_probe_second_order(stats, errors, [Format.MXFP4], 1, torch.Generator().manual_seed(seed),
+                                         scale=scale, antithetic=True)[fqn, Format.MXFP4]
+        assert value == pytest.approx(exact, rel=1e-4)
+    stats.release()
+
+
+def test_scaled_error_probe_shrinks_the_higher_order_term_with_the_scale():
+    # One-sided, one draw: the third-order term is eps h sum(dY^3) / 4 per sample, so its error falls as the scale:
+    # at 0.25 a quarter of the error at 1 (and it is there at all: the probe's curvature is not the exact one).
+    from lightning_snip.curvature import error_probe_second_order
+
+    stats, errors, exact, fqn = _cubic_probe_setup()
+    deviation = {}
+    for scale in (1.0, 0.25):
+        value = error_probe_second_order(stats, errors, [Format.MXFP4], 1, torch.Generator().manual_seed(0),
+                                         scale=scale)[fqn, Format.MXFP4]
+        deviation[scale] = value - exact
+    assert abs(deviation[1.0]) > 1e-3 * abs(exact)
+    assert deviation[0.25] == pytest.approx(deviation[1.0] / 4, rel=1e-3)
+    stats.release()
+
+
+def test_error_probe_scale_is_divided_out_where_the_loss_is_quadratic():
+    # On a quadratic loss the probe measures 1/2 dY^T H dY at every scale: the scale only leaves the pass.
+    from lightning_snip.curvature import error_probe_second_order
+
+    torch.manual_seed(4)
+    model = _TokenMixing()
+    x, target = torch.randn(4, 8, 32), torch.randn(4, 8, 32)
+    layers = convert_linears(model)
+    stats = collect_stats(model, lambda: nn.functional.mse_loss(model(x), target), layers=layers)
+    errors = {(fqn, Format.MXFP4): quantized_matmul(s.x, s.weight, Format.MXFP4, recipe=QuantRecipe()) - s.x @ s.weight.t()
+              for fqn, s in stats.layers.items()}
+    values = [error_probe_second_order(stats, errors, [Format.MXFP4], 2, torch.Generator().manual_seed(5), scale=scale,
+                                       antithetic=anti) for scale, anti in ((1.0, False), (0.25, False), (0.25, True))]
+    for key in errors:
+        assert values[1][key] == pytest.approx(values[0][key], rel=1e-3)
+        assert values[2][key] == pytest.approx(values[0][key], rel=1e-3)
+    with pytest.raises(ValueError, match="scale: expected a finite number > 0, got 0"):
+        error_probe_second_order(stats, errors, [Format.MXFP4], 1, None, scale=0)
+    stats.release()
