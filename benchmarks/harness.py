@@ -202,7 +202,7 @@ def loss_increase_cached(model: TinyLlama, layers, batch, formats) -> dict:
 
 
 def loss_increase_hf(model, layers, batch, formats) -> dict:
-    """loss_increase_generic's values for a Hugging Face LlamaForCausalLM (``model.llama``), each from
+    """loss_increase_generic's values for a Hugging Face decoder-only LM (``model.llama``: Llama, Gemma 3), each from
     the first decoder layer the quantized layer feeds: every decoder layer's input and keyword
     arguments (mask, rotary embeddings) are recorded on one high-precision forward and replayed."""
     inputs, targets = batch
@@ -234,6 +234,9 @@ def loss_increase_hf(model, layers, batch, formats) -> dict:
                 h = h[0] if isinstance(h, tuple) else h
             h = llama.model.norm(h)
         logits = llama.lm_head(h)
+        cap = getattr(llama.config, "final_logit_softcapping", None)  # (Gemma's, where set: as its forward does)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
         return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)))
 
     base = loss_from(len(blocks))

@@ -31,6 +31,7 @@ import math
 import os
 import platform
 import shutil
+import statistics as st
 import sys
 import tempfile
 import time
@@ -69,7 +70,7 @@ def prepared_store(store: Path) -> Path:
 
 def round_batch(s: cp.Setup, seed: int):
     """Seed ``seed``'s first training batch (its data module's stream from the start)."""
-    data = cp._data(s, seed)
+    data = cp.data_module(s, seed)
     data.setup()
     return next(iter(data.train_dataloader()))
 
@@ -310,6 +311,94 @@ def report(store: Path, measured: dict, s: cp.Setup, fmt: str, draws: int) -> li
     return lines
 
 
+def same_batch_truths(model, layers, s: cp.Setup, store: Path, batches: int, rows: int, fmt_name: str) -> None:
+    """The loss change each layer's FP4 forward makes alone on a round's own rows (harness.loss_increase: what the
+    truths measure, on the round's batch): the estimate's bias, apart from the batch's noise (same_batch.json)."""
+    import torch
+
+    import harness
+    from lightning_snip.formats import Format
+    from lightning_snip.stats import slice_batch
+
+    path = store / "same_batch.json"
+    out = json.loads(path.read_text()) if path.exists() else {}
+    for b in range(batches):
+        if str(b) in out:
+            continue
+        batch = slice_batch(round_batch(s, b), rows)
+        with torch.no_grad():
+            base = float(model.loss(batch))
+        increase = harness.loss_increase(model, layers, batch, [Format.parse(fmt_name)])
+        out[str(b)] = {"rows": rows, "base": base, "increase": {fqn: v for (fqn, _), v in increase.items()}}
+        path.write_text(json.dumps(out))
+
+
+def probe_report(store: Path, truths: dict, fmt: str) -> list[str]:
+    """The probe variants (rounds_probes.jsonl) against the truths and, where measured, against the loss change on
+    the round's own rows (same_batch.json)."""
+    import numpy as np
+    from scipy.stats import spearmanr
+
+    path = store / "rounds_probes.jsonl"
+    if not path.exists():
+        return []
+    rounds = {r["batch"]: r for r in map(json.loads, path.read_text().splitlines())}
+    same = json.loads((store / "same_batch.json").read_text()) if (store / "same_batch.json").exists() else {}
+    fqns = list(next(iter(rounds.values()))["first"])
+    truth = np.array([truths[f"model.{f}|{fmt}"] for f in fqns])
+    names = ["library (h1)"] + [k for k in next(iter(rounds.values()))["probes"] if not k.endswith("_seconds")]
+    lines = ["| probe (scale h, antithetic) | s per draw | sum of the mean second-order term (truths' sum "
+             f"{truth.sum():.3f}) | Spearman vs truths of the second-order term, one batch, 2 / 8 draws (mean over batches) | first + second, all batches' mean |"
+             " same batch: Spearman / Pearson of first + second vs the loss change | of second vs the change minus "
+             "first |", "|---|---|---|---|---|---|---|"]
+    for name in names:
+        second, rho2, rho8, fid, fid2 = [], [], [], [], []
+        for b, r in sorted(rounds.items()):
+            loss = abs(r["loss"])
+            draws = r["second"] if name.startswith("library") else r["probes"][name]
+            d = np.array([draws[f] for f in fqns]) / loss
+            first = np.array([sum(r["first"][f]) / loss for f in fqns])
+            second.append(d.mean(1) + first)
+            rho2.append(spearmanr(d[:, :2].mean(1), truth)[0])
+            rho8.append(spearmanr(d.mean(1), truth)[0])
+            if str(b) in same:
+                actual = np.array([same[str(b)]["increase"][f] for f in fqns]) / same[str(b)]["base"]
+                fid.append((spearmanr(first + d.mean(1), actual)[0], np.corrcoef(first + d.mean(1), actual)[0, 1]))
+                fid2.append((spearmanr(d.mean(1), actual - first)[0], np.corrcoef(d.mean(1), actual - first)[0, 1]))
+        seconds = st.fmean(r["seconds"]["draw"] if name.startswith("library") else r["probes"][name + "_seconds"]
+                           for r in rounds.values())
+        mean = np.mean(second, 0)
+        lines.append(f"| {name} | {seconds:.2f} | {float(np.mean([x.sum() for x in second])):.3f} | "
+                     f"{st.fmean(rho2):+.2f} / {st.fmean(rho8):+.2f} | {spearmanr(mean, truth)[0]:+.2f} | "
+                     + " ".join(f"{a:+.2f}/{c:+.2f}" for a, c in fid) + " | "
+                     + " ".join(f"{a:+.2f}/{c:+.2f}" for a, c in fid2) + " |")
+    return lines
+
+
+def first_order_report(store: Path, truths: dict, fmt: str, rows: int) -> list[str]:
+    """LD's first-order term averaged over k batches (rounds.jsonl and rounds_first.jsonl at ``rows``), alone and
+    with the second-order term of every measured batch and draw: what a larger first-order sample buys."""
+    import numpy as np
+    from scipy.stats import spearmanr
+
+    runs = [r for name in ("rounds.jsonl", "rounds_first.jsonl") if (store / name).exists()
+            for r in map(json.loads, (store / name).read_text().splitlines()) if r["rows"] == rows]
+    if not runs:
+        return []
+    fqns = list(runs[0]["first"])
+    truth = np.array([truths[f"model.{f}|{fmt}"] for f in fqns])
+    first = np.array([[sum(r["first"][f]) / abs(r["loss"]) for f in fqns] for r in runs])
+    second = np.mean([[st.fmean(r["second"][f]) / abs(r["loss"]) for f in fqns] for r in runs if r["second"][fqns[0]]], 0)
+    lines = [f"| batches k ({rows} rows each) | Spearman vs truths: first-order mean | first-order mean + second-order "
+             "mean | mean abs first-order term |", "|---|---|---|---|"]
+    for k in sorted({1, 4, 8, 16, len(first)}):
+        if k <= len(first):
+            mean = first[:k].mean(0)
+            lines.append(f"| {k} | {spearmanr(mean, truth)[0]:+.2f} | {spearmanr(mean + second, truth)[0]:+.2f} | "
+                         f"{np.abs(mean).mean():.5f} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, default=8)
@@ -322,6 +411,8 @@ def main() -> None:
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--probes", nargs="*", default=[], metavar="SCALE[:anti]",
                         help="probe variants measured beside the library's (a separate file: rounds_probes.jsonl)")
+    parser.add_argument("--same-batch", type=int, default=0, help="batches whose loss change per layer is measured "
+                        "on the round's own rows (the first --rows value)")
     parser.add_argument("--quick", action="store_true", help="a tiny setting, nothing written")
     args = parser.parse_args()
     import torch
@@ -335,32 +426,37 @@ def main() -> None:
     work = Path(os.environ.get("SNIP_BENCH_DIR", os.path.join(tempfile.gettempdir(), "snip_compare_v2"))) / (
         "quick_ld" if args.quick else SETTING)
     work.mkdir(parents=True, exist_ok=True)
-    model, layers, _, truths, _ = load(s, work, args.store)
-    probes = [(float(p.partition(":")[0]), p.endswith(":anti")) for p in args.probes]
-    runs = args.store / ("rounds_probes.jsonl" if probes else "rounds.jsonl")
-    done = {(r["batch"], r["rows"]) for r in map(json.loads, runs.read_text().splitlines())} if runs.exists() else set()
     if not args.report_only:
-        for b in range(args.batches):
+        model, layers, _, _, _ = load(s, work, args.store)
+        probes = [(float(p.partition(":")[0]), p.endswith(":anti")) for p in args.probes]
+        _measure_all(model, layers, s, args, probes)
+        same_batch_truths(model, layers, s, args.store, args.same_batch, args.rows[0], args.format)
+    measured = json.loads((prepared_store(args.store) / "measured.json").read_text())["measured"]
+    if "truths" in measured:
+        truths = measured["truths"]["loss_divergence"]
+        print("\n".join(report(args.store, measured, s, args.format, args.draws)
+                        + ["## Probe variants", ""] + probe_report(args.store, truths, args.format)
+                        + ["", "## The first-order sample", ""] + first_order_report(args.store, truths, args.format,
+                                                                                      max(args.rows))))
+
+
+def _measure_all(model, layers, s: cp.Setup, args, probes) -> None:
+    """The (batch, rows) rounds the store lacks: with every part (rounds.jsonl, or rounds_probes.jsonl with
+    ``probes``), then the first-order-only batches (rounds_first.jsonl)."""
+    targets = [("rounds_probes.jsonl" if probes else "rounds.jsonl", range(args.batches), args.draws),
+               ("rounds_first.jsonl", range(args.batches, args.batches + args.first_batches), 0)]
+    for name, batches, draws in targets:
+        path = args.store / name
+        done = {(r["batch"], r["rows"]) for r in map(json.loads, path.read_text().splitlines())} if path.exists() else set()
+        for b in batches:
             batch = round_batch(s, b)
             for rows in args.rows:
                 if (b, rows) in done:
                     continue
-                r = measure(model, layers, batch, rows, args.draws, args.format, b, probes)
-                with runs.open("a") as f:
+                r = measure(model, layers, batch, rows, draws, args.format, b, probes if draws else ())
+                with path.open("a") as f:
                     f.write(json.dumps({"batch": b, "rows": rows, "format": args.format, **r}) + "\n")
-                print(f"batch {b} rows {rows}: {r['seconds']}", flush=True)
-        extra = args.store / "rounds_first.jsonl"
-        have = {(r["batch"], r["rows"]) for r in map(json.loads, extra.read_text().splitlines())} if extra.exists() else set()
-        for b in range(args.batches, args.batches + args.first_batches):
-            batch = round_batch(s, b)
-            for rows in args.rows:
-                if (b, rows) not in have:
-                    r = measure(model, layers, batch, rows, 0, args.format, b)
-                    with extra.open("a") as f:
-                        f.write(json.dumps({"batch": b, "rows": rows, "format": args.format, **r}) + "\n")
-    _, measured = json.loads((args.store / "measured.json").read_text()).values()
-    if "truths" in measured:
-        print("\n".join(report(args.store, measured, s, args.format, args.draws)))
+                print(f"{name} batch {b} rows {rows}: {r['seconds']}", flush=True)
 
 
 if __name__ == "__main__":

