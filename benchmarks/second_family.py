@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import math
 import os
+import platform
 import statistics as st
 import tempfile
 import time
@@ -35,19 +37,24 @@ VARIANTS = ("today", "scaled_anti")
 def measure(s: cp.Setup, store: Path, seeds: int) -> None:
     import torch
 
-    from lightning_snip.config import SNIPConfig
-    from lightning_snip.convert import convert_linears
-
     torch.set_num_threads(int(os.environ.get("SNIP_THREADS", "2")))
     work = Path(os.environ.get("SNIP_BENCH_DIR", os.path.join(tempfile.gettempdir(), "snip_compare_v2"))) / SETTING
     work.mkdir(parents=True, exist_ok=True)
     ckpt, measured = cp.prepare(s, work, store, truths=False)
     module, optimizer, data = cp.from_checkpoint(s, ckpt)
+    _rounds(s, store, seeds, module, optimizer)  # first: minutes, where the truths take an hour (and resume by part)
     if "truths" not in measured:
         model, layers = cp.truth_model(s, module)
         fp4 = dataclasses.replace(s, candidates=(s.low,))  # the FP4 truths only (the Spearman's pairs)
         measured.update(cp.measure_truths(fp4, model, optimizer, layers, data, parts=store / "truth_parts.json", chunk=21))
         (store / "measured.json").write_text(json.dumps({"setting": cp.setting_record(s), "measured": measured}))
+
+
+def _rounds(s: cp.Setup, store: Path, seeds: int, module, optimizer) -> None:
+    """The library's round at the defaults on each seed's first batch, with each probe variant (rounds.jsonl)."""
+    from lightning_snip.config import SNIPConfig
+    from lightning_snip.convert import convert_linears
+
     model = cp.truth_model(s, module)[0]
     layers = convert_linears(module.model, pins=cp.PINS)
     config = SNIPConfig(candidate_formats=list(s.candidates), max_rows=s.max_rows)
@@ -63,16 +70,42 @@ def measure(s: cp.Setup, store: Path, seeds: int) -> None:
                 print(f"seed {seed} {variant}: {r['seconds']:.1f} s", flush=True)
 
 
+def partial_truths(store: Path) -> tuple[dict, dict, int]:
+    """LD's truths and ceiling from the LD batches measured so far (truth_parts.json), while the WD part runs: the
+    mean loss increase per layer (ranked as the relative one: one checkpoint's base loss divides them all alike)."""
+    from harness import spearman
+
+    parts = json.loads((store / "truth_parts.json").read_text()) if (store / "truth_parts.json").exists() else {}
+    batches = [parts[k] for k in sorted(parts) if k.startswith("ld")]
+    if len(batches) < 2:
+        return {}, {}, len(batches)
+    values = {}
+    for batch in batches:
+        for fqn, fmt, v in batch:
+            values.setdefault(f"model.{fqn}|{fmt}", []).append(v)
+    fmt = batches[0][0][1]
+    half = len(batches) // 2
+    keys = sorted(values)
+    split = spearman([st.fmean(values[k][:half]) for k in keys], [st.fmean(values[k][half:]) for k in keys])
+    return ({"loss_divergence": {k: st.fmean(v) for k, v in values.items()}, "weight_divergence": {}},
+            {f"loss_{fmt}": split, f"weights_{fmt}": math.nan}, len(batches))
+
+
 def report(store: Path) -> list[str]:
     measured = json.loads((store / "measured.json").read_text())["measured"]
-    truths, ceilings = measured["truths"], measured["ceilings"]
+    if "truths" in measured:
+        truths, ceilings, batches = measured["truths"], measured["ceilings"], cp.SETTINGS[SETTING].truth_batches
+    else:
+        truths, ceilings, batches = partial_truths(store)
+        if not truths:
+            return ["no truths yet (fewer than 2 LD batches measured)"]
     rows = [json.loads(line) for line in (store / "rounds.jsonl").read_text().splitlines()]
 
     def ceiling(r: float) -> float:  # an error-free estimate's Spearman with the whole truths (Spearman-Brown)
         return math.sqrt(2 * r / (1 + r)) if r > 0 else math.nan
 
     fmt = next(k.partition("_")[2] for k in ceilings if k.startswith("loss_"))
-    lines = [f"Truths ({fmt}): LD split-half Spearman {ceilings[f'loss_{fmt}']:.2f} (ceiling "
+    lines = [f"Truths ({fmt}; LD from {batches} batches): LD split-half Spearman {ceilings[f'loss_{fmt}']:.2f} (ceiling "
              f"{ceiling(ceilings[f'loss_{fmt}']):.2f}), WD split-half {ceilings[f'weights_{fmt}']:.2f} (ceiling "
              f"{ceiling(ceilings[f'weights_{fmt}']):.2f}); {measured.get('truth_seconds', math.nan):.0f} s", "",
              "| probe | LD Spearman per seed | mean | WD Spearman per seed | mean | round s (mean) |", "|---|---|---|---|---|---|"]
@@ -81,7 +114,8 @@ def report(store: Path) -> list[str]:
         if not runs:
             continue
         ld = [re_.fp4_spearman(r["estimates"]["loss_divergence"], truths["loss_divergence"]) for r in runs]
-        wd = [re_.fp4_spearman(r["estimates"]["weight_divergence"], truths["weight_divergence"]) for r in runs]
+        wd = [re_.fp4_spearman(r["estimates"]["weight_divergence"], truths["weight_divergence"])
+              if truths["weight_divergence"] else math.nan for r in runs]
         lines.append(f"| {variant} | {' '.join(f'{v:+.2f}' for v in ld)} | {st.fmean(ld):+.2f} | "
                      f"{' '.join(f'{v:+.2f}' for v in wd)} | {st.fmean(wd):+.2f} | "
                      f"{st.fmean(r['seconds'] for r in runs):.1f} |")
@@ -93,12 +127,22 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--store", type=Path, default=cp.RESULTS / "second_family_cache")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--write", action="store_true", help="also write benchmarks/results/second_family_<date>.md")
     args = parser.parse_args()
     args.store.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     if not args.report_only:
         measure(cp.SETTINGS[SETTING], args.store, args.seeds)
-    print("\n".join(report(args.store)) + f"\n\nwall {time.perf_counter() - start:.0f} s (this invocation)")
+    lines = report(args.store)
+    print("\n".join(lines) + f"\n\nwall {time.perf_counter() - start:.0f} s (this invocation)")
+    if args.write:
+        out = cp.RESULTS / f"second_family_{datetime.date.today().isoformat()}.md"
+        head = [f"# One round's LD and WD on Gemma 3 270M against its own truths ({datetime.date.today().isoformat()}, "
+                "issue 64, Deliver 3)", "", (__doc__ or "").split("\n\n")[1].replace("\n", " "), "",
+                f"command: `python benchmarks/second_family.py --seeds {args.seeds}`; machine: {platform.machine()} "
+                f"({os.cpu_count()} cores), Python {platform.python_version()}; FP4 emulated; setting: "
+                f"{cp.setting_record(cp.SETTINGS[SETTING])}", ""]
+        out.write_text("\n".join(head + lines) + "\n")
 
 
 if __name__ == "__main__":

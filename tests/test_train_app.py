@@ -146,6 +146,9 @@ def test_progress_plan_lines_clean_output_and_summary(tmp_path):
     # an Enum field: its values named; the library's "pins[0]: ..." gets the app's prefix
     (["snip.granularity=gems"], "snip.granularity: 'gems' is not a valid value; allowed: layer, gemm"),
     (["snip.pins=[lm_head]"], "snip.pins[0]: 'lm_head' is not 'glob=format'"),
+    # a list of Format that takes the FP4 formats only: what it takes, not every format
+    (["snip.wgrad_hadamard=mxfp4"], "snip.wgrad_hadamard: 'mxfp4' is not a valid value (Invalid value assigned: str is "
+                                    "not a ListConfig, list or tuple.); allowed: a list of FP4 formats (mxfp4, nvfp4)"),
     (["model.dim=1.5"], "model.dim: 1.5 is not a valid value"),
     (["trainer.strategy=nonsense"], "trainer: Lightning rejects these trainer settings (strategy='nonsense'"),
     (["trainer.val_check_interval=-5"], "trainer.val_check_interval: invalid value -5; allowed: an integer > 0"),
