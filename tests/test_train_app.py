@@ -138,7 +138,7 @@ def test_progress_plan_lines_clean_output_and_summary(tmp_path):
     (["data.path={short}"], "data.path: '{short}' holds 100 bytes; at least 661 are needed"),
     (["+snip.foo=1"], "snip.foo: unknown key; allowed:"),
     (["foo=1"], "foo: unknown key; allowed: data, model, snip, trainer and their fields"),
-    (["model=foo"], "model: 'foo' is not a model preset; allowed: tiny, smollm2"),
+    (["model=foo"], "model: 'foo' is not a model preset; allowed: tiny, smollm2, gemma3"),
     (["model.dim=0"], "model.dim: invalid value 0; allowed: an integer > 0"),
     (["+foo.bar=1"], "foo.bar: unknown key; allowed: data, model, snip, trainer and their fields"),
     (["snip.formats=[fp8,int4]"], "snip.formats: unknown key; allowed: candidate_formats, exclude, extra_pins"),
