@@ -762,6 +762,18 @@ class _TokenMixing(nn.Module):
         return self.second(torch.einsum("st,btd->bsd", self.mix, self.first(x)))
 
 
+def _token_mixing_round(seed: int, samples: int):
+    """(a recorded round of _TokenMixing on random samples, each layer's mxfp4 output error)."""
+    torch.manual_seed(seed)
+    model = _TokenMixing()
+    x, target = torch.randn(samples, 8, 32), torch.randn(samples, 8, 32)
+    layers = convert_linears(model)
+    stats = collect_stats(model, lambda: nn.functional.mse_loss(model(x), target), layers=layers)
+    errors = {(fqn, Format.MXFP4): quantized_matmul(s.x, s.weight, Format.MXFP4, recipe=QuantRecipe()) - s.x @ s.weight.t()
+              for fqn, s in stats.layers.items()}
+    return stats, errors
+
+
 def _second_order_draws(stats, output_errors, per_sample, draws, seed=0):
     """Per-draw error-probe values (one draw each) per (layer, format)."""
     from lightning_snip.curvature import error_probe_second_order
@@ -916,13 +928,7 @@ def test_error_probe_signs_are_fair_and_independent(monkeypatch):
     # sign fair and independent of the others (a coin with P(+1) = 0.6 leaves 4% of every cross term).
     from lightning_snip.curvature import error_probe_second_order
 
-    torch.manual_seed(0)
-    model = _TokenMixing()
-    x, target = torch.randn(6, 8, 32), torch.randn(6, 8, 32)
-    layers = convert_linears(model)
-    stats = collect_stats(model, lambda: nn.functional.mse_loss(model(x), target), layers=layers)
-    errors = {(fqn, Format.MXFP4): quantized_matmul(s.x, s.weight, Format.MXFP4, recipe=QuantRecipe()) - s.x @ s.weight.t()
-              for fqn, s in stats.layers.items()}
+    stats, errors = _token_mixing_round(seed=0, samples=6)
     error_probe_second_order(stats, errors, [Format.MXFP4], 1, torch.Generator().manual_seed(1))  # the check: independent
     drawn = []
 
@@ -1063,13 +1069,7 @@ def test_error_probe_scale_is_divided_out_where_the_loss_is_quadratic():
     # On a quadratic loss the probe measures 1/2 dY^T H dY at every scale: the scale only leaves the pass.
     from lightning_snip.curvature import error_probe_second_order
 
-    torch.manual_seed(4)
-    model = _TokenMixing()
-    x, target = torch.randn(4, 8, 32), torch.randn(4, 8, 32)
-    layers = convert_linears(model)
-    stats = collect_stats(model, lambda: nn.functional.mse_loss(model(x), target), layers=layers)
-    errors = {(fqn, Format.MXFP4): quantized_matmul(s.x, s.weight, Format.MXFP4, recipe=QuantRecipe()) - s.x @ s.weight.t()
-              for fqn, s in stats.layers.items()}
+    stats, errors = _token_mixing_round(seed=4, samples=4)
     values = [error_probe_second_order(stats, errors, [Format.MXFP4], 2, torch.Generator().manual_seed(5), scale=scale,
                                        antithetic=anti) for scale, anti in ((1.0, False), (0.25, False), (0.25, True))]
     for key in errors:
