@@ -103,6 +103,14 @@ class Setup:
     accelerator: str = "cpu"  # the Trainer's (smollm2_gpu: "gpu", one device)
     precision: str = "32-true"
     trajectory_every: int = 0  # > 0: also the held-out loss (high precision) every this many continuation steps
+    # Quality v5 (issue 65): continuation steps before any FP4 policy's plan: SNIP's warmup_steps under +ships (its
+    # first-order sample and first round then, its plan one step later, as in a user's resumed run), and the step the
+    # fixed FP4 plans apply at (the same one; until then every layer in SNIP's initial format, fp8); 0: every plan from
+    # the checkpoint (quality v2-v4). all_bf16 / all_fp8 apply theirs from the checkpoint either way.
+    plan_start: int = 0
+    # "model": FP4 fractions are shares of the whole model's linear FLOPs (v2-v4); "switchable": of the unpinned layers'
+    # (SNIPConfig's default target_scope), for the fixed plans too (converted with lightning_snip.evidence.model_target)
+    target_scope: str = "model"
 
     def __post_init__(self):
         object.__setattr__(self, "candidates", tuple(self.candidates))  # from a JSON list
@@ -159,6 +167,13 @@ SETTINGS = {
     "gemma3": Setup(model="gemma3", seq_len=128, batch_size=4, lr=3e-4, pretrain_steps=4, continue_steps=64,
                     snip_interval=8, low="nvfp4", candidates=("fp8", "nvfp4"), truth_batches=4, truth_sr_seeds=2,
                     eval_batches=16, max_rows=256, first_order_steps=4, first_order_rows=256),
+    # Issue 65 (quality v5, benchmarks/quality_v5.py): smollm2_long's checkpoint and horizon with SNIP as it ships
+    # (SNIPConfig's candidates fp8 / nvfp4, max_rows 1024 and first_order_steps 32, the target on the switchable
+    # layers) but for a 16-step warm-up, the fixed FP4 plans applied at SNIP's first plan's step; snip_interval unused.
+    "smollm2_v5": Setup(model="smollm2", seq_len=128, batch_size=4, lr=3e-4, pretrain_steps=4, continue_steps=64,
+                        snip_interval=100, low="nvfp4", candidates=("fp8", "nvfp4"), truth_batches=4, truth_sr_seeds=1,
+                        eval_batches=16, max_rows=1024, first_order_steps=32, first_order_rows=1024,
+                        trajectory_every=16, plan_start=16, target_scope="switchable"),
     "smollm2_quick": Setup(model="smollm2", seq_len=32, batch_size=2, lr=3e-4, pretrain_steps=2, continue_steps=3,
                            snip_interval=2, low="mxfp4", candidates=("fp8", "mxfp4"), truth_batches=2,
                            truth_sr_seeds=1, eval_batches=2, max_rows=64, first_order_steps=1, first_order_rows=64),
@@ -465,6 +480,7 @@ def fixed_plan(policy: str, fraction: float, seed: int, module, s: Setup, measur
     from lightning_snip.formats import Format
 
     base = policy.partition("@")[0]
+    fraction = model_fraction(s, module, fraction) if fraction else fraction
     if base.startswith("oracle"):
         truths = pooled_truths(measured["truths"]) if base.startswith("oracle_pooled") else measured["truths"]
         solve = planner.solve_gemm_plan if base.endswith("_gemm") else planner.solve_plan
@@ -473,6 +489,19 @@ def fixed_plan(policy: str, fraction: float, seed: int, module, s: Setup, measur
     context = PolicyContext(fp4_fraction=fraction, seed=seed, low=Format.parse(s.low), high=Format.FP8,
                             relative_error=measured.get("rel_error"))
     return baseline_plan(policy, plan_candidates(module, None, policy_formats(s, policy)), context)
+
+
+def model_fraction(s: Setup, module, fraction: float) -> float:
+    """A setting's FP4 fraction as a share of the whole model's linear FLOPs, what the fixed plans and the oracle's
+    ILP constrain: itself under target_scope "model", else (a share of the switchable layers) converted as SNIP
+    converts its own target (lightning_snip.evidence.model_target: the same plan as the switchable target)."""
+    from lightning_snip.config import SNIPConfig
+    from lightning_snip.evidence import model_target
+
+    if s.target_scope == "model":
+        return fraction
+    return model_target(plan_candidates(module, None, s.candidates),
+                        SNIPConfig(fp4_fraction=fraction, target_scope=s.target_scope))
 
 
 def policy_formats(s: Setup, policy: str) -> tuple[str, ...]:
@@ -501,7 +530,8 @@ def policy_callback(s: Setup, policy: str, fraction: float, seed: int, measured:
         # "snip_gemm+ships": SNIP exactly as it ships (issue 63's FP4 candidate study): every SNIPConfig default,
         # the target on the switchable layers (target_scope's default) included, but for the setting's formats and
         # pins, its CPU-sized rows, and the first round at the checkpoint, where every policy's plan starts.
-        config = SNIPConfig(warmup_steps=0, fp4_fraction=fraction, candidate_formats=s.candidates, pins=PINS,
+        # (quality v5: the first round after s.plan_start steps of warm-up, its first-order sample before it)
+        config = SNIPConfig(warmup_steps=s.plan_start, fp4_fraction=fraction, candidate_formats=s.candidates, pins=PINS,
                             granularity=granularity, max_rows=max_rows)
         return SNIPCallback(config)
     elif base in ("snip", "snip_gemm") and "defaults" in modifiers:
@@ -523,9 +553,27 @@ def policy_callback(s: Setup, policy: str, fraction: float, seed: int, measured:
         return SNIPCallback(config)
     else:
         plan = fixed_plan(policy, fraction, seed, run_module(s), s, measured)
-        return SNIPCallback(SNIPConfig(replan=False, fp4_fraction=fraction or 0.0, target_scope="model", pins=PINS,
-                                       spike_threshold=None, granularity=granularity,
-                                       candidate_formats=policy_formats(s, policy)), plan=plan)
+        late = late_plan(s, policy)  # quality v5: in SNIP's initial format (fp8) until SNIP's first plan's step
+        callback = SNIPCallback(SNIPConfig(replan=False, fp4_fraction=0.0 if late else fraction or 0.0,
+                                           target_scope="model", pins=PINS, spike_threshold=None,
+                                           granularity=granularity, candidate_formats=policy_formats(s, policy)),
+                                plan=None if late else plan)
+        callback.late_plan = plan if late else None  # (run_one applies it at late_plan_step)
+        return callback
+
+
+def late_plan(s: Setup, policy: str) -> bool:
+    """Whether the policy's fixed plan applies after s.plan_start steps (an FP4 policy under a v5 setting) rather
+    than from the checkpoint (every policy before v5, and all_bf16 / all_fp8: the references, unchanged)."""
+    return s.plan_start > 0 and not policy.startswith("all_")
+
+
+def late_plan_step(s: Setup) -> int:
+    """The global step a late fixed plan applies at: SNIP's first plan's (its first round at the checkpoint's step +
+    warmup_steps, its plan applied lightning_snip.budget.APPLY_DELAY steps later)."""
+    from lightning_snip.budget import APPLY_DELAY
+
+    return s.pretrain_steps + s.plan_start + APPLY_DELAY
 
 
 def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measured: dict, root: str) -> dict:
@@ -545,8 +593,9 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
     callback = policy_callback(s, policy, fraction, seed, measured)
     data = data_module(s, seed)
     trajectory = _Trajectory(s, callback, data) if s.trajectory_every else None
+    late = _LatePlan(late_plan_step(s), callback.late_plan) if getattr(callback, "late_plan", None) else None
     start = time.perf_counter()
-    trainer = _trainer(s, s.pretrain_steps + s.continue_steps, [callback] + ([trajectory] if trajectory else []),
+    trainer = _trainer(s, s.pretrain_steps + s.continue_steps, [callback] + [c for c in (late, trajectory) if c],
                        Path(root))
     trainer.fit(module, datamodule=data, ckpt_path=ckpt)
     seconds = time.perf_counter() - start - (trajectory.seconds if trajectory else 0.0)
@@ -554,21 +603,47 @@ def run_one(s: Setup, ckpt: str, policy: str, fraction: float, seed: int, measur
     with high_precision(callback.layers):
         eval_loss = held_out_loss(module, data)  # the trained weights, evaluated in high precision (the headline)
     eval_loss_plan = held_out_loss(module, data)  # ... and with every forward GEMM in its plan's format (serving in it)
-    plan = callback.plan
+    plan = late.plan if late else callback.plan
     extra = {"oracle_lambda": oracle_lambda(policy)} if policy.startswith("oracle") else {}
+    history = callback.controller.history
+    if late:  # the step its fixed plan applied at
+        extra["first_plan_step"] = late.applied_at
+    elif s.plan_start and history and callback.num_plans_applied:  # SNIP's first plan: its first round's + the delay
+        from lightning_snip.budget import APPLY_DELAY
+
+        extra["first_plan_step"] = history[0]["step"] + APPLY_DELAY
     if trajectory:  # [continuation step, high-precision held-out loss], the end's included
         extra["trajectory"] = trajectory.points + [[s.continue_steps, eval_loss]]
         extra["eval_seconds"] = trajectory.seconds
         guard = callback.controller.guard
         extra["reverts"] = guard.num_reverts if guard is not None else 0
-    history = callback.controller.history
     if history:  # SNIP's estimates at its first round (the checkpoint): the objective study prices plans with them
         extra["estimates"] = {metric: {f"{fqn}|{fmt}": v for fqn, d in history[0]["divergence"]["layers"].items()
                                        for fmt, v in d.get(metric, {}).items()}
                               for metric in ("loss_divergence", "weight_divergence")}
     return {"policy": policy, "fraction": fraction, "seed": seed, "eval_loss": eval_loss, "eval_loss_plan": eval_loss_plan, **extra,
             "achieved_fraction": plan.fp4_fraction if plan else 0.0, "seconds": seconds,
-            "plans": callback.num_plans_applied, "plan": {k: f.value for k, f in plan.items()} if plan else {}}
+            "plans": callback.num_plans_applied + bool(late and late.applied_at is not None), "plan": {k: f.value for k, f in plan.items()} if plan else {}}
+
+
+def _LatePlan(step: int, plan):
+    """A callback (made in the worker, as _Trajectory) that applies a fixed plan at the start of global step ``step``
+    (lightning_snip.convert.apply_plan, before the step's forward): quality v5's fixed policies, switched at the step
+    SNIP's first plan is; ``applied_at`` the step it did."""
+    import lightning.pytorch as pl
+
+    from lightning_snip.convert import apply_plan
+
+    class LatePlan(pl.Callback):
+        def __init__(self):
+            self.plan, self.applied_at = plan, None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if self.applied_at is None and trainer.global_step >= step:
+                apply_plan(pl_module, self.plan)
+                self.applied_at = trainer.global_step
+
+    return LatePlan()
 
 
 def _Trajectory(s: Setup, snip, data):
@@ -1018,8 +1093,9 @@ def _structural_headroom(runs: list[dict], gaps, coef, offset: float, flops: dic
 
 def setting_record(s: Setup) -> dict:
     out = json.loads(json.dumps(asdict(s)))  # as the JSON cache holds it (tuples as lists)
-    if not out["trajectory_every"]:
-        del out["trajectory_every"]  # the settings cached before the field existed stay the same setting
+    for name, default in (("trajectory_every", 0), ("plan_start", 0), ("target_scope", "model")):
+        if out[name] == default:
+            del out[name]  # the settings cached before the field existed stay the same setting
     return out
 
 
