@@ -551,3 +551,44 @@ def test_quality_long_prices_plans_pooled_over_seeds_first_rounds():
     assert "(LD truths' split-half Spearman on mxfp4 0.50: an error-free estimate would reach about 0.82)" in text, text
     assert "fp8 0.20" not in text
     assert ql.pooled_plans(rows[:1], truths, solve, 0.75) == []
+
+
+def test_quality_v5_fixed_plans_start_late_at_snips_step_and_target_the_switchable_layers():
+    """Quality v5's protocol (issue 65): the new setting fields leave every earlier setting's cache record as it was
+    (v4's runs stay valid); under target_scope switchable a rule's plan puts the fraction of the unpinned layers in
+    FP4, not of the model; a fixed FP4 policy starts with no plan (SNIP's initial fp8) and its plan applies at SNIP's
+    first plan's step, while all_bf16 keeps its plan from the start."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from lightning_snip.convert import layer_assignment
+    from lightning_snip.config import Granularity
+    from lightning_snip.demo.lightning import DemoLM
+    from lightning_snip.formats import Format
+
+    cp = _benchmark("compare_policies")
+    for name in ("smollm2", "smollm2_long", "deep8"):
+        assert not {"plan_start", "target_scope"} & set(cp.setting_record(cp.SETTINGS[name]))
+    assert cp.setting_record(cp.SETTINGS["smollm2_v5"])["plan_start"] == 16
+    s = dataclasses.replace(cp.SETTINGS["quick"], plan_start=3, target_scope="switchable", pretrain_steps=5)
+    module = DemoLM(cp.model_config(s))
+    whole = cp.fixed_plan("layer_type_edges_gemm", 0.75, 0, module, cp.SETTINGS["quick"], {})
+    switchable = cp.fixed_plan("layer_type_edges_gemm", 0.75, 0, module, s, {})
+    cands = cp.plan_candidates(module, None, s.candidates)
+    from lightning_snip.evidence import switchable_share
+
+    assert whole.fp4_fraction == pytest.approx(0.75, abs=0.02)
+    assert switchable_share(switchable.fp4_fraction, cands) == pytest.approx(0.75, abs=0.02)
+    assert switchable.fp4_fraction < whole.fp4_fraction  # the pinned head's FLOPs left out of the target
+    assert cp.late_plan_step(s) == 5 + 3 + 1
+    callback = cp.policy_callback(s, "layer_type_edges_gemm", 0.75, 0, {})
+    assert callback.controller.plan is None and dict(callback.late_plan.items()) == dict(switchable.items())
+    assert cp.policy_callback(s, "all_bf16", 0.0, 0, {}).late_plan is None
+    callback.controller.attach(module)
+    late = cp._LatePlan(cp.late_plan_step(s), callback.late_plan)
+    for step in (8, 9):
+        late.on_train_batch_start(SimpleNamespace(global_step=step), module, None, 0)
+        formats = layer_assignment(callback.layers, Granularity.GEMM)
+        if step == 8:
+            assert late.applied_at is None and {f for k, f in formats.items() if "lm_head" not in k} == {Format.FP8}
+    assert late.applied_at == 9 and {k: formats[k] for k in switchable} == dict(switchable.items())
