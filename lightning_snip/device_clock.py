@@ -25,15 +25,15 @@ from lightning_snip.budget import OverheadBudget
 
 
 class EventStamp:
-    """A point on a CUDA stream's timeline. Its seconds are chained from the stamp recorded before it (the previous
-    stamp's seconds, a double, plus the float32 milliseconds between the two events): from one origin, float32 would
-    lose milliseconds within hours of a run."""
+    """A point on a CUDA stream's timeline: ``stream``'s (default: the current device's current stream). Its seconds
+    are chained from the stamp recorded before it (the previous stamp's seconds, a double, plus the float32
+    milliseconds between the two events): from one origin, float32 would lose milliseconds within hours of a run."""
 
     __slots__ = ("event", "previous", "_seconds")
 
-    def __init__(self, previous: EventStamp | None = None) -> None:
+    def __init__(self, previous: EventStamp | None = None, stream: torch.cuda.Stream | None = None) -> None:
         self.event = torch.cuda.Event(enable_timing=True)
-        self.event.record()
+        self.event.record(stream)  # (the event is created on the stream's device)
         self.previous = previous
         self._seconds: float | None = None if previous is not None else 0.0
 
@@ -66,14 +66,18 @@ class Timeline:
         self.clock: Callable[[], float] = time.perf_counter
         self.stamps: Callable[[], object] | None = None  # None: the host clock (set by use_device on a GPU)
         self._last_event: EventStamp | None = None  # the latest CUDA stamp (the next one chains from it)
+        self._device: torch.device | None = None  # the CUDA device whose current stream the stamps are recorded on
         self._queue: deque[tuple[Callable, tuple]] = deque()
 
     def use_device(self, device: torch.device | str) -> None:
-        """Stamp with CUDA events on a CUDA device (the current stream), with the host clock elsewhere."""
-        self.stamps = self._event if torch.device(device).type == "cuda" else None
+        """Stamp with CUDA events on a CUDA device (its current stream, where the model's work runs, whichever device
+        is current on the host), with the host clock elsewhere."""
+        device = torch.device(device)
+        self._device = device if device.type == "cuda" else None
+        self.stamps = self._event if self._device is not None else None
 
     def _event(self) -> EventStamp:
-        self._last_event = EventStamp(self._last_event)
+        self._last_event = EventStamp(self._last_event, torch.cuda.current_stream(self._device))
         return self._last_event
 
     def stamp(self):

@@ -23,6 +23,8 @@ class _Device:
     def __init__(self, lag: float) -> None:
         self.lag, self.launched, self.reached, self.host = lag, 0.0, 0.0, 0.0
         self.late = 0  # stamps asked for before the device had reached them
+        self.phase = "plain"  # what the host is doing (set by the simulation): "plain", "round" or "end"
+        self.waits: list[str] = []  # the phase of every host wait on a stamp
 
     def launch(self, seconds: float) -> None:
         self.launched += seconds
@@ -47,6 +49,7 @@ class _Stamp:
         return ready
 
     def wait(self) -> None:
+        self.device.waits.append(self.device.phase)
         self.device.reached = max(self.device.reached, self.at)
 
     def seconds(self) -> float:
@@ -67,11 +70,13 @@ def _simulate_on_device(timeline: Timeline, device: _Device, num_steps: int, fir
             device.launch(SWITCH)
         kind = budget.step_kind(step)
         if kind is StepKind.ROUND:
+            device.phase = "round"
             timeline.mark("round")
             start = timeline.stamp()
             device.launch(ROUND)
             device.synchronize()
             seconds = timeline.seconds_since(start)
+            device.phase = "plain"
             seconds_seen.append(seconds)
             rounds.append(step)
             budget.follow(budget.decide(step, seconds))
@@ -81,6 +86,7 @@ def _simulate_on_device(timeline: Timeline, device: _Device, num_steps: int, fir
             device.launch(SAMPLE)
         timeline.batch_ended()
     timeline.step_started(first_step + num_steps)
+    device.phase = "end"
     timeline.flush(wait=True)
     return rounds, seconds_seen
 
@@ -153,6 +159,41 @@ def test_the_controller_logs_its_overhead_when_it_prices_more_work_and_at_the_en
     assert controller.overhead_update() is None  # nothing new
     # at the end, the steps closed so far (the last one, 7, stays open): 1 s of SNIP's over 7 s of training's
     assert controller.overhead_update(final=True) == {"snip/overhead": pytest.approx(1.0 / 7)}
+
+
+@pytest.mark.parametrize("budget_share", [None, 0.1])
+def test_the_clock_waits_for_the_device_only_in_a_round_and_at_the_end(budget_share):
+    """No host wait on a stamp in a plain or sampled step (a wait drains the launch queue: issue 61); a round waits
+    for the stamps up to its end (it has synchronised already), the end of training for the rest."""
+    cfg = SNIPConfig(warmup_steps=20, interval=10, first_order_steps=4, overhead_budget=budget_share)
+    timeline, device = Timeline(OverheadBudget(cfg)), _Device(lag=3 * STEP)
+    timeline.stamps = device.stamp
+    rounds, _ = _simulate_on_device(timeline, device, 300)
+    assert len(rounds) >= 3 and device.late > 100
+    assert set(device.waits) <= {"round", "end"} and device.waits.count("round") >= len(rounds)
+
+
+def test_cuda_stamps_are_recorded_on_the_model_devices_stream(monkeypatch):
+    """A model on cuda:1 while the host's current device is cuda:0 (a process that set no device): its stamps are
+    events on cuda:1's current stream, not on the current device's."""
+    recorded = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool) -> None:
+            assert enable_timing
+
+        def record(self, stream=None) -> None:
+            recorded.append(stream)
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
+    timeline = Timeline(OverheadBudget(SNIPConfig()))
+    timeline.use_device("cuda:1")
+    timeline.stamp()
+    timeline.stamp()
+    assert recorded == ["stream of cuda:1"] * 2
+    timeline.use_device("cpu")
+    assert isinstance(timeline.stamp(), float) and len(recorded) == 2  # the host clock on a CPU
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a GPU")
