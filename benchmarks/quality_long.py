@@ -180,7 +180,7 @@ def snip_solver(s: cp.Setup, fraction: float):
                                                      weight_divergence_weight=cp.oracle_lambda("oracle"))
 
 
-def _estimate_ranks(runs: dict[int, dict], measured: dict) -> str:
+def estimate_ranks(runs: dict[int, dict], measured: dict) -> str:
     """Per seed, how SNIP's first round ranks the (layer, FP4 format) truths: Spearman of its LD and of its WD
     with the checkpoint's, beside the truths' own split-half ceiling (compare_policies' measured["ceilings"])."""
     from scipy.stats import spearmanr
@@ -251,7 +251,7 @@ def pooled_plans(rows: list[dict], measured: dict, solve, fraction: float) -> li
         lines.append(f"| {k} | {len(prices)} | {statistics.fmean(prices):.4f} ± {sd:.4f} | "
                      f"{min(prices):.4f} - {max(prices):.4f} |")
     lines.append("")
-    lines.append(_estimate_ranks(runs, measured))
+    lines.append(estimate_ranks(runs, measured))
     lines.append(f"k = 1 re-solved gives the run's own plan on {same} of {len(seeds)} seeds (runs that applied one plan: "
                  f"{sum(r.get('plans', 1) == 1 for r in runs.values())}); the oracle's plan (solved on "
                  f"the truths) costs {price(solve(measured['truths'])):.4f}" + "".join(

@@ -59,6 +59,7 @@ from pathlib import Path
 
 import compare_policies as cp  # the script's own folder is on the path, as for every benchmark
 from fp4_candidate import plan_cost
+from quality_long import estimate_ranks
 
 SETTING = "smollm2_v5"
 SNIP = "snip_gemm+ships"
@@ -94,9 +95,10 @@ def references(rows: list[dict]) -> tuple[dict[str, dict[int, dict]], str]:
     path = V4_STORE / "rows.jsonl"
     v4_rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     v4 = {p: {r["seed"]: r for r in v4_rows if r["policy"] == p} for p in ("all_bf16", "all_fp8")}
-    if 0 not in mine or 0 not in v4["all_bf16"]:
-        return {"all_bf16": mine, "all_fp8": {}}, "all_bf16: no seed-0 reproduction yet (gaps use quality v4's runs)" \
-            if not mine else "all_bf16: quality v4's cache missing"
+    if not v4["all_bf16"]:
+        return {"all_bf16": mine, "all_fp8": {}}, "all_bf16: quality v4's cache missing (gaps from this code's runs)"
+    if 0 not in mine:
+        return v4, "all_bf16 / all_fp8: quality v4's runs (this code's seed-0 reproduction not run yet: provisional)"
     agree = abs(mine[0]["eval_loss"] - v4["all_bf16"][0]["eval_loss"]) <= 1e-4
     line = (f"all_bf16 seed 0: this code {mine[0]['eval_loss']:.5f}, quality v4's cache "
             f"{v4['all_bf16'][0]['eval_loss']:.5f} ({'agree' if agree else 'DIFFER'} within 1e-4)")
@@ -317,7 +319,12 @@ def report(s: cp.Setup, rows: list[dict], share: float, measured: dict) -> tuple
              "Gap to bf16 (high-precision held-out loss) along the continuation, mean ± std over seeds (plans from "
              "step 17):", "", *traj_lines]
     if truths:
-        lines += ["", f"Truths' split-half ceilings (LD): {json.dumps({k: round(v, 3) for k, v in measured['ceilings'].items() if k.startswith('loss_')})}"]
+        lines += ["", "SNIP's first round against the checkpoint's truths (snip@0.75's runs; the round is the same at "
+                  "either target):", estimate_ranks(runs.get(f"snip@{FRACTION:g}", {}), measured), "",
+                  "Does the plan's objective rank the runs' end gaps (issue 64, Deliver 4: the objective-vs-outcome "
+                  "check, on these runs)? Every run at each fraction, its plan priced by the truths and by SNIP's "
+                  "first-round estimates (the mean over its runs):",
+                  *cp.objective_study([r for r in rows if r["policy"] != "all_bf16"] + list(bf16.values()), measured)]
     summary = {f"{r['fraction']:g}" if r["policy"] != RECIPE else f"{share:g}": {} for r in rows}
     for name, got in runs.items():
         g = gaps(got, bf16)
@@ -366,6 +373,7 @@ def main() -> None:
     if args.quick:
         return
     prefix = cp.results_prefix(SETTING)
+    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{prefix}.json").write_text(json.dumps(summary, indent=2))
     (args.out / f"{prefix}_runs.json").write_text(json.dumps({"setting": dataclasses.asdict(s), "rows": rows}, indent=1))
     (args.out / f"{prefix}_{date}.md").write_text("\n".join(head + lines) + "\n")
