@@ -174,6 +174,11 @@ SETTINGS = {
                         snip_interval=100, low="nvfp4", candidates=("fp8", "nvfp4"), truth_batches=4, truth_sr_seeds=1,
                         eval_batches=16, max_rows=1024, first_order_steps=32, first_order_rows=1024,
                         trajectory_every=16, plan_start=16, target_scope="switchable"),
+    # Issue 65, Deliver 4: quality v5's protocol on Gemma 3 270M (the gemma3 setting's checkpoint and truths' SR seeds).
+    "gemma3_v5": Setup(model="gemma3", seq_len=128, batch_size=4, lr=3e-4, pretrain_steps=4, continue_steps=64,
+                       snip_interval=100, low="nvfp4", candidates=("fp8", "nvfp4"), truth_batches=4, truth_sr_seeds=2,
+                       eval_batches=16, max_rows=1024, first_order_steps=32, first_order_rows=1024,
+                       trajectory_every=16, plan_start=16, target_scope="switchable"),
     "smollm2_quick": Setup(model="smollm2", seq_len=32, batch_size=2, lr=3e-4, pretrain_steps=2, continue_steps=3,
                            snip_interval=2, low="mxfp4", candidates=("fp8", "mxfp4"), truth_batches=2,
                            truth_sr_seeds=1, eval_batches=2, max_rows=64, first_order_steps=1, first_order_rows=64),

@@ -33,6 +33,11 @@ after seeing the data is reported as such, beside them, never in their place):
   fp8, the recipe's bf16: 0.468 against 0.517 in the check). (b) is reported as worded; (b') is the trade a user
   weighs on this model.
 
+The second family (issue 65, Deliver 4; registered on 2026-12-06 before its runs): ``--model gemma3`` runs the same
+protocol on Gemma 3 270M (compare_policies' ``gemma3_v5``: the ``gemma3`` setting's checkpoint, 2 SR seeds for WD's
+truths) at seeds 0-2, with its own all_bf16 / all_fp8 runs and truths (nvfp4's shared with benchmarks/second_family.py,
+fp8's measured here); verdicts (a) and (c) as above, at 3 seeds ((a) is then "> 2 paired std over 3 seeds").
+
     python benchmarks/quality_v5.py --workers 2        # runs what the cache lacks (resumes across sessions), reports
     python benchmarks/quality_v5.py --cached-only      # an interim report from the cache
     python benchmarks/quality_v5.py --quick            # a tiny check in a temporary store, nothing written
@@ -61,7 +66,10 @@ import compare_policies as cp  # the script's own folder is on the path, as for 
 from fp4_candidate import plan_cost
 from quality_long import estimate_ranks
 
-SETTING = "smollm2_v5"
+# model -> (its compare_policies setting, default seeds, the folder of its checkpoint under SNIP_BENCH_DIR, its title)
+MODELS = {"smollm2": ("smollm2_v5", 5, "smollm2_long", "SmolLM2-135M"),  # (v4's checkpoint: the same pretraining)
+          "gemma3": ("gemma3_v5", 3, "gemma3", "Gemma 3 270M")}  # (second_family's checkpoint)
+SECOND_FAMILY_STORE = cp.RESULTS / "second_family_cache"  # Gemma 3's nvfp4 truths, by part (issue 64, Deliver 3)
 SNIP = "snip_gemm+ships"
 RECIPE = "nvfp4_recipe"
 RULES = ("layer_type_edges_gemm", "industry_tail_gemm")
@@ -79,19 +87,28 @@ def recipe_share(s: cp.Setup) -> float:
     return round(switchable_share(model_share, cp.plan_candidates(module, None, s.candidates)), 6)
 
 
-def jobs(share: float, seeds: int) -> list[tuple[str, float, int]]:
+def jobs(share: float, seeds: int, model: str = "smollm2") -> list[tuple[str, float, int]]:
     """In the order the verdicts need them (the pool runs them in this order; a cut-off session leaves whole
-    verdicts): (a) and (b) seed by seed, then the rules, the reproduction check, and the oracle (after its truths)."""
+    verdicts): SmolLM2: (a) and (b) seed by seed, then the rules, the reproduction check, and the oracle (after its
+    truths); Gemma 3: all_bf16 and (a) seed by seed, then SNIP at 0.75 and the rules, all_fp8, and the oracle."""
+    if model == "gemma3":
+        out = [(p, f, seed) for seed in range(seeds) for p, f in (("all_bf16", 0.0), (RECIPE, share), (SNIP, share))]
+        out += [(p, FRACTION, seed) for seed in range(seeds) for p in (SNIP,) + RULES]
+        out += [("all_fp8", 0.0, seed) for seed in range(seeds)]
+        return out + [(ORACLE, FRACTION, seed) for seed in range(seeds)]
     out = [(p, f, seed) for seed in range(seeds) for p, f in ((RECIPE, share), (SNIP, share), (SNIP, FRACTION))]
     out += [(rule, FRACTION, seed) for seed in range(seeds) for rule in RULES]
     out += [("all_bf16", 0.0, 0)]
     return out + [(ORACLE, FRACTION, seed) for seed in range(seeds)]
 
 
-def references(rows: list[dict]) -> tuple[dict[str, dict[int, dict]], str]:
+def references(rows: list[dict], model: str = "smollm2") -> tuple[dict[str, dict[int, dict]], str]:
     """{all_bf16 / all_fp8: {seed: row}} from quality v4's cache where this code's all_bf16 of seed 0 reproduces
-    v4's within 1e-4 (else this code's runs alone), and a line saying which."""
+    v4's within 1e-4 (else this code's runs alone), and a line saying which; Gemma 3: this code's runs."""
     mine = {r["seed"]: r for r in rows if r["policy"] == "all_bf16"}
+    if model != "smollm2":
+        return ({"all_bf16": mine, "all_fp8": {r["seed"]: r for r in rows if r["policy"] == "all_fp8"}},
+                "all_bf16 / all_fp8: this code's runs")
     path = V4_STORE / "rows.jsonl"
     v4_rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     v4 = {p: {r["seed"]: r for r in v4_rows if r["policy"] == p} for p in ("all_bf16", "all_fp8")}
@@ -162,7 +179,8 @@ def switchable_fp4(s: cp.Setup, plan: dict[str, str]) -> float:
     return switchable_share(share, candidates)
 
 
-def verdicts(s: cp.Setup, runs: dict[str, dict[int, dict]], bf16: dict[int, dict]) -> tuple[list[str], dict]:
+def verdicts(s: cp.Setup, runs: dict[str, dict[int, dict]], bf16: dict[int, dict], seeds_needed: int = 5
+             ) -> tuple[list[str], dict]:
     """The registered verdicts (a), (b), (b') and (c), as far as the runs go; the lines and their JSON."""
     lines, out = [], {}
     recipe = gaps(runs.get(RECIPE, {}), bf16)
@@ -187,9 +205,9 @@ def verdicts(s: cp.Setup, runs: dict[str, dict[int, dict]], bf16: dict[int, dict
         per = " ".join(f"{recipe[k] - gaps(runs[snip], bf16)[k]:+.4f}" for k in seeds)
         lines.append(f"verdict ({tag}) {snip} vs {RECIPE}: lead {lead:+.5f} ± {sd:.5f} ({lead / sd if sd else math.nan:.2f} "
                      f"std, t {t:.1f}, {len(seeds)} seeds; per seed {per}); registered: {need}: "
-                     f"{'MET' if ok and len(seeds) >= 5 else 'met so far' if ok else 'NOT MET'}")
+                     f"{'MET' if ok and len(seeds) >= seeds_needed else 'met so far' if ok else 'NOT MET'}")
         out[tag] = {"snip": snip, "lead_mean": lead, "lead_std": sd, "t": t, "seeds": seeds, "met": bool(ok),
-                    "complete": len(seeds) >= 5}
+                    "complete": len(seeds) >= seeds_needed}
     rules = {r: gaps(runs.get(r, {}), bf16) for r in RULES if runs.get(r)}
     oracle, snip = gaps(runs.get(ORACLE, {}), bf16), gaps(runs.get(f"snip@{FRACTION:g}", {}), bf16)
     if rules and oracle and snip:
@@ -258,25 +276,45 @@ def trajectory(runs: dict[str, dict[int, dict]], bf16: dict[int, dict]) -> tuple
     return lines, summary
 
 
-def measure_truths(s: cp.Setup, ckpt: Path, measured: dict, store: Path) -> None:
-    """The oracle's truths at the checkpoint: nvfp4's (with the recipe's numerics) measured here, part by part into
-    ``store``/truth_parts.json (resumable), fp8's quality v4's (the same checkpoint, batches and SR seeds: not
-    measured again); added to ``measured`` and saved in ``store``/measured.json."""
-    v4 = json.loads((V4_STORE / "measured.json").read_text())["measured"]
-    if not cp.same_checkpoint(measured["fingerprint"], v4["fingerprint"]):
-        raise RuntimeError("quality v4's checkpoint differs from this one: its fp8 truths do not apply")
+def _checked_store(path: Path, measured: dict, what: str) -> dict:
+    """The measured dict another benchmark saved in ``path`` (measured.json) for this very checkpoint."""
+    theirs = json.loads(path.read_text())["measured"]
+    if not cp.same_checkpoint(measured["fingerprint"], theirs["fingerprint"]):
+        raise RuntimeError(f"{path.parent.name}'s checkpoint differs from this one: its {what} do not apply")
+    return theirs
+
+
+def measure_truths(s: cp.Setup, ckpt: Path, measured: dict, store: Path, model_name: str = "smollm2") -> None:
+    """The oracle's truths at the checkpoint, one format at a time, each part saved as it ends (resumable); added to
+    ``measured`` and saved in ``store``/measured.json. SmolLM2: nvfp4's (with the recipe's numerics) measured here into
+    ``store``/truth_parts.json, fp8's quality v4's (the same checkpoint, batches and SR seeds: not measured again).
+    Gemma 3: nvfp4's in benchmarks/second_family.py's parts (the same truths, measured by whichever runs first), fp8's
+    here."""
     module, optimizer, data = cp.from_checkpoint(s, ckpt)
     model, layers = cp.truth_model(s, module)
-    mine = cp.measure_truths(dataclasses.replace(s, candidates=("nvfp4",)), model, optimizer, layers, data,
-                             parts=store / "truth_parts.json", chunk=30)
-    truths = {metric: {**{k: v for k, v in v4["truths"][metric].items() if k.endswith("|fp8")}, **values}
-              for metric, values in mine["truths"].items()}
-    ceilings = {**{k: v for k, v in v4["ceilings"].items() if k.endswith("_fp8")}, **mine["ceilings"]}
-    measured.update(truths=truths, ceilings=ceilings, truth_seconds=mine["truth_seconds"])
+
+    def one(fmt: str, parts: Path, chunk: int) -> dict:
+        return cp.measure_truths(dataclasses.replace(s, candidates=(fmt,)), model, optimizer, layers, data,
+                                 parts=parts, chunk=chunk)
+
+    if model_name == "smollm2":
+        v4 = _checked_store(V4_STORE / "measured.json", measured, "fp8 truths")
+        fp8 = {"truths": v4["truths"], "ceilings": v4["ceilings"], "truth_seconds": 0.0}
+        nvfp4 = one("nvfp4", store / "truth_parts.json", 30)
+    else:
+        _checked_store(SECOND_FAMILY_STORE / "measured.json", measured, "nvfp4 truth parts")
+        nvfp4 = one("nvfp4", SECOND_FAMILY_STORE / "truth_parts.json", 21)  # (second_family's chunk)
+        fp8 = one("fp8", store / "truth_parts.json", 21)
+    truths = {metric: {**{k: v for k, v in fp8["truths"][metric].items() if k.endswith("|fp8")},
+                       **{k: v for k, v in nvfp4["truths"][metric].items() if k.endswith("|nvfp4")}}
+              for metric in ("loss_divergence", "weight_divergence")}
+    ceilings = {**{k: v for k, v in fp8["ceilings"].items() if k.endswith("_fp8")},
+                **{k: v for k, v in nvfp4["ceilings"].items() if k.endswith("_nvfp4")}}
+    measured.update(truths=truths, ceilings=ceilings, truth_seconds=fp8["truth_seconds"] + nvfp4["truth_seconds"])
     (store / "measured.json").write_text(json.dumps({"setting": cp.setting_record(s), "measured": measured}))
 
 
-def plot(summary: dict, path: Path) -> None:
+def plot(summary: dict, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -293,26 +331,27 @@ def plot(summary: dict, path: Path) -> None:
     ax.axvline(16.5, color="gray", lw=0.8, ls=":")  # the plans' step
     ax.set_xlabel("continuation step (4 x 128 tokens each; plans from step 17)")
     ax.set_ylabel("held-out loss gap to bf16 (high precision)")
-    ax.set_title("SmolLM2-135M continued: SNIP as it ships vs the NVFP4 recipe")
+    ax.set_title(f"{title} continued: SNIP as it ships vs the NVFP4 recipe")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def setting(quick: bool) -> cp.Setup:
+def setting(quick: bool, model: str = "smollm2") -> cp.Setup:
     if not quick:
-        return cp.SETTINGS[SETTING]
+        return cp.SETTINGS[MODELS[model][0]]
     return dataclasses.replace(cp.SETTINGS["smollm2_quick"], continue_steps=6, trajectory_every=2, plan_start=2,
                                target_scope="switchable", low="nvfp4", candidates=("fp8", "nvfp4"))
 
 
-def report(s: cp.Setup, rows: list[dict], share: float, measured: dict) -> tuple[list[str], dict]:
-    refs, ref_line = references(rows)
+def report(s: cp.Setup, rows: list[dict], share: float, measured: dict, model: str = "smollm2", seeds: int = 5
+           ) -> tuple[list[str], dict]:
+    refs, ref_line = references(rows, model)
     bf16 = refs["all_bf16"]
     runs = by_label(rows, share, bf16)
     for seed, r in refs["all_fp8"].items():
         runs.setdefault("all_fp8", {})[seed] = r
-    verdict_lines, verdict_json = verdicts(s, runs, bf16)
+    verdict_lines, verdict_json = verdicts(s, runs, bf16, seeds)
     traj_lines, traj = trajectory(runs, bf16)
     truths = measured.get("truths")
     lines = [ref_line, "", *run_table(s, runs, bf16, truths), "", *verdict_lines, "",
@@ -338,32 +377,36 @@ def report(s: cp.Setup, rows: list[dict], share: float, measured: dict) -> tuple
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--model", choices=MODELS, default="smollm2")
+    parser.add_argument("--seeds", type=int, help="default: 5 (SmolLM2), 3 (Gemma 3)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--cached-only", action="store_true", help="run nothing: report what the cache holds")
     parser.add_argument("--quick", action="store_true", help="a tiny setting, 1 seed, in a temporary store")
-    parser.add_argument("--store", type=Path, default=cp.RESULTS / f"compare_policies_{SETTING}_cache")
+    parser.add_argument("--store", type=Path, help="default: results/compare_policies_<setting>_cache")
     parser.add_argument("--out", type=Path, default=cp.RESULTS)
     args = parser.parse_args()
-    s = setting(args.quick)
+    name, seeds, folder, title = MODELS[args.model]
+    args.seeds = args.seeds or seeds
+    args.store = args.store or cp.RESULTS / f"compare_policies_{name}_cache"
+    s = setting(args.quick, args.model)
     if args.quick:
         args.seeds, args.store = 1, Path(tempfile.mkdtemp(prefix="quality_v5_"))
     work = Path(os.environ.get("SNIP_BENCH_DIR", os.path.join(tempfile.gettempdir(), "snip_compare_v2"))) / (
-        "quick_v5" if args.quick else "smollm2_long")  # (v4's checkpoint: the same pretraining, the same folder)
+        "quick_v5" if args.quick else folder)
     work.mkdir(parents=True, exist_ok=True)
     args.store.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     ckpt, measured = cp.prepare(s, work, args.store, truths=False)
     cp.release_memory()
     share = recipe_share(s)
-    todo = jobs(share, args.seeds)
+    todo = jobs(share, args.seeds, args.model)
     if args.quick:
         todo = [j for j in todo if not j[0].startswith("oracle") and j[0] != RULES[1]]
     rows = cp.run_jobs(s, ckpt, measured, todo, args.store, args.workers, work,
-                       lambda: measure_truths(s, ckpt, measured, args.store), args.cached_only)
-    lines, summary = report(s, rows, share, measured)
+                       lambda: measure_truths(s, ckpt, measured, args.store, args.model), args.cached_only)
+    lines, summary = report(s, rows, share, measured, args.model, args.seeds)
     date = datetime.date.today().isoformat()
-    head = [f"# Quality v5 (issue 65): SNIP as it ships vs the NVFP4 recipe, SmolLM2-135M — {date}",
+    head = [f"# Quality v5 (issue 65): SNIP as it ships vs the NVFP4 recipe, {title} — {date}",
             f"command: `python benchmarks/quality_v5.py {' '.join(sys.argv[1:])}`; machine: {platform.machine()} "
             f"({os.cpu_count()} cores), Python {platform.python_version()}; FP4 emulated; runs 1 thread each, "
             f"{args.workers} at a time", f"setting: {dataclasses.asdict(s)}; the recipe's FP4 share of the switchable "
@@ -372,12 +415,12 @@ def main() -> None:
     print("\n".join(head + lines), flush=True)
     if args.quick:
         return
-    prefix = cp.results_prefix(SETTING)
+    prefix = cp.results_prefix(name)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{prefix}.json").write_text(json.dumps(summary, indent=2))
     (args.out / f"{prefix}_runs.json").write_text(json.dumps({"setting": dataclasses.asdict(s), "rows": rows}, indent=1))
     (args.out / f"{prefix}_{date}.md").write_text("\n".join(head + lines) + "\n")
-    plot(summary["trajectory"], args.out / f"{prefix}.png")
+    plot(summary["trajectory"], args.out / f"{prefix}.png", title)
 
 
 if __name__ == "__main__":
