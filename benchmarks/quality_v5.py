@@ -15,6 +15,10 @@ after seeing the data is reported as such, beside them, never in their place):
   8-15, the first round at step 16, its plan from step 17 on (48 steps under plans), later rounds where the budget
   puts them. Every fixed FP4 policy trains in SNIP's initial format (fp8) until that step and applies its plan there
   (compare_policies.late_plan_step); all_bf16 and all_fp8 run their format throughout.
+  (Correction, 2026-12-07, from the code review before any verdict: counted from 1, the first round runs on the 17th
+  continuation step and plans act from the 18th, so 47 of the 64 steps are under plans (a 50-step warm-up would have
+  left 13); the trajectory's "step 16" is after 16 steps, the last point before any plan. With the default interval
+  (100) no later round falls within the run: SNIP plans once.)
 - Policies: all_bf16, all_fp8 (the references: quality v4's cached runs of the same checkpoint, seeds and horizon;
   this code's all_bf16 of seed 0 is run again as the reproduction check), ``nvfp4_recipe`` (its BF16 blocks, its
   natural FP4 share), SNIP at that share of the switchable layers, SNIP at the default 0.75, the best two per-GEMM rules
@@ -52,6 +56,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -63,7 +68,6 @@ import time
 from pathlib import Path
 
 import compare_policies as cp  # the script's own folder is on the path, as for every benchmark
-from fp4_candidate import plan_cost
 from quality_long import estimate_ranks
 
 # model -> (its compare_policies setting, default seeds, the folder of its checkpoint under SNIP_BENCH_DIR, its title)
@@ -96,30 +100,35 @@ def jobs(share: float, seeds: int, model: str = "smollm2") -> list[tuple[str, fl
         out += [(p, FRACTION, seed) for seed in range(seeds) for p in (SNIP,) + RULES]
         out += [("all_fp8", 0.0, seed) for seed in range(seeds)]
         return out + [(ORACLE, FRACTION, seed) for seed in range(seeds)]
-    out = [(p, f, seed) for seed in range(seeds) for p, f in ((RECIPE, share), (SNIP, share), (SNIP, FRACTION))]
+    out = [("all_bf16", 0.0, 0)]  # the reproduction check first: its failure means every reference is run here
+    out += [(p, f, seed) for seed in range(seeds) for p, f in ((RECIPE, share), (SNIP, share), (SNIP, FRACTION))]
     out += [(rule, FRACTION, seed) for seed in range(seeds) for rule in RULES]
-    out += [("all_bf16", 0.0, 0)]
     return out + [(ORACLE, FRACTION, seed) for seed in range(seeds)]
+
+
+def reference_jobs(seeds: int) -> list[tuple[str, float, int]]:
+    """Every seed's all_bf16 and all_fp8: the references run here where quality v4's cannot serve."""
+    return [(p, 0.0, seed) for seed in range(seeds) for p in ("all_bf16", "all_fp8")]
 
 
 def references(rows: list[dict], model: str = "smollm2") -> tuple[dict[str, dict[int, dict]], str]:
     """{all_bf16 / all_fp8: {seed: row}} from quality v4's cache where this code's all_bf16 of seed 0 reproduces
     v4's within 1e-4 (else this code's runs alone), and a line saying which; Gemma 3: this code's runs."""
     mine = {r["seed"]: r for r in rows if r["policy"] == "all_bf16"}
+    own = {"all_bf16": mine, "all_fp8": {r["seed"]: r for r in rows if r["policy"] == "all_fp8"}}
     if model != "smollm2":
-        return ({"all_bf16": mine, "all_fp8": {r["seed"]: r for r in rows if r["policy"] == "all_fp8"}},
-                "all_bf16 / all_fp8: this code's runs")
+        return own, "all_bf16 / all_fp8: this code's runs"
     path = V4_STORE / "rows.jsonl"
     v4_rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     v4 = {p: {r["seed"]: r for r in v4_rows if r["policy"] == p} for p in ("all_bf16", "all_fp8")}
     if not v4["all_bf16"]:
-        return {"all_bf16": mine, "all_fp8": {}}, "all_bf16: quality v4's cache missing (gaps from this code's runs)"
+        return own, "all_bf16: quality v4's cache missing (gaps from this code's runs)"
     if 0 not in mine:
         return v4, "all_bf16 / all_fp8: quality v4's runs (this code's seed-0 reproduction not run yet: provisional)"
     agree = abs(mine[0]["eval_loss"] - v4["all_bf16"][0]["eval_loss"]) <= 1e-4
     line = (f"all_bf16 seed 0: this code {mine[0]['eval_loss']:.5f}, quality v4's cache "
             f"{v4['all_bf16'][0]['eval_loss']:.5f} ({'agree' if agree else 'DIFFER'} within 1e-4)")
-    return (v4 if agree else {"all_bf16": mine, "all_fp8": {}}), line
+    return (v4 if agree else own), line
 
 
 def label(row: dict, share: float) -> str:
@@ -166,29 +175,59 @@ def per_gemm(plan: dict[str, str]) -> dict[str, str]:
         ((k, f),) if split_key(k)[1] is not None else ((gemm_key(k, FORWARD), f), (gemm_key(k, BACKWARD), f)))}
 
 
-def switchable_fp4(s: cp.Setup, plan: dict[str, str]) -> float:
-    """A plan's FP4 share of the switchable layers' FLOPs (the pinned head's left out)."""
-    from lightning_snip.evidence import switchable_share
-    from lightning_snip.plan import Plan
+@functools.lru_cache(maxsize=4)
+def _gemm_items(s: cp.Setup) -> tuple[list, dict]:
+    """(the planner's candidates, {GEMM key: its item}) of the setting's model: built once (a model copy each)."""
     from lightning_snip.planner import gemm_items
 
     candidates = cp.plan_candidates(cp.run_module(s, continuation=True), None, s.candidates)
-    items = {c.fqn: c for c in gemm_items(candidates)}
-    plan = per_gemm(plan)
-    share = Plan(formats=plan, flops={k: items[k].flops for k in plan}).fp4_fraction
-    return switchable_share(share, candidates)
+    return candidates, {c.fqn: c for c in gemm_items(candidates)}
 
 
-def verdicts(s: cp.Setup, runs: dict[str, dict[int, dict]], bf16: dict[int, dict], seeds_needed: int = 5
-             ) -> tuple[list[str], dict]:
-    """The registered verdicts (a), (b), (b') and (c), as far as the runs go; the lines and their JSON."""
+def in_force(s: cp.Setup, row: dict) -> dict[str, str]:
+    """The per-GEMM formats a run trained under after its plan step: its plan, or, where it applied none (a SNIP run
+    whose round or solve failed), SNIP's initial fp8 everywhere but the pins."""
+    if row.get("plan"):
+        return per_gemm(row["plan"])
+    return {key: item.pinned.value if item.pinned is not None else "fp8" for key, item in _gemm_items(s)[1].items()}
+
+
+def switchable_fp4(s: cp.Setup, plan: dict[str, str]) -> float:
+    """A per-GEMM plan's FP4 share of the switchable layers' FLOPs (the pinned head's left out)."""
+    from lightning_snip.evidence import switchable_share
+    from lightning_snip.plan import Plan
+
+    candidates, items = _gemm_items(s)
+    return switchable_share(Plan(formats=plan, flops={k: items[k].flops for k in plan}).fp4_fraction, candidates)
+
+
+def plan_cost(s: cp.Setup, plan: dict[str, str]) -> float:
+    """A per-GEMM plan priced by the library's cost model (Plan.relative_gemm_cost, bf16 = 1: the formats' costs and
+    the RHT where the layer's recipe transforms the format's wgrad), as fp4_candidate.plan_cost prices it."""
+    from lightning_snip.plan import Plan
+
+    items = _gemm_items(s)[1]
+    return Plan(formats=plan, flops={k: items[k].flops for k in plan},
+                extra_cost={k: items[k].extra_cost for k in plan}).relative_gemm_cost
+
+
+def verdicts(s: cp.Setup, runs: dict[str, dict[int, dict]], bf16: dict[int, dict], seeds_needed: int = 5,
+             registered: tuple[str, ...] = ("a", "b", "b'", "c")) -> tuple[list[str], dict]:
+    """The verdicts (a), (b), (b') and (c), as far as the runs go, each over the seeds its policies share; a verdict
+    with fewer than ``seeds_needed`` seeds (the registered count) is not final, and one outside ``registered`` (this
+    model's) is context. Returns the lines and their JSON."""
     lines, out = [], {}
     recipe = gaps(runs.get(RECIPE, {}), bf16)
 
-    def above(a: str, b: str, measure) -> bool:  # every seed's plan of ``a`` above every one of ``b`` by ``measure``
-        mine = [measure(s, per_gemm(r["plan"])) for r in runs.get(a, {}).values()]
-        theirs = [measure(s, per_gemm(r["plan"])) for r in runs.get(b, {}).values()]
-        return bool(mine and theirs) and min(mine) > max(theirs)
+    def above(a: str, b: str, measure, seeds) -> bool:  # on every paired seed, a's plan above b's by ``measure``
+        return all(measure(s, in_force(s, runs[a][k])) > measure(s, in_force(s, runs[b][k])) for k in seeds)
+
+    def status(ok: bool, seeds: list[int], tag: str) -> str:
+        if tag not in registered:
+            return f"{'holds' if ok else 'does not hold'} (not registered for this model: context)"
+        if len(seeds) < seeds_needed:
+            return f"{'met' if ok else 'not met'} so far ({len(seeds)} of {seeds_needed} seeds: not final)"
+        return "MET" if ok else "NOT MET"
 
     for tag, snip, need in (("a", "snip@recipe", "lead > 2 paired std"),
                             ("b", f"snip@{FRACTION:g}", "lead >= -1 paired std, more FP4"),
@@ -198,56 +237,70 @@ def verdicts(s: cp.Setup, runs: dict[str, dict[int, dict]], bf16: dict[int, dict
             continue
         if tag == "a":
             ok = lead > 2 * sd
-        elif tag == "b":  # more of the switchable FLOPs in FP4 than the recipe's plan
-            ok = lead >= -sd and above(snip, RECIPE, switchable_fp4)
-        else:  # the recipe's plan costs more GEMM time than SNIP's (the library's cost model)
-            ok = lead >= -sd and above(RECIPE, snip, plan_cost)
-        per = " ".join(f"{recipe[k] - gaps(runs[snip], bf16)[k]:+.4f}" for k in seeds)
+        elif tag == "b":  # more of the switchable FLOPs in FP4 than the recipe's plan, seed by seed
+            ok = lead >= -sd and above(snip, RECIPE, switchable_fp4, seeds)
+        else:  # the recipe's plan costs more GEMM time than SNIP's (the library's cost model), seed by seed
+            ok = lead >= -sd and above(RECIPE, snip, plan_cost, seeds)
+        ok = bool(ok) and len(seeds) > 1  # (one seed has no std)
+        per = " ".join(f"{k}: {recipe[k] - gaps(runs[snip], bf16)[k]:+.4f}" for k in seeds)
         lines.append(f"verdict ({tag}) {snip} vs {RECIPE}: lead {lead:+.5f} ± {sd:.5f} ({lead / sd if sd else math.nan:.2f} "
-                     f"std, t {t:.1f}, {len(seeds)} seeds; per seed {per}); registered: {need}: "
-                     f"{'MET' if ok and len(seeds) >= seeds_needed else 'met so far' if ok else 'NOT MET'}")
-        out[tag] = {"snip": snip, "lead_mean": lead, "lead_std": sd, "t": t, "seeds": seeds, "met": bool(ok),
-                    "complete": len(seeds) >= seeds_needed}
-    rules = {r: gaps(runs.get(r, {}), bf16) for r in RULES if runs.get(r)}
-    oracle, snip = gaps(runs.get(ORACLE, {}), bf16), gaps(runs.get(f"snip@{FRACTION:g}", {}), bf16)
-    if rules and oracle and snip:
-        best = min(rules, key=lambda r: statistics.fmean(rules[r].values()))
-        seeds = sorted(set(rules[best]) & set(oracle) & set(snip))
-        shares = {k: (rules[best][k] - snip[k]) / (rules[best][k] - oracle[k]) for k in seeds
-                  if rules[best][k] != oracle[k]}
-        lines.append(f"verdict (c) share of the oracle's lead over {best} captured by snip@{FRACTION:g}, per seed: "
-                     + " ".join(f"{k}: {v:.2f}" for k, v in shares.items())
-                     + (f" (mean {statistics.fmean(shares.values()):.2f})" if shares else ""))
-        out["c"] = {"best_rule": best, "shares": shares}
+                     f"std, t {t:.1f}, {len(seeds)} seeds; per seed {per}); registered: {need}: {status(ok, seeds, tag)}")
+        out[tag] = {"snip": snip, "lead_mean": lead, "lead_std": sd, "t": t, "seeds": seeds, "met": ok,
+                    "complete": len(seeds) >= seeds_needed, "registered": tag in registered}
+    lines += capture(runs, bf16, seeds_needed, out)
     return lines, out
+
+
+def capture(runs: dict[str, dict[int, dict]], bf16: dict[int, dict], seeds_needed: int, out: dict) -> list[str]:
+    """Verdict (c): per seed, the share of the oracle's lead over the better rule (by mean end gap over the seeds
+    every policy of the verdict ran) that SNIP at 0.75 captures; a seed where the oracle is not ahead of that rule
+    has no share to capture (marked, left out of the means)."""
+    gap = {p: gaps(runs.get(p, {}), bf16) for p in RULES + (ORACLE, f"snip@{FRACTION:g}")}
+    seeds = sorted(set.intersection(*(set(g) for g in gap.values())))
+    if not seeds:
+        return []
+    rule_means = {r: statistics.fmean(gap[r][k] for k in seeds) for r in RULES}
+    best, snip, oracle = min(rule_means, key=rule_means.get), gap[f"snip@{FRACTION:g}"], gap[ORACLE]
+    headroom = {k: gap[best][k] - oracle[k] for k in seeds}
+    shares = {k: (gap[best][k] - snip[k]) / headroom[k] for k in seeds if headroom[k] > 0}
+    cells = [f"{k}: {shares[k]:.2f}" if k in shares else f"{k}: none (oracle {-headroom[k]:+.4f} behind)" for k in seeds]
+    whole = statistics.fmean(gap[best][k] - snip[k] for k in seeds) / statistics.fmean(headroom.values())
+    final = "" if len(seeds) >= seeds_needed else f" ({len(seeds)} of {seeds_needed} seeds: not final)"
+    out["c"] = {"best_rule": best, "seeds": seeds, "shares": shares, "headroom": headroom,
+                "ratio_of_means": whole, "complete": len(seeds) >= seeds_needed}
+    return [f"verdict (c) share of the oracle's lead over {best} (the better rule over these seeds) captured by "
+            f"snip@{FRACTION:g}, per seed: " + "; ".join(cells) + f"{final}; beside it, not registered: the ratio "
+            f"of the mean leads {whole:.2f}"]
 
 
 ORDER = ("all_fp8", RECIPE, "snip@recipe", f"snip@{FRACTION:g}") + RULES + (ORACLE,)
 
 
 def run_table(s: cp.Setup, runs: dict[str, dict[int, dict]], bf16: dict[int, dict], truths: dict | None) -> list[str]:
-    """Per policy: its end gap per seed, mean ± std, its plan's FP4 share of the switchable layers, its GEMM cost by
-    the library's cost model (bf16 = 1), the plans' truth price (where the truths are measured), plans and reverts."""
+    """Per policy, seed by seed (in seed order): its end gap, its plan's FP4 share of the switchable layers, its GEMM
+    cost by the library's cost model (bf16 = 1), its plan's truth price (where the truths are measured), plans
+    applied and reverts; a fixed policy's plan is the same on every seed (one value shown). A policy's mean ± std is
+    over its own seeds (the verdicts pair by seed)."""
     lam = cp.oracle_lambda(ORACLE)
-    lines = ["| policy | gap to bf16 at the end, mean ± std | per seed | FP4 share (switchable) | GEMM cost (bf16 = 1) "
-             f"| truth price (λ {lam:g}) | plans | reverts | first plan at step | CPU s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| policy | gap to bf16 at the end, mean ± std | seeds | gap per seed | FP4 share (switchable) | GEMM cost "
+             f"(bf16 = 1) | truth price (λ {lam:g}) | plans | reverts | first plan at step | CPU s (mean) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in ORDER:
         got = runs.get(name, {})
         g = gaps(got, bf16)
         if not g:
             continue
-        rows = [got[k] for k in sorted(g)]
-        values = list(g.values())
+        seeds = sorted(g)
+        rows, values = [got[k] for k in seeds], [g[k] for k in seeds]
         sd = statistics.stdev(values) if len(values) > 1 else math.nan
-        plans = [r["plan"] for r in rows if r.get("plan")]
-        share = " ".join(f"{switchable_fp4(s, p):.3f}" for p in plans[:1]) if name in (RECIPE,) + RULES + (ORACLE,) \
-            else " ".join(f"{switchable_fp4(s, p):.3f}" for p in plans)
-        cost = " ".join(f"{plan_cost(s, per_gemm(p)):.3f}" for p in (plans[:1] if not name.startswith("snip") else plans))
-        price = " ".join(f"{cp.plan_objective(p, truths, lam):.4f}" for p in (plans[:1] if not name.startswith("snip")
-                                                                            else plans)) if truths else ""
+        plans = [in_force(s, r) for r in rows]
+        shown = plans if name.startswith("snip") else plans[:1]
+        price = " ".join(f"{cp.plan_objective(p, truths, lam):.4f}" for p in shown) if truths else ""
         starts = sorted({r.get("first_plan_step") for r in rows if r.get("first_plan_step") is not None})
-        lines.append(f"| {name} | {statistics.fmean(values):+.4f} ± {sd:.4f} | "
-                     + " ".join(f"{v:+.4f}" for v in values) + f" | {share} | {cost} | {price} | "
+        lines.append(f"| {name} | {statistics.fmean(values):+.4f} ± {sd:.4f} | {' '.join(map(str, seeds))} | "
+                     + " ".join(f"{v:+.4f}" for v in values)
+                     + f" | {' '.join(f'{switchable_fp4(s, p):.3f}' for p in shown)} | "
+                     + f"{' '.join(f'{plan_cost(s, p):.3f}' for p in shown)} | {price} | "
                      + " ".join(str(r["plans"]) for r in rows) + " | " + " ".join(str(r.get("reverts", 0)) for r in rows)
                      + f" | {starts} | {statistics.fmean(r['seconds'] for r in rows):.0f} |")
     return lines
@@ -328,8 +381,8 @@ def plot(summary: dict, path: Path, title: str) -> None:
                                                                             for x in xs],
                         marker="o", capsize=3, label=name, ls="-" if name.startswith("snip") else "--")
     ax.axhline(0.0, color="gray", lw=0.8)
-    ax.axvline(16.5, color="gray", lw=0.8, ls=":")  # the plans' step
-    ax.set_xlabel("continuation step (4 x 128 tokens each; plans from step 17)")
+    ax.axvline(17, color="gray", lw=0.8, ls=":")  # the plans act from the 18th step on
+    ax.set_xlabel("continuation steps done (4 x 128 tokens each; plans act from the 18th on)")
     ax.set_ylabel("held-out loss gap to bf16 (high precision)")
     ax.set_title(f"{title} continued: SNIP as it ships vs the NVFP4 recipe")
     ax.legend(fontsize=7)
@@ -338,28 +391,30 @@ def plot(summary: dict, path: Path, title: str) -> None:
 
 
 def setting(quick: bool, model: str = "smollm2") -> cp.Setup:
+    """The model's v5 setting, or (``quick``) a tiny one of the same model: a few steps of 2 x 32 tokens."""
     if not quick:
         return cp.SETTINGS[MODELS[model][0]]
-    return dataclasses.replace(cp.SETTINGS["smollm2_quick"], continue_steps=6, trajectory_every=2, plan_start=2,
-                               target_scope="switchable", low="nvfp4", candidates=("fp8", "nvfp4"))
+    return dataclasses.replace(cp.SETTINGS["smollm2_quick"], model=model, continue_steps=6, trajectory_every=2,
+                               plan_start=2, target_scope="switchable", low="nvfp4", candidates=("fp8", "nvfp4"))
 
 
-def report(s: cp.Setup, rows: list[dict], share: float, measured: dict, model: str = "smollm2", seeds: int = 5
+def report(s: cp.Setup, rows: list[dict], share: float, measured: dict, model: str = "smollm2"
            ) -> tuple[list[str], dict]:
     refs, ref_line = references(rows, model)
     bf16 = refs["all_bf16"]
     runs = by_label(rows, share, bf16)
     for seed, r in refs["all_fp8"].items():
         runs.setdefault("all_fp8", {})[seed] = r
-    verdict_lines, verdict_json = verdicts(s, runs, bf16, seeds)
+    registered = ("a", "b", "b'", "c") if model == "smollm2" else ("a", "c")  # (Deliver 4: (a) and (c))
+    verdict_lines, verdict_json = verdicts(s, runs, bf16, MODELS[model][1], registered)
     traj_lines, traj = trajectory(runs, bf16)
     truths = measured.get("truths")
     lines = [ref_line, "", *run_table(s, runs, bf16, truths), "", *verdict_lines, "",
-             "Gap to bf16 (high-precision held-out loss) along the continuation, mean ± std over seeds (plans from "
-             "step 17):", "", *traj_lines]
+             "Gap to bf16 (high-precision held-out loss) along the continuation, mean ± std over seeds (step n: after "
+             f"n steps; plans act from the {s.plan_start + 2}th step on):", "", *traj_lines]
     if truths:
         lines += ["", "SNIP's first round against the checkpoint's truths (snip@0.75's runs; the round is the same at "
-                  "either target):", estimate_ranks(runs.get(f"snip@{FRACTION:g}", {}), measured), "",
+                  "either target):", estimate_ranks({k: r for k, r in runs.get(f"snip@{FRACTION:g}", {}).items() if r.get("estimates")}, measured), "",
                   "Does the plan's objective rank the runs' end gaps (issue 64, Deliver 4: the objective-vs-outcome "
                   "check, on these runs)? Every run at each fraction, its plan priced by the truths and by SNIP's "
                   "first-round estimates (the mean over its runs):",
@@ -373,6 +428,23 @@ def report(s: cp.Setup, rows: list[dict], share: float, measured: dict, model: s
                 g.values()) if len(g) > 1 else None, "seeds": list(g.values()), "seed_ids": list(g)}
     return lines, {**{k: v for k, v in summary.items() if v}, "trajectory": traj, "verdicts": verdict_json,
                    "noise_floor": {"bf16_eval_loss": {k: r["eval_loss"] for k, r in sorted(bf16.items())}}}
+
+
+def _finite(value):
+    """``value`` with every non-finite float as None (strict JSON)."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def check_sources(model: str, measured: dict) -> None:
+    """At start, not hours in: the other benchmarks' stores this model's run takes truths (and, for SmolLM2, the
+    references) from hold this very checkpoint."""
+    store = V4_STORE if model == "smollm2" else SECOND_FAMILY_STORE
+    if (store / "measured.json").exists():
+        _checked_store(store / "measured.json", measured, "truths and runs")
 
 
 def main() -> None:
@@ -398,13 +470,19 @@ def main() -> None:
     start = time.perf_counter()
     ckpt, measured = cp.prepare(s, work, args.store, truths=False)
     cp.release_memory()
+    if not args.quick:
+        check_sources(args.model, measured)
     share = recipe_share(s)
     todo = jobs(share, args.seeds, args.model)
     if args.quick:
         todo = [j for j in todo if not j[0].startswith("oracle") and j[0] != RULES[1]]
     rows = cp.run_jobs(s, ckpt, measured, todo, args.store, args.workers, work,
                        lambda: measure_truths(s, ckpt, measured, args.store, args.model), args.cached_only)
-    lines, summary = report(s, rows, share, measured, args.model, args.seeds)
+    if "DIFFER" in references(rows, args.model)[1]:  # quality v4's references cannot serve: every seed's run here
+        print("# this code's all_bf16 differs from quality v4's: the references of every seed run here", flush=True)
+        extra = [job for job in reference_jobs(args.seeds) if job not in todo]
+        rows += cp.run_jobs(s, ckpt, measured, extra, args.store, args.workers, work, None, args.cached_only)
+    lines, summary = report(s, rows, share, measured, args.model)
     date = datetime.date.today().isoformat()
     head = [f"# Quality v5 (issue 65): SNIP as it ships vs the NVFP4 recipe, {title} — {date}",
             f"command: `python benchmarks/quality_v5.py {' '.join(sys.argv[1:])}`; machine: {platform.machine()} "
@@ -417,7 +495,7 @@ def main() -> None:
         return
     prefix = cp.results_prefix(name)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{prefix}.json").write_text(json.dumps(summary, indent=2))
+    (args.out / f"{prefix}.json").write_text(json.dumps(_finite(summary), indent=2))
     (args.out / f"{prefix}_runs.json").write_text(json.dumps({"setting": dataclasses.asdict(s), "rows": rows}, indent=1))
     (args.out / f"{prefix}_{date}.md").write_text("\n".join(head + lines) + "\n")
     plot(summary["trajectory"], args.out / f"{prefix}.png", title)

@@ -592,3 +592,25 @@ def test_quality_v5_fixed_plans_start_late_at_snips_step_and_target_the_switchab
         if step == 8:
             assert late.applied_at is None and {f for k, f in formats.items() if "lm_head" not in k} == {Format.FP8}
     assert late.applied_at == 9 and {k: formats[k] for k in switchable} == dict(switchable.items())
+
+
+def test_quality_v5_capture_verdict_pairs_seeds_and_marks_seeds_without_headroom():
+    """Verdict (c) of quality v5 (issue 65): over the seeds every policy ran, the better rule by its mean there, each
+    seed's share of the oracle's lead over it that SNIP captures, and a seed where the oracle is behind the rule
+    marked instead of divided by a negative headroom."""
+    v5 = _benchmark("quality_v5")
+    bf16 = {k: {"eval_loss": 2.0} for k in range(4)}
+
+    def runs_of(gaps):
+        return {seed: {"eval_loss": 2.0 + g} for seed, g in gaps.items()}
+
+    runs = {"layer_type_edges_gemm": runs_of({0: 0.10, 1: 0.10, 2: 0.08, 3: 0.5}),  # seed 3: one policy only
+            "industry_tail_gemm": runs_of({0: 0.12, 1: 0.11, 2: 0.09}),
+            "oracle_gemm": runs_of({0: 0.06, 1: 0.05, 2: 0.09}), "snip@0.75": runs_of({0: 0.07, 1: 0.08, 2: 0.07})}
+    out = {}
+    line = " ".join(v5.capture(runs, bf16, 5, out))
+    assert out["c"]["best_rule"] == "layer_type_edges_gemm" and out["c"]["seeds"] == [0, 1, 2]
+    assert out["c"]["shares"] == pytest.approx({0: 0.75, 1: 0.4})  # (0.10-0.07)/(0.10-0.06), (0.10-0.08)/(0.10-0.05)
+    assert "2: none (oracle +0.0100 behind)" in line and "not final" in line and not out["c"]["complete"]
+    mean, sd, t, seeds = v5.paired({0: 0.1, 1: 0.2, 2: 0.4}, {0: 0.0, 1: 0.1, 3: 9.0})
+    assert seeds == [0, 1] and mean == pytest.approx(0.1) and sd == pytest.approx(0.0, abs=1e-12)
