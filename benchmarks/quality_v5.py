@@ -86,9 +86,7 @@ def recipe_share(s: cp.Setup) -> float:
     """nvfp4_recipe's natural FP4 share as a share of the switchable layers' FLOPs (SNIP's target at that share)."""
     from lightning_snip.evidence import switchable_share
 
-    module = cp.run_module(s, continuation=True)
-    model_share = cp.natural_fractions(s)[RECIPE]
-    return round(switchable_share(model_share, cp.plan_candidates(module, None, s.candidates)), 6)
+    return round(switchable_share(cp.natural_fractions(s)[RECIPE], _gemm_items(s)[0]), 6)
 
 
 def jobs(share: float, seeds: int, model: str = "smollm2") -> list[tuple[str, float, int]]:
@@ -129,6 +127,11 @@ def references(rows: list[dict], model: str = "smollm2") -> tuple[dict[str, dict
     line = (f"all_bf16 seed 0: this code {mine[0]['eval_loss']:.5f}, quality v4's cache "
             f"{v4['all_bf16'][0]['eval_loss']:.5f} ({'agree' if agree else 'DIFFER'} within 1e-4)")
     return (v4 if agree else own), line
+
+
+def reproduced(rows: list[dict], model: str) -> bool:
+    """False where this code's all_bf16 of seed 0 ran and differs from quality v4's (SmolLM2's references)."""
+    return "DIFFER" not in references(rows, model)[1]
 
 
 def label(row: dict, share: float) -> str:
@@ -478,7 +481,7 @@ def main() -> None:
         todo = [j for j in todo if not j[0].startswith("oracle") and j[0] != RULES[1]]
     rows = cp.run_jobs(s, ckpt, measured, todo, args.store, args.workers, work,
                        lambda: measure_truths(s, ckpt, measured, args.store, args.model), args.cached_only)
-    if "DIFFER" in references(rows, args.model)[1]:  # quality v4's references cannot serve: every seed's run here
+    if not reproduced(rows, args.model):  # quality v4's references cannot serve: every seed's run here
         print("# this code's all_bf16 differs from quality v4's: the references of every seed run here", flush=True)
         extra = [job for job in reference_jobs(args.seeds) if job not in todo]
         rows += cp.run_jobs(s, ckpt, measured, extra, args.store, args.workers, work, None, args.cached_only)
