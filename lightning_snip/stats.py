@@ -51,7 +51,8 @@ class RoundPrecision(Choice):
 
 @dataclass
 class LayerStats:
-    """One layer's record: X (rows x k), G (rows x m) of the same rows, W (m x k), Adam state.
+    """One layer's record: X (rows x k), G (rows x m) of the same rows, W (m x k) (its AdamW state is the
+    Statistics' ``param_adam`` under ``weight_name``).
 
     ``num_samples``: how many independent samples (sequences) the rows come from, in order (rows of
     one sample are contiguous). Divergence estimates use it to measure their own sampling error:
@@ -61,7 +62,6 @@ class LayerStats:
     x: torch.Tensor
     g: torch.Tensor
     weight: torch.Tensor
-    adam: AdamState | None
     num_samples: int = 0
     # The weight's name among the model's parameters: not "<fqn>.weight" when it is tied to another
     # module's (an lm_head sharing the embedding), whose name named_parameters() reports instead.
@@ -304,7 +304,6 @@ def collect_stats(
             x=inputs[fqn].detach().reshape(-1, layers[fqn].in_features),
             g=out_grads[fqn],
             weight=p.all_params.get(weight_names[fqn], layers[fqn].weight).detach(),
-            adam=read_adam_state(optimizer, p.all_params.get(weight_names[fqn], layers[fqn].weight)),
             # (batch, ..., features) inputs: the leading dimension indexes samples; 2-D: each row is one.
             num_samples=int(inputs[fqn].shape[0]),
             leading_sample_dim=inputs[fqn].dim() >= 3,

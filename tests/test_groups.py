@@ -99,7 +99,7 @@ class _Stats:
         from lightning_snip.stats import LayerStats
 
         self.sharded = sharded
-        self.layers = {f"l{i}": LayerStats(f"l{i}", torch.zeros(8, k), torch.zeros(8, n), torch.zeros(n, k), None, 2)
+        self.layers = {f"l{i}": LayerStats(f"l{i}", torch.zeros(8, k), torch.zeros(8, n), torch.zeros(n, k), 2)
                        for i, (k, n) in enumerate(shapes)}
         # each layer's RHT signs, as convert_linears names them (what _quantized_bmm reads of the modules)
         self.layer_modules = {fqn: types.SimpleNamespace(rht_signs=layer_signs(fqn)) for fqn in self.layers}
