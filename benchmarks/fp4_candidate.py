@@ -39,15 +39,13 @@ import datetime
 import json
 import math
 import multiprocessing
-import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import compare_policies as cp  # the script's own folder is on the path, as for every benchmark
+from harness import bench_dir, machine_line
 
 SNIP = "snip_gemm+ships"
 FRACTION = 0.75
@@ -183,8 +181,7 @@ def main() -> None:
     if args.quick:
         base = dataclasses.replace(cp.SETTINGS["smollm2_quick"], continue_steps=4, trajectory_every=2)
         args.seeds, args.store = 1, Path(tempfile.mkdtemp(prefix="fp4_candidate_"))
-    work = Path(os.environ.get("SNIP_BENCH_DIR", os.path.join(tempfile.gettempdir(), "snip_compare_v2"))) / (
-        "fp4_candidate_quick" if args.quick else "fp4_candidate")
+    work = bench_dir("fp4_candidate_quick" if args.quick else "fp4_candidate")
     start = time.perf_counter()
     settings = {arm: arm_setting(base, arm) for arm in ARMS}
     stores, prepared = {}, {}
@@ -197,9 +194,7 @@ def main() -> None:
     rows = run_all(settings, prepared, arm_jobs(args.seeds), stores, args.workers, work, args.cached_only)
     date = datetime.date.today().isoformat()
     head = [f"# SNIP's FP4 candidate: mxfp4 vs nvfp4, each with the recipe (issue 63) — {date}",
-            f"command: `python benchmarks/fp4_candidate.py {' '.join(sys.argv[1:])}`; machine: {platform.machine()} "
-            f"({os.cpu_count()} cores), Python {platform.python_version()}; FP4 emulated; runs 1 thread each, "
-            f"{args.workers} at a time", f"setting: {dataclasses.asdict(base)}; arms: {ARMS}; policy {SNIP} at "
+            machine_line("fp4_candidate.py", args.workers), f"setting: {dataclasses.asdict(base)}; arms: {ARMS}; policy {SNIP} at "
             f"{FRACTION} (the protocol and the verdict: this script's docstring, registered before the runs)",
             f"wall {time.perf_counter() - start:.0f} s (this invocation)", ""]
     lines = head + report(rows, settings)

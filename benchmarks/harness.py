@@ -671,6 +671,25 @@ def training_path_fault(kind: str):
     return quantized_matmul
 
 
+def bench_dir(name: str, default: str = "snip_compare_v2") -> Path:
+    """A benchmark's scratch folder (pretrained checkpoints, per-run folders), created: $SNIP_BENCH_DIR/<name>, or the
+    temporary directory's ``default``/<name>. Never committed; a checkpoint there is rebuilt when missing."""
+    import tempfile  # (only here: the rest of this module needs no temporary files)
+    work = Path(os.environ.get("SNIP_BENCH_DIR", os.path.join(tempfile.gettempdir(), default))) / name
+    work.mkdir(parents=True, exist_ok=True)
+    return work
+
+
+def machine_line(script: str, workers: int) -> str:
+    """The results header's command and machine, for a benchmark whose runs take 1 thread each, ``workers`` at a
+    time: what to type to reproduce it and where it ran."""
+    import platform
+    import sys
+    return (f"command: `python benchmarks/{script} {' '.join(sys.argv[1:])}`; machine: {platform.machine()} "
+            f"({os.cpu_count()} cores), Python {platform.python_version()}; FP4 emulated; runs 1 thread each, "
+            f"{workers} at a time")
+
+
 def cached_json(path: Path, run):
     """``run()``'s result, cached as JSON at ``path``: a benchmark rerun resumes from the runs that finished."""
     import json

@@ -25,19 +25,17 @@ plans' truth prices.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
-import platform
 import shutil
 import statistics as st
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import compare_policies as cp  # the script's own folder is on the path, as for every benchmark
+from harness import bench_dir
 
 SETTING = "smollm2_long"
 V4_STORE = cp.RESULTS / "compare_policies_smollm2_long_cache"  # the checkpoint's truths (quality v4)
@@ -423,9 +421,7 @@ def main() -> None:
         s = cp.SETTINGS["smollm2_quick"]
         args.batches, args.draws, args.rows = 2, 2, [64]
         args.store = Path(tempfile.mkdtemp(prefix="ld_variance_"))
-    work = Path(os.environ.get("SNIP_BENCH_DIR", os.path.join(tempfile.gettempdir(), "snip_compare_v2"))) / (
-        "quick_ld" if args.quick else SETTING)
-    work.mkdir(parents=True, exist_ok=True)
+    work = bench_dir("quick_ld" if args.quick else SETTING)
     if not args.report_only:
         model, layers, _, _, _ = load(s, work, args.store)
         probes = [(float(p.partition(":")[0]), p.endswith(":anti")) for p in args.probes]

@@ -30,7 +30,6 @@ import torch
 
 from lightning_snip.callback import SNIPCallback
 from lightning_snip.config import SNIPConfig
-from lightning_snip.convert import apply_plan
 from lightning_snip.demo.lightning import ByteTextDataModule, CausalLM, DemoLM
 from lightning_snip.demo.model import LlamaConfig
 

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import compare_policies as cp  # the script's own folder is on the path, as for every benchmark
+from harness import bench_dir
 
 SETTING = "smollm2_long"
 SNIP = "snip_gemm+defaults"  # the product as it ships (granularity gemm is the default)
@@ -306,9 +307,7 @@ def main() -> None:
     if args.quick:
         s = dataclasses.replace(cp.SETTINGS["smollm2_quick"], continue_steps=4, trajectory_every=2)
         args.seeds, args.store = 1, Path(tempfile.mkdtemp(prefix="quality_long_"))
-    work = Path(os.environ.get("SNIP_BENCH_DIR", os.path.join(tempfile.gettempdir(), "snip_compare_v2"))) / (
-        "quick_long" if args.quick else SETTING)
-    work.mkdir(parents=True, exist_ok=True)
+    work = bench_dir("quick_long" if args.quick else SETTING)
     args.store.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     ckpt, measured = cp.prepare(s, work, args.store, truths=False)

@@ -11,13 +11,11 @@ Run compare_policies.py --setting deep8 once first (it writes the checkpoint). P
 """
 import argparse
 import json
-import os
 import tempfile
 import time
-from pathlib import Path
 
 import compare_policies as cp  # the benchmark whose unit of work this times (a script's folder is on its path)
-from harness import quantizer_mode
+from harness import bench_dir, quantizer_mode
 
 
 def main() -> None:
@@ -26,7 +24,7 @@ def main() -> None:
     parser.add_argument("--jobs", nargs="+", default=["all_fp4:1.0", "snip:0.75"], help="policy:fraction, seed 0")
     args = parser.parse_args()
     s = cp.SETTINGS["deep8"]
-    work = Path(os.environ.get("SNIP_BENCH_DIR", os.path.join(tempfile.gettempdir(), "snip_compare_v2"))) / "deep8"
+    work = bench_dir("deep8")
     if not (work / "pretrained.ckpt").exists():
         raise SystemExit(f"{work / 'pretrained.ckpt'} missing: run benchmarks/compare_policies.py --setting deep8 first")
     measured = json.loads((work / "measured.json").read_text())["measured"]

@@ -59,15 +59,13 @@ import datetime
 import functools
 import json
 import math
-import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import compare_policies as cp  # the script's own folder is on the path, as for every benchmark
+from harness import bench_dir, machine_line
 from quality_long import estimate_ranks
 
 # model -> (its compare_policies setting, default seeds, the folder of its checkpoint under SNIP_BENCH_DIR, its title)
@@ -466,9 +464,7 @@ def main() -> None:
     s = setting(args.quick, args.model)
     if args.quick:
         args.seeds, args.store = 1, Path(tempfile.mkdtemp(prefix="quality_v5_"))
-    work = Path(os.environ.get("SNIP_BENCH_DIR", os.path.join(tempfile.gettempdir(), "snip_compare_v2"))) / (
-        "quick_v5" if args.quick else folder)
-    work.mkdir(parents=True, exist_ok=True)
+    work = bench_dir("quick_v5" if args.quick else folder)
     args.store.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     ckpt, measured = cp.prepare(s, work, args.store, truths=False)
@@ -488,9 +484,7 @@ def main() -> None:
     lines, summary = report(s, rows, share, measured, args.model)
     date = datetime.date.today().isoformat()
     head = [f"# Quality v5 (issue 65): SNIP as it ships vs the NVFP4 recipe, {title} — {date}",
-            f"command: `python benchmarks/quality_v5.py {' '.join(sys.argv[1:])}`; machine: {platform.machine()} "
-            f"({os.cpu_count()} cores), Python {platform.python_version()}; FP4 emulated; runs 1 thread each, "
-            f"{args.workers} at a time", f"setting: {dataclasses.asdict(s)}; the recipe's FP4 share of the switchable "
+            machine_line("quality_v5.py", args.workers), f"setting: {dataclasses.asdict(s)}; the recipe's FP4 share of the switchable "
             f"layers {share:.4f} (protocol and verdicts: this script's docstring, registered before the runs)",
             f"runs in the cache: {len(rows)}; wall {time.perf_counter() - start:.0f} s (this invocation)", ""]
     print("\n".join(head + lines), flush=True)

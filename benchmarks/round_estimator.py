@@ -40,13 +40,12 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics as st
-import tempfile
 import time
 from pathlib import Path
 
 import compare_policies as cp  # the script's own folder is on the path, as for every benchmark
+from harness import bench_dir
 import ld_variance as lv
 
 VARIANTS = {"today": dict(noise_draws=2, probe_scale=1.0, antithetic=False),
@@ -103,8 +102,7 @@ def measure(s: cp.Setup, store: Path, seeds: range, names: list[str]) -> None:
     from lightning_snip.convert import convert_linears
 
     torch.set_num_threads(int(os.environ.get("SNIP_THREADS", "2")))
-    work = Path(os.environ.get("SNIP_BENCH_DIR", os.path.join(tempfile.gettempdir(), "snip_compare_v2"))) / lv.SETTING
-    work.mkdir(parents=True, exist_ok=True)
+    work = bench_dir(lv.SETTING)
     ckpt, _ = cp.prepare(s, work, lv.prepared_store(store), truths=False)
     module, optimizer, _ = cp.from_checkpoint(s, ckpt)
     model = cp.truth_model(s, module)[0]

@@ -22,11 +22,11 @@ import math
 import os
 import platform
 import statistics as st
-import tempfile
 import time
 from pathlib import Path
 
 import compare_policies as cp  # the script's own folder is on the path, as for every benchmark
+from harness import bench_dir
 import ld_variance as lv
 import round_estimator as re_
 
@@ -38,8 +38,7 @@ def measure(s: cp.Setup, store: Path, seeds: int) -> None:
     import torch
 
     torch.set_num_threads(int(os.environ.get("SNIP_THREADS", "2")))
-    work = Path(os.environ.get("SNIP_BENCH_DIR", os.path.join(tempfile.gettempdir(), "snip_compare_v2"))) / SETTING
-    work.mkdir(parents=True, exist_ok=True)
+    work = bench_dir(SETTING)
     ckpt, measured = cp.prepare(s, work, store, truths=False)
     module, optimizer, data = cp.from_checkpoint(s, ckpt)
     _rounds(s, store, seeds, module, optimizer)  # first: minutes, where the truths take an hour (and resume by part)

@@ -50,7 +50,6 @@ import sys
 
 import torch
 
-from lightning_snip.config import SNIPConfig
 from lightning_snip.statistics_round import WD_PROBES
 
 from harness import BATCH, SEQ_LEN, RoundVariant, measure_one
