@@ -265,13 +265,15 @@ def capture(runs: dict[str, dict[int, dict]], bf16: dict[int, dict], seeds_neede
     headroom = {k: gap[best][k] - oracle[k] for k in seeds}
     shares = {k: (gap[best][k] - snip[k]) / headroom[k] for k in seeds if headroom[k] > 0}
     cells = [f"{k}: {shares[k]:.2f}" if k in shares else f"{k}: none (oracle {-headroom[k]:+.4f} behind)" for k in seeds]
-    whole = statistics.fmean(gap[best][k] - snip[k] for k in seeds) / statistics.fmean(headroom.values())
+    mean_headroom = statistics.fmean(headroom.values())  # (a ratio over a headroom <= 0 has no meaning)
+    whole = statistics.fmean(gap[best][k] - snip[k] for k in seeds) / mean_headroom if mean_headroom > 0 else None
     final = "" if len(seeds) >= seeds_needed else f" ({len(seeds)} of {seeds_needed} seeds: not final)"
     out["c"] = {"best_rule": best, "seeds": seeds, "shares": shares, "headroom": headroom,
                 "ratio_of_means": whole, "complete": len(seeds) >= seeds_needed}
     return [f"verdict (c) share of the oracle's lead over {best} (the better rule over these seeds) captured by "
             f"snip@{FRACTION:g}, per seed: " + "; ".join(cells) + f"{final}; beside it, not registered: the ratio "
-            f"of the mean leads {whole:.2f}"]
+            "of the mean leads " + (f"{whole:.2f}" if whole is not None else
+                                    f"undefined (the oracle {-mean_headroom:+.4f} behind {best} on the mean)")]
 
 
 ORDER = ("all_fp8", RECIPE, "snip@recipe", f"snip@{FRACTION:g}") + RULES + (ORACLE,)

@@ -612,5 +612,10 @@ def test_quality_v5_capture_verdict_pairs_seeds_and_marks_seeds_without_headroom
     assert out["c"]["best_rule"] == "layer_type_edges_gemm" and out["c"]["seeds"] == [0, 1, 2]
     assert out["c"]["shares"] == pytest.approx({0: 0.75, 1: 0.4})  # (0.10-0.07)/(0.10-0.06), (0.10-0.08)/(0.10-0.05)
     assert "2: none (oracle +0.0100 behind)" in line and "not final" in line and not out["c"]["complete"]
+    assert out["c"]["ratio_of_means"] == pytest.approx((0.03 + 0.02 + 0.01) / (0.04 + 0.05 - 0.01))
+    # An oracle behind the rule on the mean: no ratio (a negative over a negative would read as a capture).
+    behind = dict(runs, oracle_gemm=runs_of({0: 0.12, 1: 0.13, 2: 0.09}))
+    line = " ".join(v5.capture(behind, bf16, 5, out))
+    assert out["c"]["ratio_of_means"] is None and "undefined (the oracle +0.0200 behind" in line and out["c"]["shares"] == {}
     mean, sd, t, seeds = v5.paired({0: 0.1, 1: 0.2, 2: 0.4}, {0: 0.0, 1: 0.1, 3: 9.0})
     assert seeds == [0, 1] and mean == pytest.approx(0.1) and sd == pytest.approx(0.0, abs=1e-12)
