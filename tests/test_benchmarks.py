@@ -619,3 +619,16 @@ def test_quality_v5_capture_verdict_pairs_seeds_and_marks_seeds_without_headroom
     assert out["c"]["ratio_of_means"] is None and "undefined (the oracle +0.0200 behind" in line and out["c"]["shares"] == {}
     mean, sd, t, seeds = v5.paired({0: 0.1, 1: 0.2, 2: 0.4}, {0: 0.0, 1: 0.1, 3: 9.0})
     assert seeds == [0, 1] and mean == pytest.approx(0.1) and sd == pytest.approx(0.0, abs=1e-12)
+
+
+def test_quality_v5_reproduction_check_reads_the_losses_not_the_report_line():
+    """Quality v5 (issue 65) takes SmolLM2's references from quality v4's cache only where this code's all_bf16 of
+    seed 0 reproduces v4's within 1e-4; Gemma 3 always runs its own."""
+    v5 = _benchmark("quality_v5")
+    v4 = v5._v4_references()["all_bf16"][0]["eval_loss"]
+    assert v5.reproduced([], "smollm2")  # not run yet: v4's (provisional)
+    for delta, agrees in ((0.0, True), (5e-5, True), (2e-4, False), (-1.0, False)):
+        rows = [{"policy": "all_bf16", "seed": 0, "eval_loss": v4 + delta}]
+        assert v5.reproduced(rows, "smollm2") is agrees
+        assert ("DIFFER" in v5.references(rows)[1]) is not agrees
+        assert v5.reproduced(rows, "gemma3")
