@@ -417,10 +417,10 @@ def test_quality_objective_study_prices_plans_with_truths_and_snips_estimates():
     assert "gemm eval_loss" not in lines  # no per-GEMM plan among the runs
 
 
-def test_quality_cache_keeps_runs_only_for_the_same_checkpoint(tmp_path, monkeypatch):
+def test_quality_cache_keeps_runs_only_for_the_same_checkpoint(tmp_path, monkeypatch, capsys):
     """prepare(): cached measurements and runs are reused while the setting and the checkpoint's
     fingerprint are the same; a regenerated checkpoint with the same fingerprint keeps them, another
-    fingerprint or setting renames the runs and truth parts stale and starts afresh."""
+    fingerprint or setting renames the runs, rounds and truth parts stale, says so, and starts afresh."""
     import json
 
     cp = _benchmark("compare_policies")
@@ -434,7 +434,7 @@ def test_quality_cache_keeps_runs_only_for_the_same_checkpoint(tmp_path, monkeyp
     def fake_pretrain(setting, root, *, with_truths=True):
         calls.append(with_truths)
         (root / "pretrained.ckpt").write_text("ckpt")
-        return root / "pretrained.ckpt", {"fingerprint": next(fingerprints), "rel_error": {}}
+        return root / "pretrained.ckpt", {"fingerprint": next(fingerprints), "rel_error": {}, "versions": "torch 9"}
 
     monkeypatch.setattr(cp, "pretrain", fake_pretrain)
     ckpt, measured = cp.prepare(s, work, store)
@@ -446,8 +446,13 @@ def test_quality_cache_keeps_runs_only_for_the_same_checkpoint(tmp_path, monkeyp
     ckpt.unlink()  # a new session: the checkpoint is regenerated, the same weights
     assert cp.prepare(s, work, store)[1]["truths"] == {"x": 1} and (store / "rows.jsonl").exists()
     ckpt.unlink()  # regenerated with other weights: nothing cached is this checkpoint's
+    (store / "rounds.jsonl").write_text('{"seed": 0}\n')
+    capsys.readouterr()
     assert "truths" not in cp.prepare(s, work, store)[1]
     assert not (store / "rows.jsonl").exists() and len(list(store.glob("rows_stale_*.jsonl"))) == 1
+    assert not (store / "rounds.jsonl").exists() and len(list(store.glob("rounds_stale_*.jsonl"))) == 1
+    said = capsys.readouterr().err
+    assert "fingerprint 2.0, torch 9" in said and "(1.0, torch 9)" in said and "rows.jsonl set aside" in said
     other = cp.Setup(**{**cp.setting_record(s), "continue_steps": s.continue_steps + 1})
     assert cp.prepare(other, work, store)[1]["fingerprint"] == "3.0"  # another protocol: measured afresh
     # SmolLM2's 4 pretraining steps regenerated in another session: 1e-11 apart, the same checkpoint.
