@@ -90,9 +90,12 @@ def recipe_share(s: cp.Setup) -> float:
 def jobs(share: float, seeds: int, model: str = "smollm2") -> list[tuple[str, float, int]]:
     """In the order the verdicts need them (the pool runs them in this order; a cut-off session leaves whole
     verdicts): SmolLM2: (a) and (b) seed by seed, then the rules, the reproduction check, and the oracle (after its
-    truths); Gemma 3: all_bf16 and (a) seed by seed, then SNIP at 0.75 and the rules, all_fp8, and the oracle."""
+    truths); Gemma 3: (a) seed by seed, then all_bf16 (the gaps' reference: no verdict needs it), SNIP at 0.75 and
+    the rules, all_fp8, and the oracle. (A run takes ~20 min there, a pair of them ~35 min on 2 cores: verdict (a)
+    first fits a session.)"""
     if model == "gemma3":
-        out = [(p, f, seed) for seed in range(seeds) for p, f in (("all_bf16", 0.0), (RECIPE, share), (SNIP, share))]
+        out = [(p, share, seed) for seed in range(seeds) for p in (RECIPE, SNIP)]
+        out += [("all_bf16", 0.0, seed) for seed in range(seeds)]
         out += [(p, FRACTION, seed) for seed in range(seeds) for p in (SNIP,) + RULES]
         out += [("all_fp8", 0.0, seed) for seed in range(seeds)]
         return out + [(ORACLE, FRACTION, seed) for seed in range(seeds)]
@@ -231,7 +234,12 @@ def verdicts(s: cp.Setup, runs: dict[str, dict[int, dict]], bf16: dict[int, dict
     with fewer than ``seeds_needed`` seeds (the registered count) is not final, and one outside ``registered`` (this
     model's) is context. Returns the lines and their JSON."""
     lines, out = [], {}
-    recipe = gaps(runs.get(RECIPE, {}), bf16)
+    # (a), (b), (b') pair the end losses themselves (the registered lead: the recipe's held-out loss minus SNIP's,
+    # where all_bf16 cancels): a seed counts once both policies ran it, before its all_bf16 has.
+    def ends(policy: str) -> dict[int, float]:
+        return {seed: r["eval_loss"] for seed, r in runs.get(policy, {}).items()}
+
+    recipe = ends(RECIPE)
 
     def above(a: str, b: str, measure, seeds) -> bool:  # on every paired seed, a's plan above b's by ``measure``
         return all(measure(s, in_force(s, runs[a][k])) > measure(s, in_force(s, runs[b][k])) for k in seeds)
@@ -246,7 +254,7 @@ def verdicts(s: cp.Setup, runs: dict[str, dict[int, dict]], bf16: dict[int, dict
     for tag, snip, need in (("a", "snip@recipe", "lead > 2 paired std"),
                             ("b", f"snip@{FRACTION:g}", "lead >= -1 paired std, more FP4"),
                             ("b'", f"snip@{FRACTION:g}", "lead >= -1 paired std, a lower GEMM cost")):
-        lead, sd, t, seeds = paired(recipe, gaps(runs.get(snip, {}), bf16))
+        lead, sd, t, seeds = paired(recipe, ends(snip))
         if not seeds:
             continue
         if tag == "a":
@@ -256,7 +264,7 @@ def verdicts(s: cp.Setup, runs: dict[str, dict[int, dict]], bf16: dict[int, dict
         else:  # the recipe's plan costs more GEMM time than SNIP's (the library's cost model), seed by seed
             ok = lead >= -sd and above(RECIPE, snip, plan_cost, seeds)
         ok = bool(ok) and len(seeds) > 1  # (one seed has no std)
-        per = " ".join(f"{k}: {recipe[k] - gaps(runs[snip], bf16)[k]:+.4f}" for k in seeds)
+        per = " ".join(f"{k}: {recipe[k] - ends(snip)[k]:+.4f}" for k in seeds)
         lines.append(f"verdict ({tag}) {snip} vs {RECIPE}: lead {lead:+.5f} ± {sd:.5f} ({lead / sd if sd else math.nan:.2f} "
                      f"std, t {t:.1f}, {len(seeds)} seeds; per seed {per}); registered: {need}: {status(ok, seeds, tag)}")
         out[tag] = {"snip": snip, "lead_mean": lead, "lead_std": sd, "t": t, "seeds": seeds, "met": ok,

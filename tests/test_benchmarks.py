@@ -637,3 +637,15 @@ def test_quality_v5_reproduction_check_reads_the_losses_not_the_report_line():
         assert v5.reproduced(rows, "smollm2") is agrees
         assert ("DIFFER" in v5.references(rows)[1]) is not agrees
         assert v5.reproduced(rows, "gemma3")
+
+
+def test_quality_v5_lead_verdicts_pair_end_losses_without_waiting_for_all_bf16():
+    """Verdict (a) of quality v5 (issue 65) is the recipe's end loss minus SNIP's, paired by seed: all_bf16 cancels,
+    so a seed counts as soon as both ran it (Gemma 3 runs (a) before its references)."""
+    v5 = _benchmark("quality_v5")
+    cp = _benchmark("compare_policies")
+    runs = {v5.RECIPE: {k: {"eval_loss": 3.0 + d} for k, d in enumerate((0.05, 0.06, 0.07))},
+            "snip@recipe": {k: {"eval_loss": 3.0 + d} for k, d in enumerate((0.01, 0.03, 0.02))}}
+    lines, out = v5.verdicts(cp.SETTINGS["gemma3_v5"], runs, {0: {"eval_loss": 2.9}}, 3, ("a", "c"))
+    assert out["a"]["seeds"] == [0, 1, 2] and out["a"]["lead_mean"] == pytest.approx(0.04)
+    assert out["a"]["complete"] and out["a"]["met"] and "per seed 0: +0.0400 1: +0.0300 2: +0.0500" in lines[0]
