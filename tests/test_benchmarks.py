@@ -649,3 +649,15 @@ def test_quality_v5_lead_verdicts_pair_end_losses_without_waiting_for_all_bf16()
     lines, out = v5.verdicts(cp.SETTINGS["gemma3_v5"], runs, {0: {"eval_loss": 2.9}}, 3, ("a", "c"))
     assert out["a"]["seeds"] == [0, 1, 2] and out["a"]["lead_mean"] == pytest.approx(0.04)
     assert out["a"]["complete"] and out["a"]["met"] and "per seed 0: +0.0400 1: +0.0300 2: +0.0500" in lines[0]
+
+
+def test_quality_v5_gemma_runs_its_verdicts_jobs_before_all_fp8():
+    """Gemma 3's v5 (issue 65, Deliver 4: verdicts (a) and (c)) runs (a)'s pairs first and all_fp8, which neither
+    verdict needs, after the oracle (whose truths run_jobs measures after every job it was given)."""
+    v5 = _benchmark("quality_v5")
+    todo = v5.jobs(0.8, 3, "gemma3")
+    assert todo[:2] == [(v5.RECIPE, 0.8, 0), (v5.SNIP, 0.8, 0)] and len(set(todo)) == len(todo) == 24
+    late = v5.after_oracle(todo, "gemma3")
+    assert late == [("all_fp8", 0.0, seed) for seed in range(3)] and todo[-3:] == late
+    assert max(i for i, job in enumerate(todo) if job[0] == v5.ORACLE) < todo.index(late[0])
+    assert v5.after_oracle(v5.jobs(0.8, 5, "smollm2"), "smollm2") == []
