@@ -822,12 +822,13 @@ def verdicts(summary: dict) -> list[str]:
 
 
 def run_jobs(s: Setup, ckpt, measured, jobs, store: Path, workers: int, root: Path, truths=None,
-             cached_only: bool = False) -> list[dict]:
+             cached_only: bool = False, heavy=None) -> list[dict]:
     """Runs the jobs not yet in ``store``/rows.jsonl (appending each finished row there as it ends);
     returns the rows of all the jobs. ``truths``: a callable that adds the oracle's truths to
     ``measured`` when they are missing (SmolLM2's, measured after every other job: a session cut off
     before them has its other runs). ``cached_only``: run nothing, return the cached rows (an interim
-    report of a benchmark that takes more than a session)."""
+    report of a benchmark that takes more than a session). ``heavy``: a predicate on a job; at most one
+    such job runs at a time (next_job)."""
     done_path = store / "rows.jsonl"
     done, stale = {}, 0
     if done_path.exists():
@@ -858,15 +859,29 @@ def run_jobs(s: Setup, ckpt, measured, jobs, store: Path, workers: int, root: Pa
         for batch in batches:
             if batch is needs_truths and batch:
                 truths()
-            pending = [pool.submit(run_one, s, str(ckpt), p, f, seed, measured, str(root)) for p, f, seed in batch]
-            for fut in futures.as_completed(pending):
-                row = fut.result()
-                rows.append(row)
-                with done_path.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
-                print(f"{row['policy']:<14} frac {row['fraction']:.2f} seed {row['seed']} eval {row['eval_loss']:.4f} "
-                      f"achieved {row['achieved_fraction']:.3f} plans {row['plans']} {row['seconds']:.0f}s", flush=True)
+            queue, running = list(batch), {}
+            while queue or running:
+                while len(running) < workers and (i := next_job(queue, running.values(), heavy)) is not None:
+                    job = queue.pop(i)
+                    running[pool.submit(run_one, s, str(ckpt), *job, measured, str(root))] = job
+                finished, _ = futures.wait(running, return_when=futures.FIRST_COMPLETED)
+                for fut in finished:
+                    del running[fut]
+                    row = fut.result()
+                    rows.append(row)
+                    with done_path.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    print(f"{row['policy']:<14} frac {row['fraction']:.2f} seed {row['seed']} eval {row['eval_loss']:.4f} "
+                          f"achieved {row['achieved_fraction']:.3f} plans {row['plans']} {row['seconds']:.0f}s", flush=True)
     return rows
+
+
+def next_job(queue: list[tuple], running, heavy=None) -> int | None:
+    """The index in ``queue`` of the job to start next: the first, except that while a ``heavy`` job runs (a
+    predicate on a job; None: none is) the first job that is not heavy (None: none may start now). Measured
+    2026-12-07: a Gemma 3 SNIP run's worker reached 11.5 GB and two of them at once were killed for memory on 24 GB."""
+    busy = heavy is not None and any(heavy(job) for job in running)
+    return next((i for i, job in enumerate(queue) if not (busy and heavy(job))), None)
 
 
 def complete_seeds(rows: list[dict], jobs) -> list[dict]:

@@ -93,6 +93,13 @@ def after_oracle(todo: list[tuple[str, float, int]], model: str) -> list[tuple[s
     return [job for job in todo if model == "gemma3" and job[0] == "all_fp8"]
 
 
+def heavy_jobs(model: str):
+    """Which jobs run one at a time (compare_policies.next_job): Gemma 3's SNIP runs, whose statistics rounds took a
+    worker to 11.5 GB (2026-12-07: two of them at once were killed for memory on 24 GB; a fixed plan's run took
+    ~7.8 GB). None elsewhere."""
+    return (lambda job: job[0].startswith("snip")) if model == "gemma3" else None
+
+
 def jobs(share: float, seeds: int, model: str = "smollm2") -> list[tuple[str, float, int]]:
     """In the order the verdicts need them (the pool runs them in this order; a cut-off session leaves whole
     verdicts): SmolLM2: (a) and (b) seed by seed, then the rules, the reproduction check, and the oracle (after its
@@ -505,11 +512,11 @@ def main() -> None:
     todo = jobs(share, args.seeds, args.model)
     if args.quick:
         todo = [j for j in todo if not j[0].startswith("oracle") and j[0] != RULES[1]]
-    late = after_oracle(todo, args.model)
+    late, heavy = after_oracle(todo, args.model), heavy_jobs(args.model)
     rows = cp.run_jobs(s, ckpt, measured, [j for j in todo if j not in late], args.store, args.workers, work,
-                       lambda: measure_truths(s, ckpt, measured, args.store, args.model), args.cached_only)
+                       lambda: measure_truths(s, ckpt, measured, args.store, args.model), args.cached_only, heavy)
     if late:
-        rows += cp.run_jobs(s, ckpt, measured, late, args.store, args.workers, work, None, args.cached_only)
+        rows += cp.run_jobs(s, ckpt, measured, late, args.store, args.workers, work, None, args.cached_only, heavy)
     if not reproduced(rows, args.model):  # quality v4's references cannot serve: every seed's run here
         print("# this code's all_bf16 differs from quality v4's: the references of every seed run here", flush=True)
         extra = [job for job in reference_jobs(args.seeds) if job not in todo]

@@ -661,3 +661,17 @@ def test_quality_v5_gemma_runs_its_verdicts_jobs_before_all_fp8():
     assert late == [("all_fp8", 0.0, seed) for seed in range(3)] and todo[-3:] == late
     assert max(i for i, job in enumerate(todo) if job[0] == v5.ORACLE) < todo.index(late[0])
     assert v5.after_oracle(v5.jobs(0.8, 5, "smollm2"), "smollm2") == []
+
+
+def test_run_jobs_starts_at_most_one_heavy_job_at_a_time():
+    """compare_policies.next_job: while a heavy job (Gemma 3's SNIP runs in quality v5: two at once ran out of
+    memory) runs, the next job to start is the first light one; none when only heavy ones are left."""
+    cp, v5 = _benchmark("compare_policies"), _benchmark("quality_v5")
+    heavy = v5.heavy_jobs("gemma3")
+    queue = [(v5.SNIP, 0.8, 2), (v5.SNIP, 0.75, 0), (v5.RULES[0], 0.75, 0), (v5.SNIP, 0.75, 1)]
+    assert cp.next_job(queue, [], heavy) == 0
+    assert cp.next_job(queue, [(v5.SNIP, 0.8, 2)], heavy) == 2
+    assert cp.next_job(queue, [(v5.RULES[1], 0.75, 0)], heavy) == 0
+    assert cp.next_job(queue[:2], [(v5.SNIP, 0.8, 1)], heavy) is None
+    assert cp.next_job(queue, [(v5.SNIP, 0.8, 2)], v5.heavy_jobs("smollm2")) == 0
+    assert cp.next_job([], [], heavy) is None
