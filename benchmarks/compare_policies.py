@@ -878,8 +878,8 @@ def run_jobs(s: Setup, ckpt, measured, jobs, store: Path, workers: int, root: Pa
 
 def next_job(queue: list[tuple], running, heavy=None) -> int | None:
     """The index in ``queue`` of the job to start next: the first, except that while a ``heavy`` job runs (a
-    predicate on a job; None: none is) the first job that is not heavy (None: none may start now). Measured
-    2026-12-07: a Gemma 3 SNIP run's worker reached 11.5 GB and two of them at once were killed for memory on 24 GB."""
+    predicate on a job; None: none is) the first job that is not heavy (None: none may start now): for runs too large
+    in memory to pair (quality_v5.heavy_jobs)."""
     busy = heavy is not None and any(heavy(job) for job in running)
     return next((i for i, job in enumerate(queue) if not (busy and heavy(job))), None)
 

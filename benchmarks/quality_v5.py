@@ -105,7 +105,7 @@ def jobs(share: float, seeds: int, model: str = "smollm2") -> list[tuple[str, fl
     verdicts): SmolLM2: (a) and (b) seed by seed, then the rules, the reproduction check, and the oracle (after its
     truths); Gemma 3: (a) seed by seed, then all_bf16 (the gaps' reference: no verdict needs it), SNIP at 0.75 and
     the rules, the oracle, and all_fp8 (context: neither of its verdicts needs it; run after the oracle's truths and
-    runs, see after_oracle). (A run takes ~20 min there, a pair of them ~35 min on 2 cores: verdict (a) first fits a
+    runs, see after_oracle). (A run takes 16-27 min there on 2 cores, two at a time: verdict (a) first fits a
     session.)"""
     if model == "gemma3":
         out = [(p, share, seed) for seed in range(seeds) for p in (RECIPE, SNIP)]
@@ -268,7 +268,8 @@ def verdicts(s: cp.Setup, runs: dict[str, dict[int, dict]], bf16: dict[int, dict
     for tag, snip, need in (("a", "snip@recipe", "lead > 2 paired std"),
                             ("b", f"snip@{FRACTION:g}", "lead >= -1 paired std, more FP4"),
                             ("b'", f"snip@{FRACTION:g}", "lead >= -1 paired std, a lower GEMM cost")):
-        lead, sd, t, seeds = paired(recipe, ends(snip))
+        snips = ends(snip)
+        lead, sd, t, seeds = paired(recipe, snips)
         if not seeds:
             continue
         if tag == "a":
@@ -278,7 +279,7 @@ def verdicts(s: cp.Setup, runs: dict[str, dict[int, dict]], bf16: dict[int, dict
         else:  # the recipe's plan costs more GEMM time than SNIP's (the library's cost model), seed by seed
             ok = lead >= -sd and above(RECIPE, snip, plan_cost, seeds)
         ok = bool(ok) and len(seeds) > 1  # (one seed has no std)
-        per = " ".join(f"{k}: {recipe[k] - ends(snip)[k]:+.4f}" for k in seeds)
+        per = " ".join(f"{k}: {recipe[k] - snips[k]:+.4f}" for k in seeds)
         lines.append(f"verdict ({tag}) {snip} vs {RECIPE}: lead {lead:+.5f} ± {sd:.5f} ({lead / sd if sd else math.nan:.2f} "
                      f"std, t {t:.1f}, {len(seeds)} seeds; per seed {per}); registered: {need}: {status(ok, seeds, tag)}")
         out[tag] = {"snip": snip, "lead_mean": lead, "lead_std": sd, "t": t, "seeds": seeds, "met": ok,
