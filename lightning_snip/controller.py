@@ -44,6 +44,7 @@ from lightning_snip.evidence import (aggregate_candidates, check_reachable, curr
                                      guarded_formats, invalid_formats, layer_flops, priced_plan)
 from lightning_snip.first_order import FirstOrderRecorder
 from lightning_snip.formats import Format
+from lightning_snip.kernels import own_work
 from lightning_snip.linear import SNIPLinear
 from lightning_snip.pending_solve import PendingSolve
 from lightning_snip.recompile import CompiledPlans
@@ -276,12 +277,13 @@ class SNIPController:
         start = self.timeline.stamp()
         result = None
         try:
-            result = run_statistics_round(
-                model, batch, loss_of, self.layers, cfg, optimizer=optimizer, loss_scale=loss_scale,
-                propagation=self.propagation, first_order_history=self.first_order_history,
-                generator=lambda: round_generator(self.device, step, collective.rank),
-                on_exact=lambda: setattr(self, "propagation", Propagation.EXACT), settings=self.round_settings,
-                collective=collective)
+            with own_work():
+                result = run_statistics_round(
+                    model, batch, loss_of, self.layers, cfg, optimizer=optimizer, loss_scale=loss_scale,
+                    propagation=self.propagation, first_order_history=self.first_order_history,
+                    generator=lambda: round_generator(self.device, step, collective.rank),
+                    on_exact=lambda: setattr(self, "propagation", Propagation.EXACT), settings=self.round_settings,
+                    collective=collective)
         except Exception as err:  # noqa: BLE001 - a failed round must not take training down
             logger.warning("SNIP statistics at step %d failed (%s: %s); keeping the current plan", step, type(err).__name__, err)
             cause = f"statistics at step {step}: {type(err).__name__}: {err}"
@@ -446,8 +448,9 @@ class SNIPController:
                   collective: Collective = SINGLE_PROCESS) -> float:
         """``loss_fn()`` (a sliced batch's loss) under the formats in force minus under ``previous`` (plan key ->
         format), forward only, averaged over ranks (lightning_snip.canary.plan_cost)."""
-        return plan_cost(model, loss_fn, self.layers, Granularity(self.config.granularity), previous,
-                         all_sum=collective.all_sum, world_size=collective.world_size)
+        with own_work():
+            return plan_cost(model, loss_fn, self.layers, Granularity(self.config.granularity), previous,
+                             all_sum=collective.all_sum, world_size=collective.world_size)
 
     def check_plan(self, model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], *, step: int,
                    collective: Collective = SINGLE_PROCESS) -> tuple[dict[str, float], str] | None:
@@ -461,9 +464,10 @@ class SNIPController:
             return None
         start = self.timeline.stamp()
         try:
-            verdict = check_plan(model, loss_fn, self.layers, Granularity(self.config.granularity),
-                                 self.formats_before_switch, seed=stream_seed(self.sr_seed, collective.rank, step, 1 << 20),
-                                 all_sum=collective.all_sum)
+            with own_work():
+                verdict = check_plan(model, loss_fn, self.layers, Granularity(self.config.granularity),
+                                     self.formats_before_switch, seed=stream_seed(self.sr_seed, collective.rank, step,
+                                                                                  1 << 20), all_sum=collective.all_sum)
         except Exception as err:  # noqa: BLE001 - a failed check must not take training down
             if collective.is_rank_zero:
                 logger.warning("SNIP plan canary at step %d failed (%s: %s); the plan stays as it is", step,

@@ -18,6 +18,7 @@ import torch
 from lightning_snip.config import SNIPConfig
 from lightning_snip.formats import Format, QuantRecipe
 from lightning_snip.gemm import mm_fp32, quantized_matmul
+from lightning_snip.kernels import own_work
 from lightning_snip.linear import SNIPLinear, new_tap, set_tap_receiver
 
 
@@ -93,7 +94,7 @@ class FirstOrderTerms:
     def add(self, fqn: str, x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, total_rows: int) -> None:
         """``x`` in the dtype of the round's GEMM operands (FirstOrderSampler: bf16 where the layer's
         GEMM ran in bf16; the weight is cast to it, as autocast casts it), ``g`` in fp32."""
-        with torch.no_grad():
+        with torch.no_grad(), own_work():
             w = weight.to(x.dtype)
             y = mm_fp32(x, w)
             g = g.float()

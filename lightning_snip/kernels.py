@@ -19,7 +19,9 @@ Compilation (``run_compiled``, also used by lightning_snip.adamw): one graph per
 shapes dynamic (``dynamic=True``), compiled on first use and reused for every layer and step. Where
 torch.compile is unavailable or fails (no C++ compiler, an unsupported device), the same functions
 run eagerly, with the same numerics, and the reason is logged once. ``LIGHTNING_SNIP_QUANTIZERS=eager``
-turns compilation off, ``=reference`` uses the torchao composition (quantizer_mode).
+turns compilation off, ``=reference`` uses the torchao composition (quantizer_mode). SNIP's own work (own_work) runs
+a kernel not compiled yet eagerly until its eager calls have cost what compiling it is expected to (see
+DEFERRED_DEVICES).
 """
 
 from __future__ import annotations
@@ -189,6 +191,50 @@ _broken: set[tuple[str, str]] = set()
 _lock = threading.Lock()
 compile_seconds: dict[tuple[str, str], float] = {}  # (kernel name, device type) -> first-call time
 
+# SNIP's own work (a statistics round, the canary, the first-order sample: own_work()) calls a kernel a few times a
+# round, where training calls it every step. In a compiled model training's quantizers are traced into its graph, so
+# a round was the only caller of these kernels, and it paid their first compile, ~3-11 s each on a CPU, more than
+# the work (benchmarks/results/overhead_2026-12-06.md: ~20 s of a 350-step run). There a kernel nothing compiled yet
+# runs eagerly (the same numerics, tests/test_kernels.py) until its eager calls have cost what a compile is expected
+# to (the rent-or-buy rule: never more than twice the better choice in hindsight), then compiles. Training's calls
+# compile at first use, as before. On a CPU only: elsewhere the host times an eager call's launches, not its work.
+DEFERRED_DEVICES = ("cpu",)
+COMPILE_PRICE_SECONDS = 3.0  # before any compile in this process: a CPU kernel's typical first call (2.5-3.5 s)
+_eager_seconds: dict[tuple[str, str], float] = {}  # (kernel name, device type) -> SNIP's eager seconds so far
+_own = threading.local()
+
+
+@contextlib.contextmanager
+def own_work():
+    """SNIP's own work (not training's) runs inside: a kernel not compiled yet is rented eagerly (see above)."""
+    depth = getattr(_own, "depth", 0)
+    _own.depth = depth + 1
+    try:
+        yield
+    finally:
+        _own.depth = depth
+
+
+def compile_price() -> float:
+    """What compiling a kernel is expected to cost: the mean first call of those compiled in this process, or
+    COMPILE_PRICE_SECONDS before any."""
+    measured = [s for (_, device), s in compile_seconds.items() if device in DEFERRED_DEVICES]
+    return sum(measured) / len(measured) if measured else COMPILE_PRICE_SECONDS
+
+
+def _rented(key: tuple[str, str], kernel: Callable, args) -> torch.Tensor | None:
+    """``kernel(*args)`` run eagerly and its seconds counted, where SNIP's own work calls a kernel not compiled yet
+    whose eager calls have not yet cost a compile; else None (compile it)."""
+    if key in _compiled or getattr(_own, "depth", 0) == 0 or key[1] not in DEFERRED_DEVICES:
+        return None
+    if _eager_seconds.get(key, 0.0) >= compile_price():
+        return None
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = kernel(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
+    _eager_seconds[key] = _eager_seconds.get(key, 0.0) + time.perf_counter() - start
+    return out
+
 
 def _default_stance():
     try:
@@ -212,6 +258,8 @@ def run_compiled(kernel: Callable, *args):
     key = (name, device_type)
     if quantizer_mode() == "eager" or key in _broken:
         return kernel(*args)
+    if (out := _rented(key, kernel, args)) is not None:
+        return out
     fn = _compiled.get(key)
     first = fn is None
     if first:

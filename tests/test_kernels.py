@@ -263,3 +263,61 @@ def test_zero_blocks_stay_zero_where_subnormals_flush(monkeypatch, mode, fmt, ro
     # reference's MX round-to-nearest: that is torchao's own cast, whose 2^-127 for such a block flushes.
     if not (mode == "reference" and fmt in (Format.MXFP8, Format.MXFP4) and rounding is Rounding.NEAREST):
         assert torch.equal(got[2].isinf(), want[2].isinf()) and torch.equal(got[2].isnan(), want[2].isnan())
+
+
+def _fake_compile(monkeypatch, price: float):
+    """torch.compile recorded (the kernel runs as it is) and kernels' state fresh; a compile is priced ``price`` s."""
+    compiled = []
+
+    def fake(fn, **kwargs):
+        compiled.append(fn.__name__)
+        return fn
+
+    monkeypatch.setattr(kernels, "_compiled", {})
+    monkeypatch.setattr(kernels, "_broken", set())
+    monkeypatch.setattr(kernels, "_eager_seconds", {})
+    monkeypatch.setattr(kernels, "compile_seconds", {})
+    monkeypatch.setattr(kernels, "compile_price", lambda: price)  # (a fake compile's first call costs nothing)
+    monkeypatch.setattr(torch, "compile", fake)
+    return compiled
+
+
+@pytest.mark.compiled_quantizers
+def test_snips_own_work_rents_a_kernel_until_it_has_cost_a_compile(monkeypatch):
+    """In own_work a kernel nothing compiled runs eagerly (the same numbers) until its eager seconds reach the price of
+    a compile, then compiles; training's calls (outside own_work) compile at first use, as before."""
+    compiled = _fake_compile(monkeypatch, price=3600.0)
+    x = _wide_range((64, 128), 1)
+    with kernels.own_work():
+        outs = [fake_quantize(x, Format.MXFP4, axis=1) for _ in range(3)]
+    assert compiled == [] and kernels._eager_seconds[("_mx_rtn_kernel", "cpu")] > 0
+    assert all(_same(o, reference_fake_quantize(x, Format.MXFP4, axis=1)) for o in outs)
+    fake_quantize(x, Format.NVFP4, axis=1)  # training's call
+    assert compiled == ["_nvfp4_rtn_kernel"]
+    with kernels.own_work():
+        fake_quantize(x, Format.NVFP4, axis=1)  # compiled already: used as it is
+        assert ("_nvfp4_rtn_kernel", "cpu") not in kernels._eager_seconds
+        rent = kernels._eager_seconds[("_mx_rtn_kernel", "cpu")]
+        monkeypatch.setattr(kernels, "compile_price", lambda: rent)
+        assert _same(fake_quantize(x, Format.MXFP4, axis=1), outs[0])  # its rent has reached the price
+    assert compiled == ["_nvfp4_rtn_kernel", "_mx_rtn_kernel"]
+
+
+def test_a_compile_is_priced_at_this_process_cpu_compiles(monkeypatch):
+    monkeypatch.setattr(kernels, "compile_seconds", {})
+    assert kernels.compile_price() == kernels.COMPILE_PRICE_SECONDS  # none yet
+    kernels.compile_seconds.update({("a", "cpu"): 2.0, ("b", "cpu"): 4.0, ("c", "cuda"): 60.0})
+    assert kernels.compile_price() == 3.0
+
+
+@pytest.mark.compiled_quantizers
+def test_a_round_compiles_none_of_the_kernels_only_it_uses():
+    """The controller's round, canary and first-order sample are SNIP's own work: on the demo, AdamW's update kernels
+    (used by the round alone) stay uncompiled under a price they never reach, while training compiles its quantizers."""
+    from tests.test_controller import test_a_plain_pytorch_loop_samples_plans_and_switches as loop
+
+    with pytest.MonkeyPatch.context() as mp:
+        compiled = _fake_compile(mp, price=3600.0)
+        loop()
+        assert compiled and not any("adam" in name for name in compiled), compiled
+        assert any("adam" in name for name, _ in kernels._eager_seconds), kernels._eager_seconds

@@ -222,7 +222,8 @@ def _counting_aot_eager(calls: list):
 
 
 class _CompiledLM(DemoLM):
-    """The pattern torchtitan and Lightning's docs use: compile the model in configure_model. ``graph_calls[0]``
+    """The pattern torchtitan and Lightning's docs use: compile the model in configure_model (DemoLM's own steps call
+    the compiled module). ``graph_calls[0]``
     counts the calls of its compiled graphs (a step that ran eagerly made none)."""
 
     def __init__(self, *args, **kwargs):
@@ -231,18 +232,6 @@ class _CompiledLM(DemoLM):
 
     def configure_model(self):
         self.model = torch.compile(self.model, backend=_counting_aot_eager(self.graph_calls))
-
-    def _loss(self, batch):
-        inputs, targets = batch
-        logits = self.model(inputs)  # the compiled forward
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-    snip_loss = _loss
-
-    def training_step(self, batch, batch_idx):
-        loss = self._loss(batch)
-        self.log("train/loss", loss)
-        return loss
 
 
 class _CompileCounter(pl.Callback):

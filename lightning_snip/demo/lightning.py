@@ -104,16 +104,20 @@ class DemoLM(pl.LightningModule):
         fully_shard(self.model, mesh=mesh["data_parallel"])
 
     def snip_loss(self, batch) -> torch.Tensor:
-        """The loss SNIPCallback's statistics rounds use (no logging side effects)."""
-        return self.model.loss(batch)
+        """The loss SNIPCallback's statistics rounds use (no logging side effects): TinyLlama.loss's, through
+        ``self.model(...)`` itself, so that a model compiled as ``self.model = torch.compile(self.model)`` runs its
+        compiled forward (``self.model.loss`` would reach the original module's method and run it eagerly)."""
+        inputs, targets = batch
+        logits = self.model(inputs)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     def training_step(self, batch, batch_idx):
-        loss = self.model.loss(batch)
+        loss = self.snip_loss(batch)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch, batch_idx):
-        loss = self.model.loss(batch)
+        loss = self.snip_loss(batch)
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
