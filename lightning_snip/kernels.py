@@ -222,6 +222,11 @@ def compile_price() -> float:
     return sum(measured) / len(measured) if measured else COMPILE_PRICE_SECONDS
 
 
+def _detached(args) -> list:
+    """The kernel's arguments, each tensor detached (no autograd view base, no requires_grad)."""
+    return [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+
+
 def _rented(key: tuple[str, str], kernel: Callable, args) -> torch.Tensor | None:
     """``kernel(*args)`` run eagerly and its seconds counted, where SNIP's own work calls a kernel not compiled yet
     whose eager calls have not yet cost a compile; else None (compile it)."""
@@ -231,7 +236,7 @@ def _rented(key: tuple[str, str], kernel: Callable, args) -> torch.Tensor | None
         return None
     start = time.perf_counter()
     with torch.no_grad():
-        out = kernel(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
+        out = kernel(*_detached(args))
     _eager_seconds[key] = _eager_seconds.get(key, 0.0) + time.perf_counter() - start
     return out
 
@@ -272,7 +277,7 @@ def run_compiled(kernel: Callable, *args):
         # costs ~20-30 us, so only where another stance is active.)
         # Inputs detached (no autograd view base, no requires_grad) and grad mode off: dynamo guards
         # on both, and forward/backward calls otherwise recompiled the same kernel several times.
-        inputs = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+        inputs = _detached(args)
         with _default_stance(), torch.no_grad():
             try:
                 out = fn(*inputs)
