@@ -116,6 +116,13 @@ class OverheadBudget:
         if self.replan and self.next_round is not None and self._base is None:
             self.next_round += step
 
+    def first_round_from(self, step: int) -> int | None:
+        """The step of the next round of a run that (re)starts at ``step`` (None: none is scheduled): an unanchored
+        schedule counts from ``step``, as ``anchor`` will."""
+        if not self.replan or self.next_round is None:
+            return None
+        return self.next_round + step if not self.anchored and self._base is None else self.next_round
+
     def batch_ended(self, now: float) -> None:
         """The running micro-batch ends at ``now``."""
         if self._start is not None:

@@ -114,14 +114,13 @@ class SNIPCallback(Callback):
                                                      restored=self._restored_fp8_scaling)
         self.controller.attach(pl_module, device=pl_module.device)
         if trainer.is_global_zero:  # the run's setup lines once, not once per rank
-            max_steps = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps >= 0 else None
-            self.controller.log_setup(pl_module.device, max_steps)
+            self.controller.log_setup(pl_module.device)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         steps = trainer.estimated_stepping_batches  # (max_steps, or what max_epochs comes to; inf if unbounded)
         self.controller.set_horizon(int(steps) if isinstance(steps, (int, float)) and math.isfinite(steps) else None,
-                                    trainer.global_step)
+                                    trainer.global_step, self._collective)
         self.controller.resume(pl_module, self._collective)
 
     @override

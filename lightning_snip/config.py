@@ -239,7 +239,8 @@ class SNIPConfig:
         """bf16 while ``pins`` is the default: the model's output head, found by what it is whatever its name
         (GPT-NeoX's ``embed_out``, a Llama-style ``output``; lightning_snip.convert.find_output_head), is then
         pinned beside ``*lm_head`` unless a pin matches it. None once ``pins`` is written: a user who wrote
-        pins gets exactly those (``extra_pins`` adds to the default and keeps it)."""
+        pins gets exactly those (``extra_pins`` adds to the default and keeps it), and a setup warning where they
+        leave that head switchable."""
         return Format.BF16 if self._default_pins else None
 
     @property

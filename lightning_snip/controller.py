@@ -39,7 +39,8 @@ from lightning_snip.collective import SINGLE_PROCESS, Collective
 from lightning_snip.config import SNIPConfig
 from lightning_snip.device_clock import Timeline
 from lightning_snip.divergence import DivergenceResult
-from lightning_snip.convert import UnmatchedPinsError, apply_plan, convert_linears, glob_filter, layer_assignment
+from lightning_snip.convert import (UnmatchedPinsError, apply_plan, convert_linears, find_output_head, glob_filter,
+                                    layer_assignment)
 from lightning_snip.evidence import (aggregate_candidates, check_reachable, current_fp4_fraction, grad_noise_ratios,
                                      guarded_formats, invalid_formats, layer_flops, priced_plan)
 from lightning_snip.first_order import FirstOrderRecorder
@@ -53,7 +54,7 @@ from lightning_snip.plan import Granularity, Plan, SolveStatus, reverted_plan, s
 from lightning_snip.reporting import applied_plan_scalars, divergence_scalars, plan_agreement
 from lightning_snip.setup_report import log_setup
 from lightning_snip.stats import Propagation
-from lightning_snip.spike_guard import AVOID_ROUNDS, Alarm, Revert, SpikeGuard, log_revert
+from lightning_snip.spike_guard import AVOID_ROUNDS, MIN_HISTORY, Alarm, Revert, SpikeGuard, log_revert
 from lightning_snip.statistics_round import RoundSettings, round_generator, run_statistics_round
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class SNIPController:
         if plan is not None and not isinstance(plan, Plan):
             raise TypeError(f"plan: expected a lightning_snip.plan.Plan, got {type(plan).__name__}")
         self.layers: dict[str, SNIPLinear] = {}
+        self.output_head: str | None = None  # the model's output head by what it is (convert.find_output_head)
         self.plan: Plan | None = plan
         self.history: list[dict] = []
         self.num_stats_rounds = self.num_plans_applied = 0
@@ -167,6 +169,7 @@ class SNIPController:
                                           initial_format=cfg.initial_format, recipe=cfg.recipe)
         except ValueError as err:  # name the config's field, not convert_linears' argument (pins is both)
             raise _config_field_error(err, cfg) from None
+        self.output_head = find_output_head(model)  # (for the setup lines: said where the pins leave it switchable)
         self.flops = layer_flops(self.layers)
         self.recorder = FirstOrderRecorder(self.layers, cfg) if cfg.replan else None  # (no taps without rounds)
         if self.plan is not None:
@@ -186,9 +189,9 @@ class SNIPController:
             layer.generator = self.sr_generator
         self.compiled_plans.note_plan(self.layers)
 
-    def log_setup(self, device, max_steps: int | None) -> None:
+    def log_setup(self, device) -> None:
         """The run's setup lines (call on one rank)."""
-        log_setup(self.config, self.layers, device, max_steps)
+        log_setup(self.config, self.layers, device, self.output_head)
 
     def resume(self, model: torch.nn.Module, collective: Collective = SINGLE_PROCESS) -> None:
         """At train start: apply the plan held (given, or restored from a checkpoint), and restart a
@@ -224,10 +227,21 @@ class SNIPController:
         self.timeline.step_started(step)
         self.sr_generator.manual_seed(stream_seed(self.sr_seed, rank, step, batch_idx))
 
-    def set_horizon(self, max_steps: int | None, step: int = 0) -> None:
+    def set_horizon(self, max_steps: int | None, step: int = 0, collective: Collective = SINGLE_PROCESS) -> None:
         """The run's number of optimizer steps (None: unknown), at ``step`` (where a resumed run starts): under a
-        budget, no round is scheduled whose plan would come after the run's end."""
+        budget, no round is scheduled whose plan would come after the run's end. Warns (rank zero) when no plan
+        has been made and none can apply before that end, such as a run resumed near its end from a checkpoint
+        without SNIP's state (its warm-up counts from the resumed step)."""
         self.budget.set_horizon(max_steps, step)
+        if not self.config.replan or self.plan is not None or not collective.is_rank_zero:
+            return
+        first = self.budget.first_round_from(step)
+        if first is None or (max_steps is not None and max_steps > 0 and first + APPLY_DELAY >= max_steps):
+            when = "no round is scheduled" if first is None else f"the first statistics round would run at step {first}"
+            logger.warning("SNIP: no plan will be made in this run (its steps %d to %s; %s, warmup_steps=%d): "
+                           "every switchable layer stays in %s", step,
+                           max_steps - 1 if max_steps else "?", when, self.config.warmup_steps,
+                           self.config.initial_format)
 
     @property
     def overhead(self) -> float:
@@ -383,6 +397,8 @@ class SNIPController:
         scalars["snip/fp4_fraction_switchable"] = self.switchable_fp4_fraction
         scalars["snip/round_stretch"] = float(self.budget.stretch)
         status = "" if plan.status is SolveStatus.OPTIMAL else f" ({plan.status.value})"
+        if num_changed and self.guard.enabled and not self.guard.watching:  # (said: a plan the guard cannot revert)
+            status += f"; not watched by the loss watch (fewer than {MIN_HISTORY} losses before it)"
         if collective.is_rank_zero:  # every rank applied it; one line for the run
             logger.info("SNIP plan applied at step %d: FP4 FLOPs fraction %.3f of the switchable layers (%.3f of the "
                         "model), %d of %d layers changed%s", step, self.switchable_fp4_fraction, plan.fp4_fraction,
@@ -402,13 +418,19 @@ class SNIPController:
         reason to log, else None."""
         verdict = self.guard.observe(step, loss, finite_grads=finite_grads)
         if isinstance(verdict, Alarm):
-            cost = math.inf if same_batch_cost is None else same_batch_cost(verdict.previous)
-            verdict = self.guard.confirm(verdict, cost)
+            alarm = verdict
+            cost = math.inf if same_batch_cost is None else same_batch_cost(alarm.previous)
+            verdict = self.guard.confirm(alarm, cost)
             if verdict is None:
                 self.canary_due = True  # (a fault that came after the switch shows in no same-batch forward)
                 if collective.is_rank_zero:
-                    logger.info("SNIP loss watch at step %d: the loss rose, but not by the plan's formats on the same "
-                                "batch (%.3g of it); watching on from a new baseline", step, cost)
+                    # a warning, not a note: a rise the plan's backward formats caused shows in no forward, so it
+                    # is not reverted here (docs/method.md, the loss watch); the user is the one who can act
+                    logger.warning("SNIP loss watch at step %d: the loss rose %.3g above its trend since the last plan, "
+                                   "but that plan's formats cost only %.3g on the same batch's forward: not reverted "
+                                   "(a rise through the backward GEMMs shows in no forward; if it goes on, pin the "
+                                   "layers or set replan=False); watching on from a new baseline", step,
+                                   alarm.rise, cost)
                 return {"snip/loss_watch_unconfirmed": float(self.guard.num_unconfirmed)}, ""
         if verdict is None:
             return None

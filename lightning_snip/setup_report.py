@@ -18,15 +18,16 @@ from lightning_snip.linear import SNIPLinear
 logger = logging.getLogger(__name__)
 
 
-def log_setup(config: SNIPConfig, layers: Mapping[str, SNIPLinear], device, max_steps: int | None) -> None:
-    """The run's setup lines: layers, the output head pinned by what it is (or a warning that the default pins
-    matched nothing), GEMM kernels (a warning where a GPU emulates FP4), settings that have no effect (call on
-    one rank)."""
+def log_setup(config: SNIPConfig, layers: Mapping[str, SNIPLinear], device, head: str | None = None) -> None:
+    """The run's setup lines: layers, the output head pinned by what it is (``head``: find_output_head's answer; or
+    a warning that the default pins matched nothing, or that the pins a user wrote leave it switchable), GEMM
+    kernels (a warning where a GPU emulates FP4), what replan=False turns off (call on one rank)."""
     cfg = config
     num_pinned = sum(1 for layer in layers.values() if layer.pinned is not None)
     logger.info("SNIP: %d converted layers (%d pinned, %d switchable), initial format %s", len(layers), num_pinned,
                 len(layers) - num_pinned, cfg.initial_format)
-    log_output_head(layers, cfg.pin_formats, cfg.output_head_format,
+    log_output_head(layers, cfg.pin_formats, cfg.output_head_format, head=head,
+                    head_globs=tuple(SNIPConfig().pin_formats),  # (the default pins' globs)
                     layers_chosen=cfg.include != ("*",) or bool(cfg.exclude))
     formats = sorted({Format.parse(f) for f in (cfg.initial_format, *cfg.candidate_formats, *cfg.pin_formats.values())},
                      key=lambda f: f.value)
@@ -41,6 +42,6 @@ def log_setup(config: SNIPConfig, layers: Mapping[str, SNIPLinear], device, max_
             logger.info("SNIP: every layer that can run %s has weight dimensions its native kernel takes", fmt.value)
     if cfg.replan:
         logger.info("SNIP: target %s", describe_target(layers, cfg))
-    if cfg.replan and max_steps is not None and cfg.warmup_steps >= max_steps:
-        logger.warning("SNIP: warmup_steps (%d) >= the run's max_steps (%d): no statistics round will run "
-                       "and the layers stay in %s", cfg.warmup_steps, max_steps, cfg.initial_format)
+    else:  # (what replan=False turns off, said: it is not only the rounds)
+        logger.info("SNIP: replan=False: the given plan (or the initial format) holds for the whole run; no statistics "
+                    "round, loss watch or plan canary runs")

@@ -1,5 +1,7 @@
 """SNIPController without a Trainer: the loop of its docstring on the demo model in plain PyTorch."""
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -125,7 +127,8 @@ def test_the_default_target_is_a_share_of_the_switchable_layers(caplog):
     controller = SNIPController(SNIPConfig())
     with caplog.at_level(logging.INFO, logger="lightning_snip"):
         controller.attach(lm)
-        controller.log_setup("cpu", None)
+        controller.log_setup("cpu")
+    assert "replan=False" not in caplog.text
     flops = controller.flops
     head = flops["lm_head"] / sum(flops.values())
     assert head > 0.6
@@ -196,3 +199,14 @@ def test_model_target_adds_the_pinned_layers_back_in_their_own_formats():
     assert fraction == pytest.approx((up + 0.5 * free) / total)
     assert switchable_share(fraction, candidates) == pytest.approx(0.5)
     assert model_target(candidates, SNIPConfig(fp4_fraction=0.5, pins=pins, target_scope="model")) == 0.5
+
+
+def test_replan_false_says_what_it_turns_off(caplog):
+    controller = SNIPController(SNIPConfig(replan=False))
+    controller.attach(TinyLlama(LlamaConfig(vocab_size=256, dim=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                            hidden_dim=64)))
+    with caplog.at_level(logging.INFO, logger="lightning_snip"):
+        controller.log_setup("cpu")
+    assert "replan=False: the given plan (or the initial format) holds for the whole run; no statistics round, loss " \
+           "watch or plan canary runs" in caplog.text
+    assert controller.guard.enabled is False and controller.recorder is None

@@ -66,7 +66,7 @@ def test_setup_names_the_layers_a_native_kernel_does_not_take(monkeypatch, caplo
     # allow 48, the native GEMM needs 32.
     assert found == {Format.FP8: ["odd"], Format.MXFP4: [], Format.NVFP4: ["nv"]}
     with caplog.at_level("INFO", logger="lightning_snip"):
-        log_setup(SNIPConfig(candidate_formats=("fp8", "mxfp4", "nvfp4")), layers, cuda, None)
+        log_setup(SNIPConfig(candidate_formats=("fp8", "mxfp4", "nvfp4")), layers, cuda)
     assert "1 layer(s) run fp8 emulated (weight dimensions not multiples of 16): odd (64->40)" in caplog.text
     assert "1 layer(s) run nvfp4 emulated (weight dimensions not multiples of 32): nv (48->64)" in caplog.text
     assert "every layer that can run mxfp4 has weight dimensions its native kernel takes" in caplog.text
@@ -86,7 +86,7 @@ def test_setup_warns_once_where_a_gpu_emulates_fp4(monkeypatch, caplog, capabili
         _mock_gpu(monkeypatch, capability)
     layers = {"up": SNIPLinear(64, 128), "down": SNIPLinear(128, 64)}
     with caplog.at_level("INFO", logger="lightning_snip"):
-        log_setup(SNIPConfig(pins=[]), layers, device, None)  # (no pins: no warning about them)
+        log_setup(SNIPConfig(pins=[]), layers, device)  # (no pins: no warning about them)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == num_warnings, warnings
     if num_warnings:
@@ -99,7 +99,7 @@ def test_setup_warns_once_where_a_gpu_emulates_fp4(monkeypatch, caplog, capabili
     assert "SNIP: GEMM kernels: fp8: " in caplog.text  # the kernel line stays, at INFO
     caplog.clear()
     with caplog.at_level("INFO", logger="lightning_snip"):  # no FP4 format, no warning
-        log_setup(SNIPConfig(candidate_formats=["fp8"], fp4_fraction=0, pins=[]), layers, device, None)
+        log_setup(SNIPConfig(candidate_formats=["fp8"], fp4_fraction=0, pins=[]), layers, device)
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 

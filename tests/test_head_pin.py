@@ -53,7 +53,7 @@ def _attach(model, config=None, caplog=None):
     controller.attach(model)
     if caplog is not None:
         with caplog.at_level(logging.INFO, logger="lightning_snip"):
-            controller.log_setup("cpu", None)
+            controller.log_setup("cpu")
     return controller
 
 
@@ -142,10 +142,19 @@ def test_a_declared_output_embedding_comes_first_and_a_shared_size_goes_to_the_l
     assert find_output_head(Encoder()) is None
 
 
-def test_pins_a_user_wrote_disable_the_head_pin(caplog):
-    assert _attach(_NeoXLike(), SNIPConfig(pins=[])).layers["embed_out"].pinned is None
-    written = _attach(_NeoXLike(), SNIPConfig(pins=["layers.0.up=fp8"]))
-    assert written.layers["embed_out"].pinned is None and written.layers["layers.0.up"].pinned is Format.FP8
+def test_pins_a_user_wrote_disable_the_head_pin_and_setup_says_the_head_is_switchable(caplog):
+    for pins in ([], ["layers.0.up=fp8"]):
+        caplog.clear()
+        written = _attach(_NeoXLike(), SNIPConfig(pins=pins), caplog=caplog)
+        assert written.layers["embed_out"].pinned is None
+        warnings = _warnings(caplog)
+        assert len(warnings) == 1 and warnings[0].startswith("SNIP: the pins you wrote leave the output head "
+                                                             "embed_out (64->")
+        assert "add 'embed_out=bf16' to pins" in warnings[0]
+    assert written.layers["layers.0.up"].pinned is Format.FP8
+    caplog.clear()
+    _attach(_NeoXLike(), SNIPConfig(pins=["embed_out=fp8"]), caplog=caplog)  # the head in a pin of theirs: their call
+    assert not _warnings(caplog)
     # A pins list equal to the default is the default (the app's schema holds the default as a list).
     assert _attach(_NeoXLike(), SNIPConfig(pins=["*lm_head=bf16"])).layers["embed_out"].pinned is Format.BF16
     # extra_pins add to the default pins and keep them; a pin naming the head wins over the automatic one.
@@ -181,6 +190,11 @@ def test_a_classifier_head_is_not_guessed_and_setup_warns_naming_the_largest_lin
         caplog.clear()
         _attach(LlamaForSequenceClassification(model.config), config, caplog=caplog)
         assert not _warnings(caplog)
+    # An unrelated extra pin does not: the head still joins the plan.
+    caplog.clear()
+    _attach(LlamaForSequenceClassification(model.config), SNIPConfig(extra_pins=["*.0.self_attn.q_proj=fp8"]),
+            caplog=caplog)
+    assert len(_warnings(caplog)) == 1 and _warnings(caplog)[0].startswith("SNIP: the default pins match no layer")
 
 
 def test_the_lm_head_glob_needs_no_second_line(caplog):

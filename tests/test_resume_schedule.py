@@ -13,6 +13,7 @@ import torch
 from lightning_snip.budget import OverheadBudget, StepKind
 from lightning_snip.callback import SNIPCallback
 from lightning_snip.config import SNIPConfig
+from lightning_snip.controller import SNIPController
 from lightning_snip.demo.lightning import DemoLM
 from lightning_snip.demo.model import LlamaConfig
 
@@ -114,6 +115,41 @@ def test_a_run_resumed_from_a_checkpoint_without_snip_plans_as_a_fresh_run_start
     else:
         assert snip.num_plans_applied >= 1
     assert snip.controller.budget.snip_seconds["first_order"] != 0.0 or overhead_budget is None
+
+
+def test_a_run_resumed_too_near_its_end_to_plan_says_so(tmp_path, caplog):
+    _fit(tmp_path / "plain", [], max_steps=10, checkpoint_every=10)  # a user's own run, no SNIP
+    ckpt = glob.glob(str(tmp_path / "plain" / "ckpt" / "*.ckpt"))[0]
+    snip = _snip()  # (the default budget) its warm-up counts from step 10: a round at 14, whose plan needs step 15
+    with caplog.at_level("WARNING", logger="lightning_snip"):
+        _fit(tmp_path / "resumed", [snip], max_steps=15, ckpt_path=ckpt)
+    said = [r.getMessage() for r in caplog.records if "no plan will be made" in r.getMessage()]
+    assert len(said) == 1 and "steps 10 to 14" in said[0] and "round would run at step 14" in said[0], said
+    assert snip.num_plans_applied == 0
+
+
+def test_a_plan_too_early_for_the_loss_watch_says_so(tmp_path, caplog):
+    snip = _snip(warmup_steps=4, interval=8, overhead_budget=None)  # plans at steps 5 (5 losses seen) and 13
+    with caplog.at_level("INFO", logger="lightning_snip"):
+        _fit(tmp_path, [snip], max_steps=14)
+    applied = [r.getMessage() for r in caplog.records if "SNIP plan applied at step" in r.getMessage()]
+    assert len(applied) == 2 and "not watched by the loss watch (fewer than 8 losses before it)" in applied[0]
+    assert "not watched" not in applied[1]
+
+
+@pytest.mark.parametrize("overhead_budget", [None, 0.02])
+def test_the_no_plan_warning_comes_exactly_when_no_plan_can_apply(caplog, overhead_budget):
+    def warned(max_steps, step, **kw):
+        controller = SNIPController(SNIPConfig(warmup_steps=4, overhead_budget=overhead_budget, **kw))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lightning_snip"):
+            controller.set_horizon(max_steps, step)
+        return any("no plan will be made" in r.getMessage() for r in caplog.records)
+
+    assert warned(5, 0) and not warned(6, 0)  # a round at step 4 applies its plan at 5: 6 steps are needed
+    assert warned(25, 20) and not warned(26, 20)  # resumed at 20 (no SNIP state): its round at 24
+    assert not warned(None, 20)  # no known end: nothing to say
+    assert not warned(5, 0, replan=False)  # (no plan is expected)
 
 
 def test_snip_added_mid_run_counts_its_schedule_from_its_first_step():

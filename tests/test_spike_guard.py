@@ -3,6 +3,7 @@ layer whose FP4 forward is broken on purpose, healthy runs, and a resumed run.""
 
 import dataclasses
 import glob
+import logging
 import math
 
 import pytest
@@ -12,6 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lightning_snip.callback import SNIPCallback
 from lightning_snip.config import SNIPConfig
+from lightning_snip.controller import SNIPController
 from lightning_snip.formats import Format
 from lightning_snip.spike_guard import AVOID_ROUNDS, CONFIRM_SHARE, MIN_HISTORY, PATIENCE, Alarm, Revert, SpikeGuard
 
@@ -303,3 +305,21 @@ def test_gradients_are_checked_only_in_the_steps_after_a_switch_the_loss_every_s
     assert guard.checks_gradients(20) and guard.checks_gradients(20 + GRADIENT_STEPS - 1)
     assert not guard.checks_gradients(20 + GRADIENT_STEPS) and guard.watching
     assert isinstance(guard.observe(20 + GRADIENT_STEPS, math.nan), Revert)  # a non-finite loss: still every step
+
+
+def test_an_unconfirmed_alarm_is_a_warning_and_reverts_nothing(caplog):
+    """The loss rose after a plan but its formats' forward on the same batch does not explain it (a data shift, or
+    a rise through the backward GEMMs, which no forward shows): not reverted, and the user is told at WARNING."""
+    controller = SNIPController(SNIPConfig())
+    for step, loss in enumerate(_noisy(32)):  # (down to ~2.7: a loss of 3.0 is a rise)
+        assert controller.observe_step(None, step, loss) is None
+    controller.guard.on_switch(32, {"a": "fp8"})
+    controller.guard.set_plan_cost(32, 0.01)
+    with caplog.at_level(logging.WARNING, logger="lightning_snip"):
+        outs = [controller.observe_step(None, step, 3.0, same_batch_cost=lambda previous: 0.011)
+                for step in range(32, 40)]
+    scalars, reason = next(out for out in outs if out is not None)
+    assert scalars == {"snip/loss_watch_unconfirmed": 1.0} and reason == ""
+    said = [r for r in caplog.records if "loss watch at step" in r.getMessage()]
+    assert said and all(r.levelno == logging.WARNING and "not reverted" in r.getMessage() for r in said)
+    assert controller.guard.num_reverts == 0 and controller.canary_due
