@@ -121,7 +121,9 @@ class OverheadBudget:
         schedule counts from ``step``, as ``anchor`` will."""
         if not self.replan or self.next_round is None:
             return None
-        return self.next_round + step if not self.anchored and self._base is None else self.next_round
+        if not self.anchored and self._base is None:
+            return self.next_round + step
+        return max(self.next_round, step)  # (a restored schedule behind the run catches up at once: step_kind)
 
     def batch_ended(self, now: float) -> None:
         """The running micro-batch ends at ``now``."""

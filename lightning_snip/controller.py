@@ -229,19 +229,21 @@ class SNIPController:
 
     def set_horizon(self, max_steps: int | None, step: int = 0, collective: Collective = SINGLE_PROCESS) -> None:
         """The run's number of optimizer steps (None: unknown), at ``step`` (where a resumed run starts): under a
-        budget, no round is scheduled whose plan would come after the run's end. Warns (rank zero) when no plan
-        has been made and none can apply before that end, such as a run resumed near its end from a checkpoint
-        without SNIP's state (its warm-up counts from the resumed step)."""
+        budget, no round after the first is scheduled whose plan would come after the run's end. Warns (rank zero)
+        when no plan has been made or is being solved and none can apply before that end, such as a run resumed
+        near its end from a checkpoint without SNIP's state (its warm-up counts from the resumed step)."""
         self.budget.set_horizon(max_steps, step)
-        if not self.config.replan or self.plan is not None or not collective.is_rank_zero:
+        if (not self.config.replan or self.plan is not None or self.restored_pending is not None
+                or not collective.is_rank_zero):
             return
         first = self.budget.first_round_from(step)
         if first is None or (max_steps is not None and max_steps > 0 and first + APPLY_DELAY >= max_steps):
-            when = "no round is scheduled" if first is None else f"the first statistics round would run at step {first}"
-            logger.warning("SNIP: no plan will be made in this run (its steps %d to %s; %s, warmup_steps=%d): "
+            when = ("no round is scheduled" if first is None
+                    else f"the first statistics round runs at step {first}, too late for its plan to apply")
+            logger.warning("SNIP: no plan will be made in this run (its steps %d to %s; %s; warmup_steps=%d): "
                            "every switchable layer stays in %s", step,
-                           max_steps - 1 if max_steps else "?", when, self.config.warmup_steps,
-                           self.config.initial_format)
+                           max_steps - 1 if max_steps is not None and max_steps > 0 else "?", when,
+                           self.config.warmup_steps, self.config.initial_format)
 
     @property
     def overhead(self) -> float:
@@ -426,11 +428,11 @@ class SNIPController:
                 if collective.is_rank_zero:
                     # a warning, not a note: a rise the plan's backward formats caused shows in no forward, so it
                     # is not reverted here (docs/method.md, the loss watch); the user is the one who can act
-                    logger.warning("SNIP loss watch at step %d: the loss rose %.3g above its trend since the last plan, "
-                                   "but that plan's formats cost only %.3g on the same batch's forward: not reverted "
-                                   "(a rise through the backward GEMMs shows in no forward; if it goes on, pin the "
-                                   "layers or set replan=False); watching on from a new baseline", step,
-                                   alarm.rise, cost)
+                    logger.warning("SNIP loss watch at step %d: the loss rose %.3g above the watch's expected loss "
+                                   "after the last plan, but that plan's formats cost only %.3g more than at the "
+                                   "switch on the same batch's forward: not reverted (a rise through the backward "
+                                   "GEMMs shows in no forward; if it goes on, pin the layers or set replan=False); "
+                                   "watching on from a new baseline", step, alarm.rise, cost - alarm.cost_at_switch)
                 return {"snip/loss_watch_unconfirmed": float(self.guard.num_unconfirmed)}, ""
         if verdict is None:
             return None

@@ -163,14 +163,16 @@ def find_output_head(model: nn.Module) -> str | None:
 
 
 def log_output_head(layers: Mapping[str, SNIPLinear], pins: Collection[str], head_format: Format | None, *,
-                    layers_chosen: bool = False, head: str | None = None, head_globs: Collection[str] = ()) -> None:
+                    layers_chosen: bool = False, head: str | None = None,
+                    head_globs: Collection[str] = ()) -> None:
     """The setup lines about the output head (``head``: find_output_head's answer, None where it found none).
     Under the default pins (``head_format`` given; SNIPConfig.output_head_format): the head convert_linears pinned
     by what it is (a layer pinned to ``head_format`` that no glob of ``pins`` names), or, where no head was found
-    or pinned by one of ``head_globs`` (the default pins') and the largest Linear is not pinned either, one warning naming that Linear and the pin
-    that keeps it in bf16. Under pins a user wrote (``head_format`` None): a warning where the found head is left
-    switchable. No warning where include/exclude chose the layers (``layers_chosen``): a head left unconverted
-    runs in the model's own precision."""
+    or pinned by one of ``head_globs`` (the default pins') and no pin holds a layer in ``head_format`` (an unrelated
+    pin to another format does not count), one warning naming the largest Linear and the pin that keeps it in bf16;
+    none where include/exclude chose the layers (``layers_chosen``): a head left unconverted runs in the model's own
+    precision. Under pins a user wrote (``head_format`` None, ``pins=[]`` included): a warning where the found head
+    is converted and left switchable."""
     if head_format is None:  # the user's pins are exactly theirs; a head they leave switchable is said
         if head is not None and head in layers and layers[head].pinned is None:
             logger.warning("SNIP: the pins you wrote leave the output head %s (%d->%d, found by what it is) "
@@ -185,10 +187,11 @@ def log_output_head(layers: Mapping[str, SNIPLinear], pins: Collection[str], hea
     if layers_chosen or not layers or (head is not None and head in layers):
         return
     largest = max(layers, key=lambda fqn: layers[fqn].in_features * layers[fqn].out_features)
-    # silent where the default pins' globs pinned a layer, or a pin holds the largest Linear (the advice below): an
-    # unrelated extra pin does not silence it
-    if layers[largest].pinned is not None or any(
-            layer.pinned is not None and any(fnmatch.fnmatchcase(fqn, g) for g in head_globs) for fqn, layer in layers.items()):
+    # silent where the default pins' globs pinned a layer, or a pin holds one in head_format (the advice below, or
+    # the user's own head pin); an extra pin to another format does not silence it
+    if any(layer.pinned is head_format or (layer.pinned is not None and any(fnmatch.fnmatchcase(fqn, g)
+                                                                           for g in head_globs))
+           for fqn, layer in layers.items()):
         return
     logger.warning("SNIP: the default pins match no layer (no *lm_head, no Linear whose out_features is the "
                    "vocabulary), so an output head joins the plan; the largest Linear by FLOPs is %s (%d->%d): to "

@@ -190,7 +190,10 @@ def test_a_classifier_head_is_not_guessed_and_setup_warns_naming_the_largest_lin
         caplog.clear()
         _attach(LlamaForSequenceClassification(model.config), config, caplog=caplog)
         assert not _warnings(caplog)
-    # An unrelated extra pin does not: the head still joins the plan.
+    caplog.clear()  # a pin of the user's own holding the head (here the real one) in bf16 silences it too
+    _attach(LlamaForSequenceClassification(model.config), SNIPConfig(extra_pins=["score=bf16"]), caplog=caplog)
+    assert not _warnings(caplog)
+    # An unrelated extra pin to another format does not: the head still joins the plan.
     caplog.clear()
     _attach(LlamaForSequenceClassification(model.config), SNIPConfig(extra_pins=["*.0.self_attn.q_proj=fp8"]),
             caplog=caplog)

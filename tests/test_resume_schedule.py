@@ -124,7 +124,7 @@ def test_a_run_resumed_too_near_its_end_to_plan_says_so(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="lightning_snip"):
         _fit(tmp_path / "resumed", [snip], max_steps=15, ckpt_path=ckpt)
     said = [r.getMessage() for r in caplog.records if "no plan will be made" in r.getMessage()]
-    assert len(said) == 1 and "steps 10 to 14" in said[0] and "round would run at step 14" in said[0], said
+    assert len(said) == 1 and "steps 10 to 14" in said[0] and "round runs at step 14, too late for its plan to apply" in said[0], said
     assert snip.num_plans_applied == 0
 
 
@@ -150,6 +150,21 @@ def test_the_no_plan_warning_comes_exactly_when_no_plan_can_apply(caplog, overhe
     assert warned(25, 20) and not warned(26, 20)  # resumed at 20 (no SNIP state): its round at 24
     assert not warned(None, 20)  # no known end: nothing to say
     assert not warned(5, 0, replan=False)  # (no plan is expected)
+    # a restored schedule: its next round as saved, or at once where the run is past it (step_kind catches up)
+    restored = SNIPController(SNIPConfig(warmup_steps=4, overhead_budget=overhead_budget))
+    restored.budget.load_state_dict({**restored.budget.state_dict(), "next_round": 8})
+    assert restored.budget.first_round_from(3) == 8 and restored.budget.first_round_from(30) == 30
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lightning_snip"):
+        restored.set_horizon(32, 30)  # resumed at 30 with a round due at once: its plan applies at 31
+        assert "no plan will be made" not in caplog.text
+        restored.set_horizon(31, 30)
+        assert "round runs at step 30, too late for its plan to apply" in caplog.text
+        # a checkpoint saved between a round and its plan's step: the solve restarts at train start, no warning
+        caplog.clear()
+        restored.restored_pending = (30, 31)
+        restored.set_horizon(31, 30)
+        assert "no plan will be made" not in caplog.text
 
 
 def test_snip_added_mid_run_counts_its_schedule_from_its_first_step():

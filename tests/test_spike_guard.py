@@ -322,4 +322,5 @@ def test_an_unconfirmed_alarm_is_a_warning_and_reverts_nothing(caplog):
     assert scalars == {"snip/loss_watch_unconfirmed": 1.0} and reason == ""
     said = [r for r in caplog.records if "loss watch at step" in r.getMessage()]
     assert said and all(r.levelno == logging.WARNING and "not reverted" in r.getMessage() for r in said)
+    assert "cost only 0.001 more than at the switch" in said[0].getMessage()  # (0.011 now, 0.01 at the switch)
     assert controller.guard.num_reverts == 0 and controller.canary_due
