@@ -134,6 +134,7 @@ class SNIPController:
         self.formats_before_switch: dict[str, Format] = {}  # plan key -> format before the last plan (the canary's fallback)
         self.num_canary_reverts = 0  # GEMM directions the plan canary put back
         self.canary_due = False  # an alarm the same batch did not confirm: the canary checks the next step
+        self.unconfirmed_warned: int | None = None  # the switch step whose watch last warned of an unconfirmed alarm
         self.compiled_plans = CompiledPlans()  # keeps dynamo's recompile limit ahead of the assignments applied
 
     @property
@@ -427,12 +428,17 @@ class SNIPController:
                 self.canary_due = True  # (a fault that came after the switch shows in no same-batch forward)
                 if collective.is_rank_zero:
                     # a warning, not a note: a rise the plan's backward formats caused shows in no forward, so it
-                    # is not reverted here (docs/method.md, the loss watch); the user is the one who can act
-                    logger.warning("SNIP loss watch at step %d: the loss rose %.3g above the watch's expected loss "
-                                   "after the last plan, but that plan's formats cost only %.3g more than at the "
-                                   "switch on the same batch's forward: not reverted (a rise through the backward "
-                                   "GEMMs shows in no forward; if it goes on, pin the layers or set replan=False); "
-                                   "watching on from a new baseline", step, alarm.rise, cost - alarm.cost_at_switch)
+                    # is not reverted here (docs/method.md, the loss watch); the user is the one who can act. Once
+                    # per plan: the watch's new baselines after a lasting shift alarm again within a few steps
+                    switched = self.guard.watch["switched"] if self.guard.watch is not None else None
+                    again = switched is not None and switched == self.unconfirmed_warned
+                    self.unconfirmed_warned = switched
+                    logger.log(logging.INFO if again else logging.WARNING,
+                               "SNIP loss watch at step %d: the loss rose %.3g above the watch's expected loss after "
+                               "the last plan, but that plan's formats cost only %.3g more than at the switch on the "
+                               "same batch's forward: not reverted (a rise through the backward GEMMs shows in no "
+                               "forward; if it goes on, pin the layers or set replan=False); watching on from a new "
+                               "baseline", step, alarm.rise, cost - alarm.cost_at_switch)
                 return {"snip/loss_watch_unconfirmed": float(self.guard.num_unconfirmed)}, ""
         if verdict is None:
             return None

@@ -315,12 +315,22 @@ def test_an_unconfirmed_alarm_is_a_warning_and_reverts_nothing(caplog):
         assert controller.observe_step(None, step, loss) is None
     controller.guard.on_switch(32, {"a": "fp8"})
     controller.guard.set_plan_cost(32, 0.01)
-    with caplog.at_level(logging.WARNING, logger="lightning_snip"):
+    with caplog.at_level(logging.INFO, logger="lightning_snip"):
         outs = [controller.observe_step(None, step, 3.0, same_batch_cost=lambda previous: 0.011)
                 for step in range(32, 40)]
     scalars, reason = next(out for out in outs if out is not None)
     assert scalars == {"snip/loss_watch_unconfirmed": 1.0} and reason == ""
     said = [r for r in caplog.records if "loss watch at step" in r.getMessage()]
-    assert said and all(r.levelno == logging.WARNING and "not reverted" in r.getMessage() for r in said)
+    assert len(said) >= 2 and all("not reverted" in r.getMessage() for r in said)  # (the shift alarms again)
+    # a warning once per plan, then info: the watch's new baselines after a lasting shift alarm again
+    assert [r.levelno for r in said] == [logging.WARNING] + [logging.INFO] * (len(said) - 1)
     assert "cost only 0.001 more than at the switch" in said[0].getMessage()  # (0.011 now, 0.01 at the switch)
     assert controller.guard.num_reverts == 0 and controller.canary_due
+    controller.guard.on_switch(40, {"a": "nvfp4"})  # a new plan: its first unconfirmed alarm warns again
+    controller.guard.set_plan_cost(40, 0.0)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lightning_snip"):
+        for step in range(40, 60):
+            controller.observe_step(None, step, 3.5, same_batch_cost=lambda previous: 0.0)
+    said = [r for r in caplog.records if "loss watch at step" in r.getMessage()]
+    assert said and said[0].levelno == logging.WARNING
