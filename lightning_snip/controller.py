@@ -54,7 +54,8 @@ from lightning_snip.plan import Granularity, Plan, SolveStatus, reverted_plan, s
 from lightning_snip.reporting import applied_plan_scalars, divergence_scalars, plan_agreement
 from lightning_snip.setup_report import log_setup
 from lightning_snip.stats import Propagation
-from lightning_snip.spike_guard import AVOID_ROUNDS, MIN_HISTORY, Alarm, Revert, SpikeGuard, log_revert
+from lightning_snip.spike_guard import (AVOID_ROUNDS, MIN_HISTORY, Alarm, Revert, SpikeGuard, log_revert,
+                                        log_unconfirmed)
 from lightning_snip.statistics_round import RoundSettings, round_generator, run_statistics_round
 
 logger = logging.getLogger(__name__)
@@ -427,18 +428,9 @@ class SNIPController:
             if verdict is None:
                 self.canary_due = True  # (a fault that came after the switch shows in no same-batch forward)
                 if collective.is_rank_zero:
-                    # a warning, not a note: a rise the plan's backward formats caused shows in no forward, so it
-                    # is not reverted here (docs/method.md, the loss watch); the user is the one who can act. Once
-                    # per plan: the watch's new baselines after a lasting shift alarm again within a few steps
                     switched = self.guard.watch["switched"] if self.guard.watch is not None else None
-                    again = switched is not None and switched == self.unconfirmed_warned
+                    log_unconfirmed(alarm, cost, again=switched is not None and switched == self.unconfirmed_warned)
                     self.unconfirmed_warned = switched
-                    logger.log(logging.INFO if again else logging.WARNING,
-                               "SNIP loss watch at step %d: the loss rose %.3g above the watch's expected loss after "
-                               "the last plan, but that plan's formats cost only %.3g more than at the switch on the "
-                               "same batch's forward: not reverted (a rise through the backward GEMMs shows in no "
-                               "forward; if it goes on, pin the layers or set replan=False); watching on from a new "
-                               "baseline", step, alarm.rise, cost - alarm.cost_at_switch)
                 return {"snip/loss_watch_unconfirmed": float(self.guard.num_unconfirmed)}, ""
         if verdict is None:
             return None

@@ -261,3 +261,16 @@ def log_revert(revert: Revert) -> None:
     logger.warning("SNIP spike guard at step %d: %s; the last plan's changes to %d layer(s) reverted (%s%s), their "
                    "formats avoided for the next %d solves", revert.step, revert.reason, len(layers),
                    ", ".join(layers[:6]), ", ..." if len(layers) > 6 else "", AVOID_ROUNDS)
+
+
+def log_unconfirmed(alarm: Alarm, plan_cost: float, *, again: bool = False) -> None:
+    """The line of an alarm the same batch did not confirm (call on one rank): a warning, not a note, since a rise
+    the plan's backward formats caused shows in no forward and is not reverted (the user is the one who can act);
+    ``again`` (a repeat under the same plan: the watch's new baselines after a lasting shift alarm again within a few
+    steps) an info line."""
+    logger.log(logging.INFO if again else logging.WARNING,
+               "SNIP loss watch at step %d: the loss rose %.3g above the watch's expected loss after the last plan, "
+               "but that plan's formats cost only %.3g more than at the switch on the same batch's forward: not "
+               "reverted (a rise through the backward GEMMs shows in no forward; if it goes on, pin the layers or set "
+               "replan=False); watching on from a new baseline", alarm.step, alarm.rise,
+               plan_cost - alarm.cost_at_switch)
