@@ -180,15 +180,16 @@ class SNIPCallback(Callback):
     def _check_plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int, step: int) -> None:
         """The plan canary on a slice of this batch, then (after a switch) what the plan costs on it."""
         loss_of = _statistics_loss(trainer, pl_module, batch_idx)
-        sliced = slice_batch(batch, CANARY_ROWS)
-        checked = self.controller.check_plan(pl_module, lambda: loss_of(sliced), step=step, collective=self._collective)
+        # (sliced inside the loss functions: a batch that cannot be sliced fails there, where a failure is caught)
+        checked = self.controller.check_plan(pl_module, lambda: loss_of(slice_batch(batch, CANARY_ROWS)), step=step,
+                                             collective=self._collective)
         if checked is not None:
             scalars, reason = checked
             log_to_loggers(trainer.loggers, step, scalars, text={"snip/canary_reason": reason} if reason else None)
         if self.controller.guard.needs_plan_cost:
-            sliced = slice_batch(batch, self.controller.config.max_rows)
-            measured = self.controller.measure_switch(pl_module, lambda: loss_of(sliced), step=step,
-                                                      collective=self._collective)
+            measured = self.controller.measure_switch(
+                pl_module, lambda: loss_of(slice_batch(batch, self.controller.config.max_rows)), step=step,
+                collective=self._collective)
             if measured is not None:
                 scalars, reason = measured
                 log_to_loggers(trainer.loggers, step, scalars, text={"snip/plan_reverted_reason": reason} if reason else None)
@@ -242,8 +243,8 @@ def _same_batch_cost(controller: SNIPController, trainer: pl.Trainer, pl_module:
     loss_of = _statistics_loss(trainer, pl_module, batch_idx)
 
     def cost(previous):
-        sliced = slice_batch(batch, controller.config.max_rows)
-        return controller.plan_cost(pl_module, lambda: loss_of(sliced), previous, collective)
+        return controller.plan_cost(pl_module, lambda: loss_of(slice_batch(batch, controller.config.max_rows)),
+                                    previous, collective)
 
     return cost
 

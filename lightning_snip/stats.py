@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection  # (Lightning's own batch walk)
 from torch import nn
 
 from lightning_snip.adamw import AdamState, read_adam_state
@@ -485,17 +486,21 @@ class _RandomStreams:
 
 
 def slice_batch(batch, max_rows: int, *, tokens_per_sample: int | None = None):
-    """The first samples of ``batch`` (a tensor, or a tuple/list/dict of them) holding at most
-    ``max_rows`` token rows. ``tokens_per_sample`` defaults to the product of the first tensor's
-    non-batch dimensions except a trailing feature dimension for float tensors.
+    """The first samples of ``batch`` (a tensor, or any collection of them Lightning moves to a device: a
+    tuple, list, namedtuple, mapping such as Hugging Face's BatchEncoding, or a dataclass) holding at most
+    ``max_rows`` token rows, in the batch's own type. ``tokens_per_sample`` defaults to the product of the
+    first tensor's non-batch dimensions except a trailing feature dimension for float tensors.
 
     A sample longer than ``max_rows`` (a 4096-token sequence at max_rows 1024) is cut to its first
     ``max_rows`` tokens: every tensor whose dimension 1 has the sequence's length is sliced along it
     (a causal LM's prefix is a valid shorter sample). Samples with several token dimensions (an
     image's rows and columns) are kept whole: at least one sample."""
-    first = _first_tensor(batch)
-    if first is None:
-        raise ValueError("statistics: the batch holds no tensor to slice")
+    tensors: list[torch.Tensor] = []
+    apply_to_collection(batch, torch.Tensor, tensors.append)  # (the batch's tensors in its own order)
+    if not tensors:
+        raise ValueError(f"statistics: the batch ({type(batch).__name__}) holds no tensor to slice; allowed: a "
+                         "tensor or a tuple, list, namedtuple, mapping or dataclass of tensors")
+    first = tensors[0]
     token_dims = first.shape[1:] if not first.is_floating_point() else first.shape[1:-1]
     if tokens_per_sample is None:
         tokens_per_sample = max(1, int(torch.Size(token_dims).numel()))
@@ -506,22 +511,8 @@ def slice_batch(batch, max_rows: int, *, tokens_per_sample: int | None = None):
     return _map_tensors(batch, lambda t: t[:num])
 
 
-def _first_tensor(batch):
-    if isinstance(batch, torch.Tensor):
-        return batch
-    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
-    for item in items:
-        found = _first_tensor(item)
-        if found is not None:
-            return found
-    return None
-
-
 def _map_tensors(batch, fn):
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, Mapping):
-        return {k: _map_tensors(v, fn) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_map_tensors(v, fn) for v in batch)
-    return batch
+    try:
+        return apply_to_collection(batch, torch.Tensor, fn)
+    except ValueError as err:  # (apply_to_collection cannot rebuild a frozen dataclass)
+        raise ValueError(f"statistics: cannot slice the batch ({type(batch).__name__}): {err}") from err

@@ -175,6 +175,30 @@ def test_result_round_trip_and_slice_batch():
     assert slice_batch(torch.zeros(4, 8, 8, dtype=torch.long), 16).shape == (1, 8, 8)  # 2-D samples stay whole
 
 
+def test_slice_batch_keeps_the_batch_type_lightning_moves():
+    # A user's batch is any collection Lightning moves to the device: each comes back sliced in its own type.
+    import collections
+    import dataclasses
+
+    Pair = collections.namedtuple("Pair", "input_ids labels")
+
+    @dataclasses.dataclass
+    class Batch:
+        input_ids: torch.Tensor
+        name: str = "b"
+
+    ids = torch.arange(8 * 16).reshape(8, 16)
+    pair = slice_batch(Pair(ids, ids + 1), 32)
+    assert type(pair) is Pair and pair.input_ids.shape == (2, 16) and torch.equal(pair.labels, ids[:2] + 1)
+    data = slice_batch(Batch(ids), 16)
+    assert type(data) is Batch and data.input_ids.shape == (1, 16) and data.name == "b"
+    transformers = pytest.importorskip("transformers")
+    encoded = slice_batch(transformers.BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)}), 48)
+    assert type(encoded) is transformers.BatchEncoding and encoded.input_ids.shape == (3, 16)
+    with pytest.raises(ValueError, match=r"batch \(list\) holds no tensor"):
+        slice_batch(["text"], 16)
+
+
 def test_first_order_sampler_matches_autograd_inner_product():
     # A training step's G (gradient of the mean loss w.r.t. the layer output) and X, sampled on
     # strided rows and scaled to the whole batch, against an independent autograd computation, with

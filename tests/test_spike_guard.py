@@ -334,3 +334,33 @@ def test_an_unconfirmed_alarm_is_a_warning_and_reverts_nothing(caplog):
             controller.observe_step(None, step, 3.5, same_batch_cost=lambda previous: 0.0)
     said = [r for r in caplog.records if "loss watch at step" in r.getMessage()]
     assert said and said[0].levelno == logging.WARNING
+
+
+def test_a_measure_that_fails_warns_and_training_goes_on(caplog):
+    """The loss watch's measures run the user's loss on a slice of the batch; one that fails (a batch the loss
+    cannot take sliced) warns and falls back: the switch's cost unmeasured (none expected), an alarm unconfirmed
+    taken as the plan's (reverted, as without a measure). Nothing is raised into the training loop."""
+    from lightning_snip.convert import layer_assignment
+    from lightning_snip.demo.model import LlamaConfig, TinyLlama
+    from lightning_snip.plan import Granularity
+
+    def broken():
+        raise TypeError("the loss needs the whole batch")
+
+    model = TinyLlama(LlamaConfig(vocab_size=64, dim=32, num_layers=1, num_heads=2, num_kv_heads=1, hidden_dim=64))
+    controller = SNIPController(SNIPConfig())
+    controller.attach(model)
+    for step, loss in enumerate(_noisy(32)):
+        controller.observe_step(model, step, loss)
+    keys = layer_assignment(controller.layers, Granularity(controller.config.granularity))
+    controller.guard.on_switch(32, {key: fmt.value for key, fmt in keys.items()})
+    with caplog.at_level(logging.WARNING, logger="lightning_snip"):
+        scalars, reason = controller.measure_switch(model, broken, step=32)
+    assert scalars == {"snip/plan_cost_at_switch": 0.0} and reason == "" and not controller.guard.needs_plan_cost
+    assert "measuring the plan's cost on step 32's batch failed (TypeError: the loss needs the whole batch)" \
+        in caplog.text and "expects no cost" in caplog.text
+    outs = [controller.observe_step(model, step, 3.5, same_batch_cost=lambda previous: broken())
+            for step in range(33, 40)]
+    scalars, reason = next(out for out in outs if out is not None)
+    assert scalars["snip/plan_reverted"] == 1.0 and controller.guard.num_reverts == 1
+    assert "taken as the plan's" in caplog.text
