@@ -154,6 +154,20 @@ def test_the_default_target_is_a_share_of_the_switchable_layers(caplog):
     assert dict(same) == dict(plan)
 
 
+def test_pins_that_leave_nothing_to_plan_fail_at_setup():
+    """Every layer pinned (``*=bf16``): under the switchable scope the target has no FLOPs to be a share of, and
+    rounds would run for plans that change nothing; it fails at setup, naming the field; fp4_fraction=0 trains."""
+    import pytest
+
+    def model():
+        return TinyLlama(LlamaConfig(vocab_size=64, dim=32, num_layers=1, num_heads=2, num_kv_heads=1, hidden_dim=64))
+
+    for pins in (["*=bf16"], ["*=fp8"]):
+        with pytest.raises(ValueError, match=r"^fp4_fraction: 0.75 cannot be met; the pins leave no layer .*all 8 "):
+            SNIPController(SNIPConfig(pins=pins)).attach(model())
+    SNIPController(SNIPConfig(pins=["*=bf16"], fp4_fraction=0.0)).attach(model())
+
+
 def test_close_joins_a_solve_still_running_within_its_bound(monkeypatch, caplog):
     """At fit end (SNIPCallback.on_fit_end / teardown) the controller waits for a solve still running, at
     most its bound: a process exiting while the solver's thread runs native code can abort."""
