@@ -93,6 +93,11 @@ class SNIPCallback(Callback):
                 library's, fixed by their studies; for benchmarks and studies, not a user's setting).
         """
         super().__init__()
+        self._given = (config, plan, round_settings)  # (a fit on another model starts from these again)
+        self._start_fresh()
+
+    def _start_fresh(self) -> None:
+        config, plan, round_settings = self._given
         self.controller = SNIPController(config, plan=plan, round_settings=round_settings)
         self._collective: Collective | None = None  # the trainer's ranks, built once per fit
         self._fp8_auto = self.controller.config.fp8_scaling is Fp8Scaling.AUTO
@@ -104,6 +109,12 @@ class SNIPCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             _check_strategy(trainer.strategy, self.controller.config)
+            if _converted_another_model(self.controller, pl_module):  # (a checkpoint's state is restored after setup)
+                self.controller.close()
+                self._start_fresh()
+                if trainer.is_global_zero:
+                    logger.info("SNIP: a fit on a new model; the state this callback held from its last fit (plan, "
+                                "statistics, schedule) is dropped")
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -234,6 +245,13 @@ def _controller_attribute(name: str) -> property:
 
 for _name in _STATE:  # the public state is the controller's (see the class docstring)
     setattr(SNIPCallback, _name, _controller_attribute(_name))
+
+
+def _converted_another_model(controller: SNIPController, model: torch.nn.Module) -> bool:
+    """Whether ``controller`` holds the layers of a model other than ``model`` (the callback served a fit on it: its
+    plan, statistics and schedule are that model's)."""
+    layer = next(iter(controller.layers.values()), None)
+    return layer is not None and not any(module is layer for module in model.modules())
 
 
 def _same_batch_cost(controller: SNIPController, trainer: pl.Trainer, pl_module: pl.LightningModule, batch,

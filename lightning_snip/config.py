@@ -190,6 +190,8 @@ class SNIPConfig:
         for name, example in (("candidate_formats", "['fp8', 'mxfp4']"), ("include", "['*layers.*']"), ("exclude", "['*lm_head']")):
             value = getattr(self, name)  # (a bare string would be read as its characters)
             check_field(not isinstance(value, str) and isinstance(value, Sequence), name, value, f"a list, e.g. {example}")
+            if name != "candidate_formats":
+                check_field(all(isinstance(glob, str) for glob in value), name, value, f"a list of glob strings, e.g. {example}")
         object.__setattr__(self, "candidate_formats", tuple(Format.parse(f, field_name="candidate_formats")
                                                            for f in self.candidate_formats))
         object.__setattr__(self, "initial_format", Format.parse(self.initial_format, field_name="initial_format"))
@@ -213,8 +215,9 @@ class SNIPConfig:
         if self.fp4_fraction and not any(f.is_fp4 for f in candidates):
             raise ValueError(f"candidate_formats: {[f.value for f in candidates]} holds no FP4 format, but "
                              f"fp4_fraction={self.fp4_fraction}")
+        extra = self.extra_pin_globs
         for pattern, fmt in pin_formats.items():
-            Format.parse(fmt, field_name=f"pins[{pattern}]")
+            Format.parse(fmt, field_name=f"{'extra_pins' if pattern in extra else 'pins'}[{pattern}]")
 
     @property
     def pin_formats(self) -> dict[str, str]:

@@ -41,8 +41,8 @@ from lightning_snip.device_clock import Timeline
 from lightning_snip.divergence import DivergenceResult
 from lightning_snip.convert import (UnmatchedPinsError, apply_plan, convert_linears, find_output_head, glob_filter,
                                     layer_assignment)
-from lightning_snip.evidence import (aggregate_candidates, check_reachable, current_fp4_fraction, grad_noise_ratios,
-                                     guarded_formats, invalid_formats, layer_flops, priced_plan)
+from lightning_snip.evidence import (aggregate_candidates, check_reachable, current_fp4_fraction, fitted_plan,
+                                     grad_noise_ratios, guarded_formats, invalid_formats, layer_flops, priced_plan)
 from lightning_snip.first_order import FirstOrderRecorder
 from lightning_snip.formats import Format
 from lightning_snip.kernels import own_work
@@ -111,6 +111,7 @@ class SNIPController:
         self.layers: dict[str, SNIPLinear] = {}
         self.output_head: str | None = None  # the model's output head by what it is (convert.find_output_head)
         self.plan: Plan | None = plan
+        self.plan_restored = False  # the plan came from a checkpoint (resume fits it to this run's settings)
         self.history: list[dict] = []
         self.num_stats_rounds = self.num_plans_applied = 0
         self.aggregate = DivergenceAggregate()
@@ -154,6 +155,8 @@ class SNIPController:
         without an active exception"). A solve that outlives the wait is left to its daemon thread, said."""
         self.stop_recording()
         pending, self.pending = self.pending, None
+        if pending is not None:  # (kept for a checkpoint written after fit, and a next fit: solved again from its round)
+            self.restored_pending = (pending.stats_step, pending.apply_step)
         if pending is not None and not pending.join(timeout):
             logger.warning("SNIP: the solve started at step %d was still running %.0f s after fit end; left to its "
                            "daemon thread", pending.stats_step, timeout)
@@ -174,7 +177,7 @@ class SNIPController:
         self.output_head = find_output_head(model)  # (for the setup lines: said where the pins leave it switchable)
         self.flops = layer_flops(self.layers)
         self.recorder = FirstOrderRecorder(self.layers, cfg) if cfg.replan else None  # (no taps without rounds)
-        if self.plan is not None:
+        if self.plan is not None and not self.plan_restored:
             apply_plan(model, self.plan)  # a given plan that does not fit the model fails here
         if cfg.replan:
             check_reachable(self.layers, cfg)
@@ -198,12 +201,20 @@ class SNIPController:
     def resume(self, model: torch.nn.Module, collective: Collective = SINGLE_PROCESS) -> None:
         """At train start: apply the plan held (given, or restored from a checkpoint), and restart a
         solve the checkpoint was saved in the middle of."""
+        if self.plan is not None and self.plan_restored:  # a checkpoint's plan, under this run's pins and formats
+            self.plan, changes = fitted_plan(self.plan, self.layers, self.config)
+            self.plan_restored = False
+            if changes and collective.is_rank_zero:
+                logger.warning("SNIP: the checkpoint's plan does not fit this run's settings; %d entr%s changed until "
+                               "the next plan: %s", len(changes), "y" if len(changes) == 1 else "ies",
+                               "; ".join(changes[:3]) + ("; ..." if len(changes) > 3 else ""))
         if self.plan is not None:
             self.plan = priced_plan(self.plan, self.layers)  # (a hand-made or older plan: the RHT's price added)
             apply_plan(model, self.plan)
             self.compiled_plans.note_plan(self.layers)
             if collective.is_rank_zero:
-                logger.info("SNIP: applied the plan held at train start (%d layers)", len(self.plan))
+                logger.info("SNIP: applied the plan held at train start (%d layers)",
+                            len({split_key(key)[0] for key in self.plan}))
         if self.restored_pending is not None:
             # The checkpoint was saved between a statistics round and its apply step: the round is in
             # the restored aggregate, so solving it again gives the plan the uninterrupted run applies.
@@ -405,8 +416,8 @@ class SNIPController:
             status += f"; not watched by the loss watch (fewer than {MIN_HISTORY} losses before it)"
         if collective.is_rank_zero:  # every rank applied it; one line for the run
             logger.info("SNIP plan applied at step %d: FP4 FLOPs fraction %.3f of the switchable layers (%.3f of the "
-                        "model), %d of %d layers changed%s", step, self.switchable_fp4_fraction, plan.fp4_fraction,
-                        num_changed, len(self.layers), status)
+                        "model), %d of %d switchable layers changed%s", step, self.switchable_fp4_fraction,
+                        plan.fp4_fraction, num_changed, sum(layer.pinned is None for layer in self.layers.values()), status)
         return scalars, plan
 
     def observe_step(self, model: torch.nn.Module, step: int, loss: float, *, finite_grads: bool = True,
@@ -547,7 +558,8 @@ class SNIPController:
             "history": json.dumps(self.history),
             "num_stats_rounds": self.num_stats_rounds, "num_plans_applied": self.num_plans_applied,
             "aggregate": self.aggregate.state_dict(),
-            "pending": None if self.pending is None else [self.pending.stats_step, self.pending.apply_step],
+            "pending": ([self.pending.stats_step, self.pending.apply_step] if self.pending is not None
+                        else list(self.restored_pending) if self.restored_pending is not None else None),
             "first_order_history": [[fqn, fmt.value, values] for (fqn, fmt), values in self.first_order_history.items()],
             "num_consecutive_failures": self.num_consecutive_failures, "num_canary_reverts": self.num_canary_reverts,
             "spike_guard": self.guard.state_dict(), "schedule": self.budget.state_dict(),  # (the key checkpoints hold)
@@ -557,6 +569,7 @@ class SNIPController:
     def load_state_dict(self, state_dict: dict) -> None:
         self.timeline.discard()  # (calls left from a fit that ended in an exception: the checkpoint's state replaces them)
         self.plan = Plan.from_json(state_dict["plan"]) if state_dict.get("plan") else None
+        self.plan_restored = self.plan is not None  # (fitted to this run's pins and formats at train start)
         self.history = json.loads(state_dict.get("history", "[]"))
         self.num_stats_rounds = int(state_dict.get("num_stats_rounds", 0))
         self.num_plans_applied = int(state_dict.get("num_plans_applied", 0))

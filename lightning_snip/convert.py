@@ -55,7 +55,8 @@ def convert_linears(
         model: converted in place.
         filter: ``(fqn, module) -> bool``; None selects every nn.Linear.
         pins: fqn glob -> format; a matching layer is fixed to that format (``layer.pinned``) and no
-            plan may change it. Every pin must match a selected layer, but those in ``optional_pins``
+            plan may change it; a layer several globs match takes the last one's (a warning says so where their
+            formats differ). Every pin must match a selected layer, but those in ``optional_pins``
             (SNIPConfig's default pin of the LM head, on a model that has none).
         output_head_format: where given, the model's output head (find_output_head), when selected and
             matched by no pin, is pinned to it (SNIPConfig's default pins: bf16).
@@ -92,6 +93,7 @@ def convert_linears(
                                          f"are {', '.join(shown)} ({len(names)} in all)")
 
     converted: dict[str, SNIPLinear] = {}
+    overlaps: list[str] = []  # layers matched by pins of different formats
     for fqn, linear in targets:
         if isinstance(linear, SNIPLinear):
             layer = linear
@@ -99,8 +101,11 @@ def convert_linears(
             layer = SNIPLinear.convert_in_place(linear, recipe=recipe)
         else:
             layer = SNIPLinear.from_linear(linear, recipe=recipe)
-        # (a pin that names the output head wins over the automatic one)
-        pinned = next((f for p, f in pin_formats.items() if fnmatch.fnmatchcase(fqn, p)), head_format if fqn == head else None)
+        # the last matching pin wins (extra_pins come after pins; one that names the output head wins over the automatic one)
+        matched = [(p, f) for p, f in pin_formats.items() if fnmatch.fnmatchcase(fqn, p)]
+        pinned = matched[-1][1] if matched else head_format if fqn == head else None
+        if len({f for _, f in matched}) > 1:
+            overlaps.append(f"{fqn}: {', '.join(f'{p}={f.value}' for p, f in matched)} -> {pinned.value}")
         if pinned is not None and pinned not in layer.allowed_formats:
             raise ValueError(f"pins: layer {fqn} ({layer.in_features}->{layer.out_features}) cannot run in {pinned.value}")
         layer.pinned, layer.rht_signs = pinned, sign_tensor(fqn)  # (the wgrad's RHT signs: the same on every rank)
@@ -118,6 +123,9 @@ def convert_linears(
             parent_name, _, child = paths[fqn].rpartition(".")
             setattr(model.get_submodule(parent_name), child, layer)
         converted[fqn] = layer
+    if overlaps:
+        logger.warning("SNIP: %d layer(s) match pins of different formats; the last matching pin wins (extra_pins come "
+                       "after pins): %s", len(overlaps), "; ".join(overlaps[:3]) + ("; ..." if len(overlaps) > 3 else ""))
     return converted
 
 

@@ -94,6 +94,34 @@ def priced_plan(plan: Plan, layers: Mapping[str, SNIPLinear]) -> Plan:
     return dataclasses.replace(plan, extra_cost=extra) if extra else plan
 
 
+def fitted_plan(plan: Plan, layers: Mapping[str, SNIPLinear], config: SNIPConfig) -> tuple[Plan, list[str]]:
+    """``plan`` (restored from a checkpoint) fitted to this run's layers and settings, and a line per entry changed:
+    an entry for a layer no longer converted is dropped, a pinned layer takes its pin, and (while SNIP plans) a
+    format outside this run's candidate formats (bf16 aside) or the layer's shape takes ``initial_format`` (bf16
+    where the shape refuses it), until the next plan."""
+    allowed = set(config.candidate_formats) | {Format.BF16} if config.replan else set(Format)
+    initial = Format.parse(config.initial_format, field_name="initial_format")
+    formats, changes = {}, []
+    for key, fmt in plan.formats.items():
+        layer = layers.get(split_key(key)[0])
+        if layer is None:
+            changes.append(f"{key}: not a converted layer of this run, dropped")
+            continue
+        if layer.pinned is not None:
+            formats[key], why = layer.pinned, "pinned"
+        elif fmt in allowed and fmt in layer.allowed_formats:
+            formats[key] = fmt
+        else:
+            formats[key] = initial if initial in layer.allowed_formats else Format.BF16
+            why = "not in candidate_formats" if fmt not in allowed else "not allowed by its shape"
+        if formats[key] is not fmt:
+            changes.append(f"{key}: {fmt.value} -> {formats[key].value} ({why})")
+    if not changes:
+        return plan, []
+    return dataclasses.replace(plan, formats=formats, flops={key: plan.flops[key] for key in formats},
+                               extra_cost={key: v for key, v in plan.extra_cost.items() if key in formats}), changes
+
+
 def aggregate_candidates(layers: Mapping[str, SNIPLinear], config: SNIPConfig, aggregate,
                          flops: Mapping[str, float] | None = None) -> list[LayerCandidates]:
     """The planner's choices valued by ``aggregate`` (a DivergenceAggregate: LD and WD over rounds)."""

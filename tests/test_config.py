@@ -111,6 +111,16 @@ def test_python_api_takes_a_mapping_of_pins():
     assert SNIPConfig(pins={"*.q": "fp8"}).pin_formats == {"*.q": "fp8"}
 
 
+@pytest.mark.parametrize("kw, message", [
+    (dict(extra_pins=["*.q=blah"]), r"^extra_pins\[\*\.q\]: unknown format 'blah'"),  # (the field it was written in)
+    (dict(include=[1]), r"^include: invalid value \[1\]; allowed: a list of glob strings"),
+    (dict(exclude=["*head", None]), r"^exclude: invalid value \['\*head', None\]; allowed: a list of glob strings"),
+])
+def test_python_api_errors_name_the_field_written(kw, message):
+    with pytest.raises(ValueError, match=message):
+        SNIPConfig(**kw)
+
+
 def test_group_layers_reaches_the_round(monkeypatch):
     """RoundSettings.group_layers (None: the device's default) is estimate_divergence's; bad settings fail naming the
     field."""

@@ -168,6 +168,26 @@ def test_pins_that_leave_nothing_to_plan_fail_at_setup():
     SNIPController(SNIPConfig(pins=["*=bf16"], fp4_fraction=0.0)).attach(model())
 
 
+def test_the_last_matching_pin_wins_and_setup_says_so(caplog):
+    """Pins that overlap: a general glob then a specific one keeps the specific one's format (the last match), an
+    extra pin wins over the default head pin that matches the same layer, and setup names the layers they disagree on."""
+    import logging
+
+    def model():
+        return TinyLlama(LlamaConfig(vocab_size=64, dim=32, num_layers=1, num_heads=2, num_kv_heads=1, hidden_dim=64))
+
+    controller = SNIPController(SNIPConfig(pins=["*.attn.*=fp8", "*.attn.q=bf16"]))
+    with caplog.at_level(logging.WARNING, logger="lightning_snip"):
+        controller.attach(model())
+    assert controller.layers["layers.0.attn.q"].pinned is Format.BF16
+    assert controller.layers["layers.0.attn.k"].pinned is Format.FP8
+    assert "1 layer(s) match pins of different formats; the last matching pin wins" in caplog.text
+    assert "layers.0.attn.q: *.attn.*=fp8, *.attn.q=bf16 -> bf16" in caplog.text
+    controller = SNIPController(SNIPConfig(extra_pins=["*head=fp8"]))
+    controller.attach(model())
+    assert controller.layers["lm_head"].pinned is Format.FP8
+
+
 def test_close_joins_a_solve_still_running_within_its_bound(monkeypatch, caplog):
     """At fit end (SNIPCallback.on_fit_end / teardown) the controller waits for a solve still running, at
     most its bound: a process exiting while the solver's thread runs native code can abort."""
