@@ -39,6 +39,24 @@ class UnmatchedPinsError(ValueError):
         self.patterns = tuple(patterns)
 
 
+def _check_pins_match(pin_formats: Mapping[str, Format], optional_pins: Collection[str], names: Sequence[str]) -> None:
+    unused = [p for p in pin_formats if p not in optional_pins and not any(fnmatch.fnmatchcase(fqn, p) for fqn in names)]
+    if unused:
+        shown = names if len(names) <= 4 else [*names[:3], "...", names[-1]]
+        raise UnmatchedPinsError(unused, f"pins: pattern(s) {unused} match no converted layer; the converted layers "
+                                         f"are {', '.join(shown)} ({len(names)} in all)")
+
+
+def _pin_of(fqn: str, pin_formats: Mapping[str, Format], head_format: Format | None, overlaps: list[str]) -> Format | None:
+    """The format the pins fix ``fqn`` to: the last matching pin's (extra_pins come after pins; one that names the
+    output head wins over the automatic one, ``head_format``); a layer pins of different formats match is noted in
+    ``overlaps``."""
+    matched = [(p, f) for p, f in pin_formats.items() if fnmatch.fnmatchcase(fqn, p)]
+    if len({f for _, f in matched}) > 1:
+        overlaps.append(f"{fqn}: {', '.join(f'{p}={f.value}' for p, f in matched)} -> {matched[-1][1].value}")
+    return matched[-1][1] if matched else head_format
+
+
 def convert_linears(
     model: nn.Module,
     *,
@@ -85,12 +103,7 @@ def convert_linears(
             targets.append((fqn, m))
     if not targets:
         raise ValueError("filter: selects no nn.Linear layer of the model; check the include/exclude patterns")
-    unused = [p for p in pin_formats if p not in optional_pins and not any(fnmatch.fnmatchcase(fqn, p) for fqn, _ in targets)]
-    if unused:
-        names = [fqn for fqn, _ in targets]
-        shown = names if len(names) <= 4 else names[:3] + ["...", names[-1]]
-        raise UnmatchedPinsError(unused, f"pins: pattern(s) {unused} match no converted layer; the converted layers "
-                                         f"are {', '.join(shown)} ({len(names)} in all)")
+    _check_pins_match(pin_formats, optional_pins, [fqn for fqn, _ in targets])
 
     converted: dict[str, SNIPLinear] = {}
     overlaps: list[str] = []  # layers matched by pins of different formats
@@ -101,11 +114,7 @@ def convert_linears(
             layer = SNIPLinear.convert_in_place(linear, recipe=recipe)
         else:
             layer = SNIPLinear.from_linear(linear, recipe=recipe)
-        # the last matching pin wins (extra_pins come after pins; one that names the output head wins over the automatic one)
-        matched = [(p, f) for p, f in pin_formats.items() if fnmatch.fnmatchcase(fqn, p)]
-        pinned = matched[-1][1] if matched else head_format if fqn == head else None
-        if len({f for _, f in matched}) > 1:
-            overlaps.append(f"{fqn}: {', '.join(f'{p}={f.value}' for p, f in matched)} -> {pinned.value}")
+        pinned = _pin_of(fqn, pin_formats, head_format if fqn == head else None, overlaps)
         if pinned is not None and pinned not in layer.allowed_formats:
             raise ValueError(f"pins: layer {fqn} ({layer.in_features}->{layer.out_features}) cannot run in {pinned.value}")
         layer.pinned, layer.rht_signs = pinned, sign_tensor(fqn)  # (the wgrad's RHT signs: the same on every rank)
