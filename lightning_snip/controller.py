@@ -112,6 +112,7 @@ class SNIPController:
         self.output_head: str | None = None  # the model's output head by what it is (convert.find_output_head)
         self.plan: Plan | None = plan
         self.plan_restored = False  # the plan came from a checkpoint (resume fits it to this run's settings)
+        self.state_restored = False  # load_state_dict ran (a checkpoint with SNIP's state)
         self.history: list[dict] = []
         self.num_stats_rounds = self.num_plans_applied = 0
         self.aggregate = DivergenceAggregate()
@@ -257,6 +258,10 @@ class SNIPController:
                            "every switchable layer stays in %s", step,
                            max_steps - 1 if max_steps is not None and max_steps > 0 else "?", when,
                            self.config.warmup_steps, self.config.initial_format)
+        elif step > 0 and not self.state_restored:  # (SNIP added to a run in progress, or a checkpoint without its state)
+            logger.info("SNIP: this run starts at step %d without SNIP's state (none in the checkpoint): SNIP starts "
+                        "afresh, warmup_steps=%d counted from here, its first statistics round at step %d", step,
+                        self.config.warmup_steps, first)
 
     @property
     def overhead(self) -> float:
@@ -570,6 +575,7 @@ class SNIPController:
         self.timeline.discard()  # (calls left from a fit that ended in an exception: the checkpoint's state replaces them)
         self.plan = Plan.from_json(state_dict["plan"]) if state_dict.get("plan") else None
         self.plan_restored = self.plan is not None  # (fitted to this run's pins and formats at train start)
+        self.state_restored = True
         self.history = json.loads(state_dict.get("history", "[]"))
         self.num_stats_rounds = int(state_dict.get("num_stats_rounds", 0))
         self.num_plans_applied = int(state_dict.get("num_plans_applied", 0))

@@ -91,3 +91,19 @@ def test_a_checkpoints_plan_that_this_runs_settings_contradict_is_fitted_to_them
         held = {layer.format, layer.backward_format or layer.format}
         assert held <= ({layer.pinned} if layer.pinned is not None else allowed), (fqn, held)
     assert seen.rounds == [8]  # (training went on, and so did SNIP)
+
+
+def test_a_resume_without_snips_state_says_snip_starts_afresh(tmp_path, caplog):
+    _fit(tmp_path / "plain", [], max_steps=10, checkpoint_every=10)  # a user's own run, no SNIP
+    ckpt = glob.glob(str(tmp_path / "plain" / "ckpt" / "*.ckpt"))[0]
+    with caplog.at_level(logging.INFO, logger="lightning_snip"):
+        _fit(tmp_path / "resumed", [_snip(overhead_budget=None)], max_steps=16, ckpt_path=ckpt)
+    assert ("this run starts at step 10 without SNIP's state (none in the checkpoint): SNIP starts afresh, "
+            "warmup_steps=4 counted from here, its first statistics round at step 14") in caplog.text
+    first = _snip(overhead_budget=None)  # a checkpoint with SNIP's state (before its first round) says nothing of it
+    _fit(tmp_path / "first", [first], max_steps=3, checkpoint_every=3)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lightning_snip"):
+        _fit(tmp_path / "again", [_snip(overhead_budget=None)], max_steps=5,
+             ckpt_path=glob.glob(str(tmp_path / "first" / "ckpt" / "*.ckpt"))[0])
+    assert "without SNIP's state" not in caplog.text and "SNIP plan" not in caplog.text
