@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fnmatch
 import logging
 import math
 
@@ -19,7 +18,7 @@ from lightning_snip.canary import CANARY_ROWS
 from lightning_snip.config import SNIPConfig
 from lightning_snip.controller import SINGLE_PROCESS, Collective, SNIPController
 from lightning_snip.statistics_round import RoundSettings
-from lightning_snip.convert import glob_filter
+from lightning_snip.convert import glob_filter, matching_pins
 from lightning_snip.gemm import choose_fp8_scaling
 from lightning_snip.formats import Format, Fp8Scaling
 from lightning_snip.plan import Plan
@@ -305,10 +304,10 @@ def resolve_fp8_scaling(config: SNIPConfig, model: torch.nn.Module, device, coll
 def _timed_fp8_scaling(config: SNIPConfig, model: torch.nn.Module, device) -> Fp8Scaling:
     select = glob_filter(config.include, config.exclude)
     # not the layers pinned to another format (the LM head in bf16): their GEMMs never run FP8
-    pinned_away = [g for g, f in config.pin_formats.items() if Format.parse(f) is not Format.FP8]
+    pins = {glob: Format.parse(fmt) for glob, fmt in config.pin_formats.items()}
     shapes = [(m.out_features, m.in_features) for name, m in model.named_modules()
               if isinstance(m, torch.nn.Linear) and select(name, m)
-              and not any(fnmatch.fnmatchcase(name, g) for g in pinned_away)]
+              and (not (matched := matching_pins(name, pins)) or matched[-1][1] is Format.FP8)]
     try:
         chosen, times = choose_fp8_scaling(device, shapes)
     except Exception as err:  # noqa: BLE001 - a failed timing must not stop the run (nor hang the other ranks)

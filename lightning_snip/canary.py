@@ -257,16 +257,23 @@ def plan_cost(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], layer
     measure, lightning_snip.spike_guard). The model's formats, buffers and random state are left as they were;
     both passes draw the same random numbers (dropout)."""
     current = {key: fmt for key, fmt in layer_assignment(layers, Granularity(granularity)).items() if key in previous}
-    losses = []
+    losses, failure = [0.0, 0.0], None
     with torch.no_grad(), buffers_restored(model):
         rng = torch.random.get_rng_state()
         try:
-            losses.append(float(loss_fn()))
+            losses[0] = float(loss_fn())
             apply_plan(model, previous)
             torch.random.set_rng_state(rng)
-            losses.append(float(loss_fn()))
+            losses[1] = float(loss_fn())
+        except Exception as err:  # noqa: BLE001 - raised below on every rank, after the ranks' one collective
+            failure = err
         finally:
             apply_plan(model, current)
             torch.random.set_rng_state(rng)
-    total = all_sum(torch.tensor(losses, dtype=torch.float64)) / world_size
-    return float(total[0] - total[1])
+    # (a failure on one rank is every rank's: each takes the same fallback, and no rank skips the sum)
+    total = all_sum(torch.tensor([*losses, float(failure is not None)], dtype=torch.float64))
+    if failure is not None:
+        raise failure
+    if total[2] > 0:
+        raise RuntimeError(f"the measure failed on {int(total[2])} other rank(s)")
+    return float(total[0] - total[1]) / world_size

@@ -222,7 +222,8 @@ class SNIPConfig:
     @property
     def pin_formats(self) -> dict[str, str]:
         """``pins`` and ``extra_pins`` as one mapping glob -> format name."""
-        return {**_parse_pins(self.pins), **_parse_pins(self.extra_pins, field_name="extra_pins")}
+        pins, extra = _parse_pins(self.pins), _parse_pins(self.extra_pins, field_name="extra_pins")
+        return {**{glob: fmt for glob, fmt in pins.items() if glob not in extra}, **extra}  # (extra_pins after pins)
 
     @property
     def extra_pin_globs(self) -> frozenset[str]:

@@ -47,11 +47,16 @@ def _check_pins_match(pin_formats: Mapping[str, Format], optional_pins: Collecti
                                          f"are {', '.join(shown)} ({len(names)} in all)")
 
 
+def matching_pins(fqn: str, pin_formats: Mapping[str, Format]) -> list[tuple[str, Format]]:
+    """The pins (glob, format) that match ``fqn``, in order: the last one's format is the layer's."""
+    return [(glob, fmt) for glob, fmt in pin_formats.items() if fnmatch.fnmatchcase(fqn, glob)]
+
+
 def _pin_of(fqn: str, pin_formats: Mapping[str, Format], head_format: Format | None, overlaps: list[str]) -> Format | None:
     """The format the pins fix ``fqn`` to: the last matching pin's (extra_pins come after pins; one that names the
     output head wins over the automatic one, ``head_format``); a layer pins of different formats match is noted in
     ``overlaps``."""
-    matched = [(p, f) for p, f in pin_formats.items() if fnmatch.fnmatchcase(fqn, p)]
+    matched = matching_pins(fqn, pin_formats)
     if len({f for _, f in matched}) > 1:
         overlaps.append(f"{fqn}: {', '.join(f'{p}={f.value}' for p, f in matched)} -> {matched[-1][1].value}")
     return matched[-1][1] if matched else head_format

@@ -213,9 +213,10 @@ def check_reachable(layers: Mapping[str, SNIPLinear], config: SNIPConfig) -> Non
     and every statistics round would otherwise fail on it."""
     cfg = config
     if cfg.fp4_fraction > 0 and layers and all(layer.pinned is not None for layer in layers.values()):
-        raise ValueError(f"fp4_fraction: {cfg.fp4_fraction!r} cannot be met; the pins leave no layer for SNIP to "
-                         f"plan (all {len(layers)} converted layers are pinned, e.g. {list(layers)[:3]}); unpin "
-                         "layers, or set fp4_fraction=0 to train at the pins' formats")
+        raise ValueError(f"pins: leave no layer for SNIP to plan (all {len(layers)} converted layers are pinned, e.g. "
+                         f"{list(layers)[:3]}), so fp4_fraction={cfg.fp4_fraction!r} has nothing to be a share of and "
+                         "every round would plan nothing; unpin layers, or train at the pins' formats with "
+                         "replan=False (or fp4_fraction=0)")
     candidates = layer_candidates(layers, cfg.candidate_formats)
     try:
         check_target(candidates, fp4_fraction=model_target(candidates, cfg))

@@ -109,6 +109,9 @@ def test_composed_config_errors_name_the_field(override, message):
 
 def test_python_api_takes_a_mapping_of_pins():
     assert SNIPConfig(pins={"*.q": "fp8"}).pin_formats == {"*.q": "fp8"}
+    # an extra pin that restates a glob of pins comes after them (the last matching pin wins: convert_linears)
+    assert list(SNIPConfig(pins=["*=fp8", "*.q=bf16"], extra_pins=["*=mxfp4"]).pin_formats.items()) == [
+        ("*.q", "bf16"), ("*", "mxfp4")]
 
 
 @pytest.mark.parametrize("kw, message", [

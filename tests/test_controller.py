@@ -162,10 +162,11 @@ def test_pins_that_leave_nothing_to_plan_fail_at_setup():
     def model():
         return TinyLlama(LlamaConfig(vocab_size=64, dim=32, num_layers=1, num_heads=2, num_kv_heads=1, hidden_dim=64))
 
-    for pins in (["*=bf16"], ["*=fp8"]):
-        with pytest.raises(ValueError, match=r"^fp4_fraction: 0.75 cannot be met; the pins leave no layer .*all 8 "):
+    for pins in (["*=bf16"], ["*=fp8"], ["*=nvfp4"]):
+        with pytest.raises(ValueError, match=r"^pins: leave no layer for SNIP to plan \(all 8 .*fp4_fraction=0.75 has nothing"):
             SNIPController(SNIPConfig(pins=pins)).attach(model())
     SNIPController(SNIPConfig(pins=["*=bf16"], fp4_fraction=0.0)).attach(model())
+    SNIPController(SNIPConfig(pins=["*=nvfp4"], replan=False)).attach(model())
 
 
 def test_the_last_matching_pin_wins_and_setup_says_so(caplog):

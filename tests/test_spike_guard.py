@@ -364,3 +364,34 @@ def test_a_measure_that_fails_warns_and_training_goes_on(caplog):
     scalars, reason = next(out for out in outs if out is not None)
     assert scalars["snip/plan_reverted"] == 1.0 and controller.guard.num_reverts == 1
     assert "taken as the plan's" in caplog.text
+
+
+def test_a_measure_that_fails_on_one_rank_fails_on_every_rank_after_the_same_collective():
+    """Under DDP a rank whose loss fails must still join the ranks' sum (else its next collective pairs with theirs),
+    and the ranks whose loss worked must take the same fallback: every rank raises, after one all_sum each."""
+    from lightning_snip.canary import plan_cost
+    from lightning_snip.convert import convert_linears, layer_assignment
+    from lightning_snip.plan import Granularity
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    layers = convert_linears(model)
+    previous = {key: fmt.value for key, fmt in layer_assignment(layers, Granularity.GEMM).items()}
+    sums = []
+
+    def other_rank_failed(values):
+        sums.append(values.clone())
+        return values + torch.tensor([0.0, 0.0, 1.0], dtype=values.dtype)
+
+    def loss():
+        return model(torch.ones(2, 16)).sum()
+
+    with pytest.raises(RuntimeError, match="failed on 1 other rank"):
+        plan_cost(model, loss, layers, Granularity.GEMM, previous, all_sum=other_rank_failed, world_size=2)
+
+    def broken():
+        raise ValueError("this rank's slice")
+
+    with pytest.raises(ValueError, match="this rank's slice"):
+        plan_cost(model, broken, layers, Granularity.GEMM, previous, all_sum=other_rank_failed, world_size=2)
+    assert len(sums) == 2 and sums[1][2] == 1.0  # (the failing rank joined the sum, its flag set)
+    assert plan_cost(model, loss, layers, Granularity.GEMM, previous) == 0.0  # (one rank, same formats: no cost)
