@@ -54,7 +54,7 @@ from lightning_snip.plan import Granularity, Plan, SolveStatus, reverted_plan, s
 from lightning_snip.reporting import applied_plan_scalars, divergence_scalars, plan_agreement
 from lightning_snip.setup_report import log_setup
 from lightning_snip.stats import Propagation
-from lightning_snip.spike_guard import (AVOID_ROUNDS, MIN_HISTORY, Alarm, Revert, SpikeGuard, log_revert,
+from lightning_snip.spike_guard import (AVOID_ROUNDS, measured_cost, MIN_HISTORY, Alarm, Revert, SpikeGuard, log_revert,
                                         log_unconfirmed)
 from lightning_snip.statistics_round import RoundSettings, round_generator, run_statistics_round
 
@@ -439,7 +439,7 @@ class SNIPController:
         verdict = self.guard.observe(step, loss, finite_grads=finite_grads)
         if isinstance(verdict, Alarm):
             alarm = verdict
-            cost = math.inf if same_batch_cost is None else self._measured_cost(
+            cost = math.inf if same_batch_cost is None else measured_cost(
                 lambda: same_batch_cost(alarm.previous), math.inf, step, collective, "the alarm is taken as the plan's")
             verdict = self.guard.confirm(alarm, cost)
             if verdict is None:
@@ -475,7 +475,7 @@ class SNIPController:
         scalars and the revert's reason to log (an empty reason: none), or None when nothing was measured."""
         if not self.guard.needs_plan_cost:
             return None
-        cost = self._measured_cost(lambda: self.plan_cost(model, loss_fn, self.guard.watch["previous"], collective),
+        cost = measured_cost(lambda: self.plan_cost(model, loss_fn, self.guard.watch["previous"], collective),
                                    0.0, step, collective, "the watch expects no cost from the plan")
         revert = self.guard.set_plan_cost(step, cost)
         scalars = {"snip/plan_cost_at_switch": cost}
@@ -483,19 +483,6 @@ class SNIPController:
             return scalars, ""
         reverted, reason = self._revert(model, revert, collective, at_step_end=False)
         return {**scalars, **reverted}, reason
-
-    @staticmethod
-    def _measured_cost(measure: Callable[[], float], fallback: float, step: int, collective: Collective,
-                       meaning: str) -> float:
-        """``measure()``, the plan's cost on this step's batch; a measure that fails (the user's loss on a slice of
-        the batch) warns and gives ``fallback``: training goes on, the loss watch with it."""
-        try:
-            return measure()
-        except Exception as err:  # noqa: BLE001 - the loss watch's measure must not take training down
-            if collective.is_rank_zero:
-                logger.warning("SNIP loss watch: measuring the plan's cost on step %d's batch failed (%s: %s); %s",
-                               step, type(err).__name__, err, meaning)
-            return fallback
 
     def plan_cost(self, model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], previous: Mapping[str, str],
                   collective: Collective = SINGLE_PROCESS) -> float:

@@ -35,9 +35,10 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from lightning_snip.collective import Collective
 from lightning_snip.plan import split_key
 
 logger = logging.getLogger(__name__)
@@ -274,3 +275,16 @@ def log_unconfirmed(alarm: Alarm, plan_cost: float, *, again: bool = False) -> N
                "reverted (a rise through the backward GEMMs shows in no forward; if it goes on, pin the layers or set "
                "replan=False); watching on from a new baseline", alarm.step, alarm.rise,
                plan_cost - alarm.cost_at_switch)
+
+
+def measured_cost(measure: Callable[[], float], fallback: float, step: int, collective: Collective,
+                   meaning: str) -> float:
+    """``measure()``, the plan's cost on this step's batch; a measure that fails (the user's loss on a slice of
+    the batch) warns and gives ``fallback``: training goes on, the loss watch with it."""
+    try:
+        return measure()
+    except Exception as err:  # noqa: BLE001 - the loss watch's measure must not take training down
+        if collective.is_rank_zero:
+            logger.warning("SNIP loss watch: measuring the plan's cost on step %d's batch failed (%s: %s); %s",
+                           step, type(err).__name__, err, meaning)
+        return fallback
